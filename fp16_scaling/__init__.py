@@ -1,0 +1,51 @@
+"""fp16_scaling: float16 loss scaling for JAX, as optax transformations.
+
+Usage::
+
+    tx = fp16_scaling.skip_on_overflow(optax.chain(
+        fp16_scaling.fp16_loss_scale(fp16_scaling.deepspeed_scaler()),
+        fp16_scaling.clip_by_unscaled_norm(1.0),
+        optax.adamw(1e-3),
+    ))
+    # in the step: grads of loss * fp16_scaling.current_scale(opt_state)
+"""
+
+from fp16_scaling._clipping import ClipState
+from fp16_scaling._clipping import clip_by_unscaled_norm
+from fp16_scaling._loss_scale import LossScaleState
+from fp16_scaling._loss_scale import fp16_loss_scale
+from fp16_scaling._metrics import MinLossScaleError
+from fp16_scaling._metrics import current_scale
+from fp16_scaling._metrics import raise_if_min_scale_reached
+from fp16_scaling._metrics import scale_metrics
+from fp16_scaling._scaler import Scaler
+from fp16_scaling._scaler import ScalerState
+from fp16_scaling._scaler import deepspeed_scaler
+from fp16_scaling._scaler import flax_scaler
+from fp16_scaling._scaler import megatron_scaler
+from fp16_scaling._scaler import no_scaler
+from fp16_scaling._scaler import static_scaler
+from fp16_scaling._scaler import torch_scaler
+from fp16_scaling._skip import skip_on_overflow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClipState",
+    "LossScaleState",
+    "MinLossScaleError",
+    "Scaler",
+    "ScalerState",
+    "clip_by_unscaled_norm",
+    "current_scale",
+    "deepspeed_scaler",
+    "flax_scaler",
+    "fp16_loss_scale",
+    "megatron_scaler",
+    "no_scaler",
+    "raise_if_min_scale_reached",
+    "scale_metrics",
+    "skip_on_overflow",
+    "static_scaler",
+    "torch_scaler",
+]

@@ -1,0 +1,137 @@
+"""``clip_by_unscaled_norm``: clip by the true global norm, MoE-aware.
+
+DeepSpeed's unfused fp16 optimizer (0.19) clips by a norm that leaves out
+expert-parallel gradients and reports it still multiplied by the loss scale.
+Here the norm is always that of the unscaled gradients, expert and shared
+leaves together, and both parts are reported apart as well.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fp16_scaling import _guard
+from fp16_scaling import _norm
+from fp16_scaling import _validate
+
+SHARED, EXPERT = 0, 1
+
+
+class ClipState(NamedTuple):
+  """Norms measured by :func:`clip_by_unscaled_norm` on the last step.
+
+  Attributes:
+    grad_norm: float32 global 2-norm of the unscaled gradients before
+      clipping, expert and shared leaves together.
+    expert_grad_norm: float32 2-norm of the expert leaves alone.
+    shared_grad_norm: float32 2-norm of the other leaves.
+  """
+  grad_norm: jax.Array
+  expert_grad_norm: jax.Array
+  shared_grad_norm: jax.Array
+
+
+def _expert_groups(expert_mask, tree) -> tuple:
+  """Static 0/1 group per leaf from a bool pytree or a callable on the tree."""
+  n = len(jax.tree.leaves(tree))
+  if expert_mask is None:
+    return (SHARED,) * n
+  mask = expert_mask(tree) if callable(expert_mask) else expert_mask
+  treedef = jax.tree.structure(tree)
+  mask_leaves, mask_def = jax.tree.flatten(mask)
+  if mask_def != treedef:
+    raise ValueError(
+        "expert_mask must have the same structure as the gradients, with one "
+        f"bool per leaf; got {mask_def} for gradients {treedef}")
+  groups = []
+  for m in mask_leaves:
+    if not isinstance(m, (bool, np.bool_)):
+      raise TypeError(
+          "expert_mask leaves must be Python bools known before tracing, got "
+          f"{type(m).__name__}")
+    groups.append(EXPERT if bool(m) else SHARED)
+  return tuple(groups)
+
+
+def clip_by_unscaled_norm(
+    max_norm: float,
+    *,
+    expert_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    eps: float = 1e-6,
+    partition_specs: Optional[Any] = None,
+) -> optax.GradientTransformation:
+  """Clips gradients by their true global 2-norm.
+
+  The gradients are multiplied by ``max_norm / (norm + eps)`` when that is
+  below 1 and left alone otherwise: the formula of
+  ``torch.nn.utils.clip_grad_norm_`` and of DeepSpeed's fp16 optimizers.
+  Placed right after :func:`fp16_loss_scale` inside
+  :func:`skip_on_overflow`, it reuses the sums of squares that
+  ``fp16_loss_scale`` computed and folds unscale and clip into one multiply.
+
+  Args:
+    max_norm: the largest global norm let through; positive.
+    expert_mask: marks mixture-of-experts leaves, as in ``optax.masked``: a
+      pytree of bools with the gradients' structure, or a callable that maps
+      the gradients to one. The clipping norm includes expert and shared
+      leaves alike; the state also reports each part.
+    eps: added to the norm in the denominator; >= 0.
+    partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
+      pytree; squared norms are summed across the mesh axes each leaf is split
+      over.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
+  """
+  max_norm = _validate.positive("max_norm", max_norm)
+  eps = _validate.non_negative("eps", eps)
+  if expert_mask is not None and not callable(expert_mask):
+    leaves = jax.tree.leaves(expert_mask)
+    if not all(isinstance(m, (bool, np.bool_)) for m in leaves):
+      raise TypeError("expert_mask must be a pytree of Python bools or a "
+                      "callable returning one")
+
+  def init_fn(params):
+    _norm.check_float_leaves(jax.tree.leaves(params),
+                             "clip_by_unscaled_norm params")
+    _expert_groups(expert_mask, params)
+    _norm.leaf_axes_from_specs(partition_specs, params, "clip_by_unscaled_norm")
+    zero = jnp.zeros([], jnp.float32)
+    return ClipState(zero, zero, zero)
+
+  def update_fn(updates, state, params=None):
+    del state, params
+    leaves, treedef = jax.tree.flatten(updates)
+    _norm.check_float_leaves(leaves, "clip_by_unscaled_norm gradients")
+    groups = _expert_groups(expert_mask, updates)
+    leaf_axes = _norm.leaf_axes_from_specs(partition_specs, updates,
+                                           "clip_by_unscaled_norm")
+    guard = _guard.current()
+    seen = guard.lookup(leaves) if guard is not None else None
+    if seen is not None:
+      # The unscaled gradients straight from fp16_loss_scale: reuse its sums
+      # and multiply the scaled gradients once by unscale * clip.
+      norms = _norm.reduce_norms(seen.sums, seen.scaled, leaf_groups=groups,
+                                 num_groups=2, leaf_axes=leaf_axes)
+      sources, unscale = seen.scaled, seen.inv_scale
+    else:
+      norms = _norm.reduce_norms(_norm.leaf_sums(leaves), leaves,
+                                 leaf_groups=groups, num_groups=2,
+                                 leaf_axes=leaf_axes)
+      sources, unscale = leaves, jnp.float32(1)
+    norm = norms.norm * unscale
+    factor = jnp.minimum(jnp.float32(1),
+                         jnp.float32(max_norm) / (norm + jnp.float32(eps)))
+    multiplier = unscale * factor
+    clipped = [x.astype(out.dtype) * multiplier.astype(out.dtype)
+               for x, out in zip(sources, leaves)]
+    group_norms = norms.group_norms * unscale
+    new_state = ClipState(grad_norm=norm,
+                          expert_grad_norm=group_norms[EXPERT],
+                          shared_grad_norm=group_norms[SHARED])
+    return jax.tree.unflatten(treedef, clipped), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)

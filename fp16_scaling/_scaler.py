@@ -1,0 +1,325 @@
+"""One loss-scale state machine, and the presets that configure it.
+
+Every dynamic loss scaler in the wild (DeepSpeed's ``DynamicLossScaler``,
+``torch.amp.GradScaler``, Megatron's ``DynamicGradScaler``, Flax's
+``DynamicScale``) is the same machine with different constants:
+
+* on an overflow, the clean-step counter restarts; the overflow is absorbed
+  while hysteresis is left, otherwise the scale backs off to
+  ``max(scale * backoff_factor, min_scale)``;
+* on a clean step the counter advances; when it reaches ``growth_interval``
+  the scale grows by ``growth_factor`` (a growth whose result is not a finite
+  float32 is refused), the counter restarts and hysteresis is refilled.
+  With ``consecutive_hysteresis`` every clean step refills it.
+
+The peers differ only in where the counter restarts (``growth_delay``:
+DeepSpeed tests ``iter - last_overflow_iter - 1``, so its first growth comes one
+clean step later than torch's), in the hysteresis depth, and in the floor.
+See ``shared/peer-semantics.md`` for how each was checked against its code.
+
+The scale is always a normal, finite float32: the floor is at least
+float32's smallest normal number and growth that would overflow is refused.
+That is a designed difference from torch (whose scale sinks to 0 under
+persistent NaN and never recovers) and from Megatron and DeepSpeed (whose scale
+can grow past float32's range).
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp16_scaling import _validate
+
+
+class ScalerState(NamedTuple):
+  """State of the loss-scale machine.
+
+  Attributes:
+    loss_scale: float32 scale to multiply the *next* loss by.
+    growth_tracker: int32 clean steps counted towards the next growth; it
+      restarts at ``-growth_delay`` after an overflow and at 0 after a growth.
+    hysteresis_left: int32 overflows that will still be absorbed before the
+      scale backs off.
+    min_scale_errors: int32 overflows that wanted to back off while the scale
+      already sat at ``min_scale`` with ``raise_at_min_scale`` set: the steps
+      on which DeepSpeed raises. See :func:`raise_if_min_scale_reached`.
+  """
+  loss_scale: jax.Array
+  growth_tracker: jax.Array
+  hysteresis_left: jax.Array
+  min_scale_errors: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaler:
+  """Configuration of the loss-scale machine. Build one with a preset.
+
+  Attributes:
+    init_scale: first loss scale.
+    growth_factor: multiplier on growth (1.0 never grows).
+    backoff_factor: multiplier on back-off (1.0 never backs off).
+    growth_interval: clean steps between growths.
+    growth_delay: extra clean steps before the first growth after an overflow
+      (and at the start): 0 for torch, Megatron and Flax, 1 for DeepSpeed.
+    min_scale: floor of the scale on back-off.
+    hysteresis: overflows in a row (with no growth between) that it takes to
+      back off; 1 backs off on every overflow.
+    consecutive_hysteresis: refill hysteresis on every clean step, not only
+      on growth (DeepSpeed's ``consecutive_hysteresis``).
+    raise_at_min_scale: count overflows that would back off below the floor in
+      ``ScalerState.min_scale_errors`` (DeepSpeed raises there).
+    name: the preset that built it, for messages.
+  """
+  init_scale: float
+  growth_factor: float = 1.0
+  backoff_factor: float = 1.0
+  growth_interval: int = 1
+  growth_delay: int = 0
+  min_scale: float = _validate.F32_TINY
+  hysteresis: int = 1
+  consecutive_hysteresis: bool = False
+  raise_at_min_scale: bool = False
+  name: str = "scaler"
+
+  @property
+  def dynamic(self) -> bool:
+    return self.growth_factor != 1.0 or self.backoff_factor != 1.0
+
+  def init(self) -> ScalerState:
+    return ScalerState(
+        loss_scale=jnp.asarray(self.init_scale, jnp.float32),
+        growth_tracker=jnp.asarray(-self.growth_delay, jnp.int32),
+        hysteresis_left=jnp.asarray(self.hysteresis - 1, jnp.int32),
+        min_scale_errors=jnp.zeros([], jnp.int32),
+    )
+
+  def update(self, state: ScalerState, overflow: jax.Array) -> ScalerState:
+    """Advances the machine by one step.
+
+    Args:
+      state: the state before the step; ``state.loss_scale`` is the scale the
+        step's gradients were made with.
+      overflow: scalar bool, whether the step's gradients had a non-finite
+        element.
+
+    Returns:
+      The state after the step. Only jnp selects: no Python branching on
+      traced values, so it jit-compiles and scans.
+    """
+    scale = state.loss_scale
+    overflow = jnp.asarray(overflow, jnp.bool_)
+    full = jnp.int32(self.hysteresis - 1)
+
+    # Overflow: absorbed while hysteresis is left, else back off to the floor.
+    absorbed = state.hysteresis_left > 0
+    backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor),
+                             jnp.float32(self.min_scale))
+    scale_after_overflow = jnp.where(absorbed, scale, backed_off)
+    hysteresis_after_overflow = jnp.maximum(state.hysteresis_left - 1, 0)
+    hit_floor = ~absorbed & (scale == jnp.float32(self.min_scale))
+
+    # Clean step: count, and grow when the interval is complete.
+    tracker = state.growth_tracker + 1
+    grow = tracker == self.growth_interval
+    grown = scale * jnp.float32(self.growth_factor)
+    scale_after_clean = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+    refill = grow | self.consecutive_hysteresis
+    hysteresis_after_clean = jnp.where(refill, full, state.hysteresis_left)
+
+    errors = state.min_scale_errors
+    if self.raise_at_min_scale:
+      errors = errors + (overflow & hit_floor).astype(jnp.int32)
+    return ScalerState(
+        loss_scale=jnp.where(overflow, scale_after_overflow, scale_after_clean),
+        growth_tracker=jnp.where(
+            overflow, jnp.int32(-self.growth_delay),
+            jnp.where(grow, jnp.int32(0), tracker)),
+        hysteresis_left=jnp.where(overflow, hysteresis_after_overflow,
+                                  hysteresis_after_clean),
+        min_scale_errors=errors,
+    )
+
+
+def static_scaler(scale: float) -> Scaler:
+  """A fixed loss scale (DeepSpeed's ``fp16.loss_scale`` > 0).
+
+  Overflowing steps are still detected and skipped; the scale never moves.
+
+  Args:
+    scale: the loss scale, a positive normal float32.
+
+  Returns:
+    A :class:`Scaler`.
+  """
+  return Scaler(init_scale=_validate.scale("scale", scale), name="static")
+
+
+def no_scaler() -> Scaler:
+  """No loss scaling, for bfloat16 or float32 training.
+
+  The same state fields as every other scaler, with a scale of exactly 1.0, so
+  that no code path has an unset scale. Non-finite steps are still skipped.
+
+  Returns:
+    A :class:`Scaler`.
+  """
+  return Scaler(init_scale=1.0, name="none")
+
+
+def _check_floor(min_scale: float, init_scale: float, name: str) -> float:
+  if min_scale > init_scale:
+    raise ValueError(
+        f"{name} must not exceed the initial scale ({init_scale!r}), got "
+        f"{min_scale!r}")
+  return min_scale
+
+
+def deepspeed_scaler(init_scale: float = 2.0**32,
+                     scale_window: int = 1000,
+                     min_scale: float = 1.0,
+                     delayed_shift: int = 1,
+                     consecutive_hysteresis: bool = False,
+                     raise_error_at_min_scale: bool = True) -> Scaler:
+  """DeepSpeed's ``DynamicLossScaler``, step for step.
+
+  Follows ``deepspeed/runtime/fp16/loss_scaler.py`` (0.19): the scale doubles
+  when ``iter - last_overflow_iter - 1`` is a positive multiple of
+  ``scale_window`` (first growth on the ``scale_window + 1``-th clean step,
+  then every ``scale_window``); an overflow halves it, floored at
+  ``min_scale``, unless hysteresis (``delayed_shift``) absorbs it. DeepSpeed's
+  non-ZeRO fp16 optimizers use the same rule with ``delayed_shift=1``.
+
+  Args:
+    init_scale: initial scale (DeepSpeed: ``2 ** initial_scale_power``).
+    scale_window: clean steps between growths (``loss_scale_window``).
+    min_scale: floor (``min_loss_scale``), at most ``init_scale``.
+    delayed_shift: overflows in a row needed to back off (``hysteresis``).
+    consecutive_hysteresis: refill hysteresis on every clean step.
+    raise_error_at_min_scale: count overflows at the floor so that
+      :func:`raise_if_min_scale_reached` raises where DeepSpeed does.
+
+  Returns:
+    A :class:`Scaler`.
+  """
+  init_scale = _validate.scale("init_scale", init_scale)
+  return Scaler(
+      init_scale=init_scale,
+      growth_factor=2.0,
+      backoff_factor=0.5,
+      growth_interval=_validate.count("scale_window", scale_window),
+      growth_delay=1,
+      min_scale=_check_floor(_validate.scale("min_scale", min_scale),
+                             init_scale, "min_scale"),
+      hysteresis=_validate.count("delayed_shift", delayed_shift),
+      consecutive_hysteresis=_validate.flag("consecutive_hysteresis",
+                                            consecutive_hysteresis),
+      raise_at_min_scale=_validate.flag("raise_error_at_min_scale",
+                                        raise_error_at_min_scale),
+      name="deepspeed",
+  )
+
+
+def torch_scaler(init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> Scaler:
+  """``torch.amp.GradScaler``, step for step.
+
+  Follows ``torch._amp_update_scale_``: every overflow multiplies the scale by
+  ``backoff_factor``; after ``growth_interval`` consecutive clean steps it is
+  multiplied by ``growth_factor`` unless the result would not be finite.
+  Designed difference: the scale is floored at float32's smallest normal
+  number, where torch's sinks to 0 under persistent NaN and never recovers.
+
+  Args:
+    init_scale: initial scale.
+    growth_factor: growth multiplier, above 1 (rounded to float32, as torch's
+      update kernel sees it).
+    backoff_factor: back-off multiplier in (0, 1).
+    growth_interval: consecutive clean steps between growths.
+
+  Returns:
+    A :class:`Scaler`.
+  """
+  return Scaler(
+      init_scale=_validate.scale("init_scale", init_scale),
+      growth_factor=_validate.above_one("growth_factor", growth_factor),
+      backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
+      growth_interval=_validate.count("growth_interval", growth_interval),
+      name="torch",
+  )
+
+
+def megatron_scaler(initial_scale: float = 2.0**32,
+                    min_scale: float = 1.0,
+                    growth_factor: float = 2.0,
+                    backoff_factor: float = 0.5,
+                    growth_interval: int = 1000,
+                    hysteresis: int = 2) -> Scaler:
+  """Megatron-core's ``DynamicGradScaler``, step for step.
+
+  Follows ``megatron/core/optimizer/grad_scaler.py``: every overflow restarts
+  the growth tracker and spends one unit of hysteresis; once it is spent, the
+  scale backs off to ``max(scale * backoff_factor, min_scale)``. After
+  ``growth_interval`` clean steps the scale grows and hysteresis is refilled.
+  Defaults are Megatron's command-line defaults. Designed difference: growth
+  that would overflow float32 is refused (Megatron's scale reaches inf).
+
+  Args:
+    initial_scale: initial scale.
+    min_scale: floor, at most ``initial_scale``.
+    growth_factor: growth multiplier, above 1.
+    backoff_factor: back-off multiplier in (0, 1).
+    growth_interval: clean steps between growths.
+    hysteresis: overflows (with no growth between) needed to back off.
+
+  Returns:
+    A :class:`Scaler`.
+  """
+  initial_scale = _validate.scale("initial_scale", initial_scale)
+  return Scaler(
+      init_scale=initial_scale,
+      growth_factor=_validate.above_one("growth_factor", growth_factor),
+      backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
+      growth_interval=_validate.count("growth_interval", growth_interval),
+      min_scale=_check_floor(_validate.scale("min_scale", min_scale),
+                             initial_scale, "min_scale"),
+      hysteresis=_validate.count("hysteresis", hysteresis),
+      name="megatron",
+  )
+
+
+def flax_scaler(growth_factor: float = 2.0,
+                backoff_factor: float = 0.5,
+                growth_interval: int = 2000,
+                scale: float = 2.0**15,
+                minimum_scale: float = _validate.F32_TINY) -> Scaler:
+  """Flax's ``flax.training.dynamic_scale.DynamicScale``.
+
+  Flax compares its counter with ``growth_interval`` before counting the
+  current step, so it grows every ``growth_interval + 1`` clean steps.
+  Designed difference: growth past float32's range is refused instead of
+  clamped to float32's maximum.
+
+  Args:
+    growth_factor: growth multiplier, above 1.
+    backoff_factor: back-off multiplier in (0, 1).
+    growth_interval: Flax's ``growth_interval``.
+    scale: initial scale (Flax's ``scale``).
+    minimum_scale: floor, at most ``scale``.
+
+  Returns:
+    A :class:`Scaler`.
+  """
+  scale = _validate.scale("scale", scale)
+  return Scaler(
+      init_scale=scale,
+      growth_factor=_validate.above_one("growth_factor", growth_factor),
+      backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
+      growth_interval=_validate.count("growth_interval", growth_interval) + 1,
+      min_scale=_check_floor(_validate.scale("minimum_scale", minimum_scale),
+                             scale, "minimum_scale"),
+      name="flax",
+  )

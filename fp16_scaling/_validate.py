@@ -1,0 +1,79 @@
+"""Construction-time argument checks shared by every public constructor.
+
+Each check raises ``ValueError`` (or ``TypeError``) naming the parameter, the
+allowed range and the value received, so that a bad configuration fails where
+it is written rather than as a NaN many steps later.
+"""
+
+import math
+import numbers
+
+import numpy as np
+
+F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _describe(value):
+  return f"{value!r} ({type(value).__name__})"
+
+
+def real(name: str, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+  return float(value)
+
+
+def scale(name: str, value) -> float:
+  """A loss scale: a normal, finite, positive float32."""
+  v = real(name, value)
+  if not (math.isfinite(v) and F32_TINY <= v <= F32_MAX):
+    raise ValueError(
+        f"{name} must be a positive, finite, normal float32 in "
+        f"[{F32_TINY:.6g}, {F32_MAX:.6g}], got {value!r}")
+  return float(np.float32(v))
+
+
+def above_one(name: str, value) -> float:
+  v = real(name, value)
+  if not (math.isfinite(v) and 1.0 < v <= F32_MAX):
+    raise ValueError(f"{name} must be a finite float above 1, got {value!r}")
+  return float(np.float32(v))
+
+
+def open_unit(name: str, value) -> float:
+  v = real(name, value)
+  if not 0.0 < v < 1.0:
+    raise ValueError(
+        f"{name} must lie in the open interval (0, 1), got {value!r}")
+  return float(np.float32(v))
+
+
+def positive(name: str, value) -> float:
+  v = real(name, value)
+  if not (math.isfinite(v) and v > 0.0):
+    raise ValueError(f"{name} must be positive and finite, got {value!r}")
+  return v
+
+
+def non_negative(name: str, value) -> float:
+  v = real(name, value)
+  if not (math.isfinite(v) and v >= 0.0):
+    raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+  return v
+
+
+def count(name: str, value, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an integer >= {minimum}, "
+                    f"got {_describe(value)}")
+  if not minimum <= int(value) <= 2**31 - 2:
+    raise ValueError(
+        f"{name} must be an integer in [{minimum}, {2**31 - 2}], got {value!r}")
+  return int(value)
+
+
+def flag(name: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {_describe(value)}")
+  return bool(value)
