@@ -51,15 +51,17 @@ def open_unit(name: str, value) -> float:
 
 def positive(name: str, value) -> float:
   v = real(name, value)
-  if not (math.isfinite(v) and v > 0.0):
-    raise ValueError(f"{name} must be positive and finite, got {value!r}")
+  if not (math.isfinite(v) and 0.0 < v <= F32_MAX):
+    raise ValueError(f"{name} must be positive and at most float32's maximum "
+                     f"({F32_MAX:.6g}), got {value!r}")
   return v
 
 
 def non_negative(name: str, value) -> float:
   v = real(name, value)
-  if not (math.isfinite(v) and v >= 0.0):
-    raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+  if not (math.isfinite(v) and 0.0 <= v <= F32_MAX):
+    raise ValueError(f"{name} must be >= 0 and at most float32's maximum "
+                     f"({F32_MAX:.6g}), got {value!r}")
   return v
 
 
