@@ -1,0 +1,160 @@
+"""fp16_loss_scale inside skip_on_overflow: unscaling, reported norm, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+# Gradients whose true global norm is exactly 1.0: 0.6, 0.8 and zeros.
+TRUE_GRADS = {
+    "w": jnp.array([[0.6, 0.0], [0.0, 0.0]], jnp.float32),
+    "b": jnp.array([0.8, 0.0], jnp.float32),
+}
+
+
+def make_tx(scaler, max_norm=10.0):
+  # No optimizer after the clip: the chain's update is the unscaled, clipped
+  # gradient itself, so "the applied update equals the true gradient" is an
+  # exact equality to check.
+  return fs.skip_on_overflow(optax.chain(
+      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm)))
+
+
+def run(tx, steps, grads_fn=lambda i: TRUE_GRADS):
+  state = tx.init(TRUE_GRADS)
+
+  @jax.jit
+  def step(state, true_grads):
+    scale = fs.current_scale(state)
+    scaled = jax.tree.map(lambda g: g * scale, true_grads)
+    updates, state = tx.update(scaled, state)
+    return updates, state, fs.scale_metrics(state)
+
+  out = []
+  for i in range(steps):
+    updates, state, metrics = step(state, grads_fn(i))
+    out.append((updates, jax.device_get(metrics)))
+  return out
+
+
+def test_static_scale_reports_true_norm():
+  # DeepSpeed 0.19's FP16_UnfusedOptimizer reports 128.0 here.
+  (updates, metrics), = run(make_tx(fs.static_scaler(128.0)), 1)
+  assert float(metrics["grad_norm"]) == 1.0
+  assert float(metrics["prev_loss_scale"]) == 128.0
+  jax.tree.map(np.testing.assert_array_equal, updates, TRUE_GRADS)
+
+
+DYNAMIC = {
+    "deepspeed": fs.deepspeed_scaler(128.0, scale_window=2, min_scale=1.0),
+    "torch": fs.torch_scaler(128.0, growth_interval=2),
+    "megatron": fs.megatron_scaler(128.0, 1.0, growth_interval=2,
+                                   hysteresis=1),
+    "megatron_h2": fs.megatron_scaler(128.0, 1.0, growth_interval=2),
+    "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DYNAMIC))
+def test_growth_steps_unscale_by_the_scale_the_grads_were_made_with(name):
+  # DeepSpeed 0.19 grows the scale before unscaling: on growth steps it
+  # reports 0.5 and applies half the gradient.
+  steps = run(make_tx(DYNAMIC[name]), 6)
+  scales_used = [float(m["prev_loss_scale"]) for _, m in steps]
+  next_scales = [float(m["loss_scale"]) for _, m in steps]
+  growth_steps = [i for i in range(6) if next_scales[i] > scales_used[i]]
+  assert len(growth_steps) >= 2, "the scale must move for this test to bite"
+  assert scales_used[0] == 128.0 and max(next_scales) >= 512.0
+  for updates, metrics in steps:
+    assert float(metrics["grad_norm"]) == 1.0
+    assert not bool(metrics["overflow"])
+    jax.tree.map(np.testing.assert_array_equal, updates, TRUE_GRADS)
+
+
+def test_float16_gradients_are_unscaled_in_float32():
+  tx = make_tx(fs.static_scaler(2.0**15))
+  grads = {"w": jnp.full((2, 2), 2.0**-20, jnp.float32),
+           "b": jnp.full((2,), 2.0**-20, jnp.float32)}
+  state = tx.init(grads)
+  # 2**-20 lies below float16's normal range (2**-14); scaled by 2**15 it is
+  # 2**-5, exact in float16, and must come back as 2**-20 in float32.
+  scaled = jax.tree.map(lambda g: (g * 2.0**15).astype(jnp.float16), grads)
+  updates, state = jax.jit(tx.update)(scaled, state)
+  assert updates["w"].dtype == jnp.float32
+  jax.tree.map(np.testing.assert_array_equal, updates, grads)
+  assert float(state[0].grad_norm) == pytest.approx(2.0**-20 * np.sqrt(6),
+                                                    rel=1e-6)
+
+
+def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
+  # 3e30 squared overflows float32; the element is finite, so the step must
+  # be taken and the norm reported exactly (3e30 / 4 alongside 4e30 / 4).
+  tx = make_tx(fs.static_scaler(4.0), max_norm=1e35)
+  grads = {"w": jnp.array([[3e30, 0.0], [0.0, 0.0]], jnp.float32),
+           "b": jnp.array([4e30, 0.0], jnp.float32)}
+  state = tx.init(grads)
+  updates, state = jax.jit(tx.update)(grads, state)
+  ls = state[0]
+  assert not bool(ls.overflow)
+  assert float(ls.grad_norm) == pytest.approx(5e30 / 4, rel=1e-6)
+  assert float(updates["b"][0]) == pytest.approx(1e30, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_any_non_finite_element_is_an_overflow(bad):
+  tx = make_tx(fs.deepspeed_scaler(64.0, 4))
+  grads = {"w": jnp.zeros((2, 2)).at[1, 0].set(bad),
+           "b": jnp.ones((2,))}
+  state = tx.init(grads)
+  updates, state = jax.jit(tx.update)(grads, state)
+  ls = state[0]
+  assert bool(ls.overflow) and int(ls.skipped_steps) == 1
+  assert float(ls.loss_scale) == 32.0 and float(ls.prev_loss_scale) == 64.0
+  for u in jax.tree.leaves(updates):
+    assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
+
+
+def test_bare_chain_fails_loudly():
+  tx = optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adam(1e-3))
+  state = tx.init(TRUE_GRADS)
+  with pytest.raises(RuntimeError, match="skip_on_overflow"):
+    jax.jit(tx.update)(TRUE_GRADS, state, TRUE_GRADS)
+
+
+def test_skip_needs_exactly_one_loss_scale():
+  with pytest.raises(ValueError, match="exactly one fp16_loss_scale"):
+    fs.skip_on_overflow(optax.adam(1e-3)).init(TRUE_GRADS)
+
+
+def test_integer_gradients_are_rejected():
+  tx = make_tx(fs.torch_scaler())
+  with pytest.raises(TypeError, match="floating point"):
+    tx.init({"w": jnp.zeros((2,), jnp.int32)})
+
+
+def test_scaler_argument_is_checked():
+  with pytest.raises(TypeError, match="scaler"):
+    fs.fp16_loss_scale(128.0)
+
+
+def test_current_scale_found_at_any_depth():
+  tx = optax.chain(optax.identity(), make_tx(fs.static_scaler(8.0)))
+  state = tx.init(TRUE_GRADS)
+  assert float(fs.current_scale(state)) == 8.0
+  with pytest.raises(ValueError, match="no fp16_loss_scale"):
+    fs.current_scale(optax.adam(1.0).init(TRUE_GRADS))
+
+
+def test_raise_if_min_scale_reached():
+  tx = make_tx(fs.deepspeed_scaler(2.0, 4, min_scale=1.0))
+  nan = jax.tree.map(lambda g: g * jnp.nan, TRUE_GRADS)
+  state = tx.init(TRUE_GRADS)
+  update = jax.jit(tx.update)
+  _, state = update(nan, state)   # 2 -> 1: allowed
+  fs.raise_if_min_scale_reached(state)
+  _, state = update(nan, state)   # already at 1: DeepSpeed raises here
+  with pytest.raises(fs.MinLossScaleError, match="minimum"):
+    fs.raise_if_min_scale_reached(state)
