@@ -12,6 +12,8 @@ Usage::
 
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._clipping import clip_by_unscaled_norm
+from fp16_scaling._deepspeed_config import DeepSpeedFP16
+from fp16_scaling._deepspeed_config import from_deepspeed_config
 from fp16_scaling._loss_scale import LossScaleState
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import MinLossScaleError
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClipState",
+    "DeepSpeedFP16",
     "LossScaleState",
     "MinLossScaleError",
     "Scaler",
@@ -41,6 +44,7 @@ __all__ = [
     "deepspeed_scaler",
     "flax_scaler",
     "fp16_loss_scale",
+    "from_deepspeed_config",
     "megatron_scaler",
     "no_scaler",
     "raise_if_min_scale_reached",
