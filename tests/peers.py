@@ -42,9 +42,13 @@ def require(name):
 
 
 def init_deepspeed():
-    """Import deepspeed and initialise its process group once: one rank, gloo, a free local port."""
+    """Import deepspeed and initialise its process group once (idempotent): one rank, gloo, a free port."""
     deepspeed = require("deepspeed")
     if not deepspeed.comm.is_initialized():
+        # One rank has no use for the shared-memory all-reduce op; not building it saves a C++ JIT
+        # compile (about a minute, and a compiler) on a fresh machine. Nothing else depends on it.
+        # (`deepspeed.comm.torch` as an attribute is the torch package, hence the import by name.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -148,7 +152,7 @@ class Step(NamedTuple):
     skipped: bool  # the peer found an overflow and did not update the parameters
     scale_before: float  # scale the step's gradients were made with
     scale_after: float  # scale for the next step
-    norm: float  # the norm the peer reports for this step (see each driver), inf when skipped
+    norm: float  # the norm the peer reports for this step (see each driver); DeepSpeed: inf when skipped
     grads: list  # the scaled gradients presented to the peer (np.float16 for DeepSpeed, np.float32 for torch)
     params: list  # float32 master parameters after the step (np.float32 arrays, shapes of params0)
 
