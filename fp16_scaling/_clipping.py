@@ -37,7 +37,8 @@ class ClipState(NamedTuple):
 def _expert_groups(expert_mask, tree) -> tuple:
   """Static 0/1 group per leaf from a bool pytree or a callable on the tree."""
   n = len(jax.tree.leaves(tree))
-  if expert_mask is None:
+  if expert_mask is None or n == 0:
+    # No leaves (optax.tree_map_params calls init with such a placeholder).
     return (SHARED,) * n
   mask = expert_mask(tree) if callable(expert_mask) else expert_mask
   treedef = jax.tree.structure(tree)

@@ -6,14 +6,18 @@
 * NaN exactly when some element is inf or NaN: an *overflow*;
 * +inf when every element is finite but a square or the sum overflowed
   float32: not an overflow, only too large to square. That rare case is
-  recomputed with the squares taken relative to the largest magnitude, inside
-  a ``lax.cond`` that a common step never enters;
+  recomputed with the squares taken relative to each group's largest
+  magnitude, inside a ``lax.cond`` that a common step never enters;
 * otherwise the squared norm.
 
 A sum of non-negative finite numbers is never NaN, so the overflow test is
 exact. Under ``shard_map``, each leaf's partial sum is summed with ``psum``
 across exactly the mesh axes its ``PartitionSpec`` splits it over, so a leaf
 replicated across an axis counts once and a sharded one counts every shard.
+The psummed totals are the same on every device, so every device takes the
+same overflow decision and the same branch of the ``lax.cond`` (whose rescue
+branch holds collectives). Under plain ``jit`` the arrays are global and the
+specs call for no collective.
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -100,7 +104,8 @@ def reduce_norms(sums: Sequence[jax.Array],
       case where a finite square overflowed float32).
     leaf_groups: static group index of each leaf (default: all in group 0).
     num_groups: number of groups.
-    leaf_axes: static mesh axes each leaf is split over (default: none).
+    leaf_axes: static mesh axes to ``psum`` each leaf's sum over, from
+      :func:`leaf_axes_from_specs` (default: none).
 
   Returns:
     :class:`Norms`.
@@ -125,47 +130,106 @@ def reduce_norms(sums: Sequence[jax.Array],
     # float16 squares cannot overflow a float32 sum (65504**2 * 2**63 < max),
     # so the rescue is only traced when some leaf is wider than float16.
     def rescue(_):
-      maxima = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in leaves]
-      peak = jnp.max(_grouped(maxima, (0,) * n, leaf_axes, 1, jnp.max,
-                              lambda v, axes: lax.pmax(v, axes)))
-      rel = [jnp.sum(jnp.square(x.astype(jnp.float32) / peak)) for x in leaves]
-      return peak, group_sums(rel)
+      # Each group relative to its own largest magnitude: relative to the
+      # global one, a small group's squares would underflow float32.
+      maxima = [jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
+                for x in leaves]
+      peaks = _grouped(maxima, leaf_groups, leaf_axes, num_groups, jnp.max,
+                       lambda v, axes: lax.pmax(v, axes))
+      peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
+      rel = group_sums([jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
+                        for x, g in zip(leaves, leaf_groups)])
+      top = jnp.max(peaks)
+      return (top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
+              peaks * jnp.sqrt(rel))
 
     def keep(_):
-      return jnp.float32(1), common
+      return jnp.sqrt(total), jnp.sqrt(common)
 
-    magnitude, sums_rel = lax.cond(jnp.isinf(total), rescue, keep, None)
+    norm, group_norms = lax.cond(jnp.isinf(total), rescue, keep, None)
   else:
-    magnitude, sums_rel = jnp.float32(1), common
-  return Norms(
-      norm=magnitude * jnp.sqrt(jnp.sum(sums_rel)),
-      group_norms=magnitude * jnp.sqrt(sums_rel),
-      overflow=overflow,
-  )
+    norm, group_norms = jnp.sqrt(total), jnp.sqrt(common)
+  return Norms(norm=norm, group_norms=group_norms, overflow=overflow)
 
 
-def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
-  """Static per-leaf mesh axes from a PartitionSpec pytree.
+def _is_spec(s) -> bool:
+  return s is None or isinstance(s, jax.sharding.PartitionSpec)
 
-  ``partition_specs`` is what the user gives ``shard_map`` for the gradients:
-  the gradients' structure with a ``PartitionSpec`` (or None) per leaf, or a
-  prefix of it (one spec for a whole subtree).
-  """
-  n = len(jax.tree.leaves(tree))
-  if partition_specs is None:
-    return ((),) * n
-  is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec) or s is None
+
+def _varying_axes(x) -> frozenset:
+  """Manual mesh axes over which ``x`` may differ (or hold unreduced partial
+  sums), as ``shard_map``'s ``check_vma`` types it; empty when unchecked."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+  if mat is not None:
+    return frozenset(mat.varying) | frozenset(mat.unreduced)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _leaf_specs(partition_specs, tree, what: str) -> list:
+  """The ``PartitionSpec`` (or None) of each leaf of ``tree``, in leaf order."""
+  for spec in jax.tree.leaves(partition_specs, is_leaf=_is_spec):
+    if not _is_spec(spec):
+      raise TypeError(
+          f"{what}: partition_specs must hold a jax.sharding.PartitionSpec or "
+          f"None at each leaf, got {spec!r} ({type(spec).__name__})")
   try:
     per_subtree = jax.tree.map(
-        lambda spec, sub: [spec_axes(spec)] * len(jax.tree.leaves(sub)),
-        partition_specs, tree, is_leaf=is_spec)
+        lambda spec, sub: [spec] * len(jax.tree.leaves(sub)),
+        partition_specs, tree, is_leaf=_is_spec)
   except (ValueError, TypeError) as e:
     raise ValueError(
         f"{what}: partition_specs must have the structure of the gradients "
         f"(or a prefix of it), with a PartitionSpec or None at each leaf: "
         f"{e}") from None
-  axes = [a for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)) for a in group]
-  if len(axes) != n:
-    raise ValueError(f"{what}: partition_specs do not cover the gradients' "
-                     f"{n} leaves (got {len(axes)})")
+  return [s for group in jax.tree.leaves(
+      per_subtree, is_leaf=lambda x: isinstance(x, list)) for s in group]
+
+
+def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
+  """Static per-leaf mesh axes to sum each leaf's squares over, from specs.
+
+  ``partition_specs`` is what the user gives ``shard_map`` for the gradients:
+  the gradients' structure with a ``PartitionSpec`` (or None) per leaf, or a
+  prefix of it (one spec for a whole subtree).
+
+  Only the *manual* axes of the mesh being traced under are kept: inside
+  ``shard_map`` each device holds a block and the blocks' sums are added
+  with ``psum``; under plain ``jit`` (sharded or not) the arrays are global,
+  their sums already are, and the same transformation needs no collective.
+
+  Raises:
+    TypeError: a leaf of ``partition_specs`` is not a PartitionSpec or None.
+    ValueError: ``partition_specs`` does not match the structure of ``tree``;
+      a spec names an axis the current mesh does not have; or (under
+      ``shard_map`` with ``check_vma``) a leaf varies over a mesh axis its spec
+      says it is replicated over, so its blocks would disagree across it.
+  """
+  leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  if partition_specs is None or not leaves_with_paths:
+    # No leaves, nothing to sum (optax.tree_map_params, the usual way to build
+    # the optimizer state's specs, calls init with such a placeholder).
+    return ((),) * len(leaves_with_paths)
+  specs = _leaf_specs(partition_specs, tree, what)
+  mesh = jax.sharding.get_abstract_mesh()
+  mesh_axes = tuple(mesh.axis_names)
+  manual = frozenset(mesh.manual_axes) if mesh_axes else frozenset()
+  axes = []
+  for (path, x), spec in zip(leaves_with_paths, specs):
+    named = spec_axes(spec)
+    missing = [a for a in named if a not in mesh_axes]
+    if mesh_axes and missing:
+      raise ValueError(
+          f"{what}: partition_specs give gradient leaf "
+          f"{jax.tree_util.keystr(path)} the spec {spec}, which names mesh "
+          f"axis {missing[0]!r}; the mesh has axes {mesh_axes}")
+    unnamed = sorted(_varying_axes(x) - set(named))
+    if unnamed:
+      raise ValueError(
+          f"{what}: partition_specs give gradient leaf "
+          f"{jax.tree_util.keystr(path)} the spec {spec}, replicated over "
+          f"mesh axis {unnamed[0]!r}, but under shard_map it varies over that "
+          f"axis: reduce it over {unnamed[0]!r} first (lax.psum or lax.pmean) "
+          f"or name {unnamed[0]!r} in its PartitionSpec")
+    axes.append(tuple(a for a in named if a in manual))
   return tuple(axes)
