@@ -235,9 +235,13 @@ def torch_scaler(init_scale: float = 2.0**16,
 
   Args:
     init_scale: initial scale.
-    growth_factor: growth multiplier, above 1 (rounded to float32, as torch's
-      update kernel sees it).
+    growth_factor: growth multiplier, above 1.
     backoff_factor: back-off multiplier in (0, 1).
+
+  Factors are held in float32. torch multiplies its float32 scale by the
+  factor in double precision and rounds the product; for factors that are
+  float32 values (2, 0.5, 1.5, any k / 2**n) the two are bit-identical, for
+  others (1.1) each growth or back-off can land one float32 ulp apart.
     growth_interval: consecutive clean steps between growths.
 
   Returns:
