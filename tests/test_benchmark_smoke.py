@@ -3,6 +3,7 @@ and prints a table with a row for every recipe. No timing is asserted."""
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -26,11 +27,17 @@ def tiny_run(tmp_path_factory):
   pytest.importorskip("jmp")
   pytest.importorskip("flax")
   out = tmp_path_factory.mktemp("step_cost")
+  # Run it as a user would: without the 8 simulated devices conftest.py sets
+  # up for the mesh tests.
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(
+      f for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count"))
   proc = subprocess.run(
       [sys.executable, str(SCRIPT), "--tiny", "--repeats", "2", "--warmup",
        "1", "--budget", "300", "--json", str(out / "result.json"),
        "--dump-hlo", str(out / "hlo")],
-      capture_output=True, text=True, timeout=900, cwd=ROOT)
+      capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout, out
 
