@@ -606,6 +606,8 @@ def main(argv=None):
     keys.insert(0, "floor")  # everything is a ratio to it
 
   print(f"Machine: {machine()}")
+  if os.environ.get("XLA_FLAGS"):
+    print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
   print(f"Command: python benchmarks/step_cost.py "
         f"{' '.join(argv if argv is not None else sys.argv[1:])}")
   print(f"repeats={args.repeats} inner={args.inner} warmup={args.warmup} "
@@ -620,6 +622,7 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(machine=machine(), argv=argv or sys.argv[1:],
+                     xla_flags=os.environ.get("XLA_FLAGS", ""),
                      shapes=records), f, indent=1)
   return 0
 
