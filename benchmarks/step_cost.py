@@ -350,12 +350,15 @@ def time_rows(rows, repeats, inner, warmup):
   """Interleaved timing. ``rows``: list of [name, fn, params, state, grads].
 
   Each round runs ``inner`` steps of every row in turn, blocking at the end
-  of each row's steps; the sample is the elapsed time over ``inner``.
+  of each row's steps; the sample is the elapsed time over ``inner``. The
+  order rotates by one row per round, so that no row always runs right after
+  the same neighbour (or first in its round).
   """
   import jax
   samples = {r[0]: [] for r in rows}
   for rnd in range(warmup + repeats):
-    for row in rows:
+    shift = rnd % len(rows)
+    for row in rows[shift:] + rows[:shift]:
       name, fn, params, state, grads = row
       t0 = time.perf_counter()
       for _ in range(inner):
