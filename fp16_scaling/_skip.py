@@ -8,9 +8,11 @@ clip's reported norms.
 
 Unlike ``optax.apply_if_finite``, it does not look at the gradients again:
 the overflow decision comes from ``fp16_loss_scale``'s one pass. Every select
-is an elementwise ``where`` that XLA fuses into the optimizer's own update, so
-a skip adds no pass over memory and no host round-trip, and an overflow step
-costs what a clean one does.
+is an elementwise select that XLA fuses into the optimizer's own update, so a
+skip adds no pass over memory and no host round-trip, and an overflow step
+costs no more than a clean one. The selects are placed by ``_inplace``, early
+enough that the optimizer's update reads the selected state: XLA can then
+write every donated state buffer in place, as it does for plain optax.
 """
 
 import jax
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from fp16_scaling import _guard
+from fp16_scaling import _inplace
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
@@ -59,22 +62,37 @@ def skip_on_overflow(
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
-    with _guard.guarded():
-      new_updates, new_state = inner.update(updates, state, params,
-                                            **extra_args)
-    overflow = _single_loss_scale_state(new_state).overflow
 
-    def keep_old(new, old):
-      if _is_bookkeeping(new):
-        return new
-      return jnp.where(overflow, old, new)
+    def run_inner(updates, state, params, extra_args):
+      with _guard.guarded():
+        return inner.update(updates, state, params, **extra_args)
 
-    new_state = jax.tree.map(keep_old, new_state, state,
-                             is_leaf=_is_bookkeeping)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(overflow, jnp.array(-0.0, u.dtype), u),
-        new_updates)
-    return new_updates, new_state
+    def labels_and_olds(out_shape):
+      _, new_state = out_shape
+      if jax.tree.structure(new_state) != jax.tree.structure(state):
+        raise ValueError(
+            "skip_on_overflow: the inner update returned a state whose "
+            "structure differs from its input state")
+      labels = [_inplace.UPDATE] * len(jax.tree.leaves(out_shape[0]))
+      olds = [None] * len(labels)
+      for new, old in zip(
+          jax.tree.leaves(new_state, is_leaf=_is_bookkeeping),
+          jax.tree.leaves(state, is_leaf=_is_bookkeeping)):
+        if _is_bookkeeping(new):
+          tags = jax.tree.map(lambda _: _inplace.KEEP, new)
+          if isinstance(new, LossScaleState):
+            tags = tags._replace(overflow=_inplace.OVERFLOW)
+          tags = jax.tree.leaves(tags)
+          labels += tags
+          olds += [None] * len(tags)
+        else:
+          labels.append(_inplace.SELECT)
+          olds.append(old)
+      return labels, olds
+
+    _single_loss_scale_state(state)
+    return _inplace.call_selecting(
+        run_inner, (updates, state, params, extra_args), labels_and_olds)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
