@@ -28,7 +28,9 @@ exactly what the inner update computed.
 
 Where the traced jaxpr does not have the expected shape (one ``jit`` call
 over the arguments), or a leaf cannot be selected early, the select is made
-after the call instead: slower on XLA:CPU, never different.
+after the call instead: slower on XLA:CPU, never different. Called eagerly
+(no tracers), the inner update runs op by op and the selects follow it:
+there is no donated buffer to reuse.
 """
 
 from typing import Any, Callable, Sequence
@@ -61,24 +63,42 @@ def call_selecting(fn: Callable[..., Any], args: Sequence[Any],
     leaves their old values when the overflow flag is set.
   """
   in_vals = jax.tree.leaves(args)
+  if not any(isinstance(x, jax.core.Tracer) for x in in_vals):
+    # Called eagerly, op by op: no buffer is donated, nothing to gain, and
+    # binding a freshly traced jit call would compile it on every call.
+    out = fn(*args)
+    return _finish(jax.tree.leaves(out), jax.tree.structure(out),
+                   _checked(labels_and_olds(out)), None)
   outer, out_shape = jax.make_jaxpr(jax.jit(fn), return_shape=True)(*args)
-  labels, olds = map(list, labels_and_olds(out_shape))
+  labels_olds = _checked(labels_and_olds(out_shape))
+  call = _single_jit_call(outer)
+  if call is None:
+    return _finish(jex_core.jaxpr_as_fun(outer)(*in_vals),
+                   jax.tree.structure(out_shape), labels_olds, None)
+  labels, olds = labels_olds
+  position = {id(x): i for i, x in enumerate(in_vals)}
+  old_positions = [None if old is None else position.get(id(old))
+                   for old in olds]
+  inner = call.params["jaxpr"]
+  jaxpr, done = select_early(inner.jaxpr, labels, old_positions)
+  params = dict(call.params, jaxpr=jex_core.ClosedJaxpr(jaxpr, inner.consts))
+  return _finish(call.primitive.bind(*in_vals, **params),
+                 jax.tree.structure(out_shape), labels_olds, done)
+
+
+def _checked(labels_olds):
+  labels, olds = map(list, labels_olds)
   if labels.count(OVERFLOW) != 1:
     raise ValueError(
         f"expected one overflow output, got {labels.count(OVERFLOW)}")
+  return labels, olds
 
-  call = _single_jit_call(outer)
-  if call is None:
-    outs, done = jex_core.jaxpr_as_fun(outer)(*in_vals), [False] * len(olds)
-  else:
-    position = {id(x): i for i, x in enumerate(in_vals)}
-    old_positions = [None if old is None else position.get(id(old))
-                     for old in olds]
-    inner = call.params["jaxpr"]
-    jaxpr, done = select_early(inner.jaxpr, labels, old_positions)
-    params = dict(call.params, jaxpr=jex_core.ClosedJaxpr(jaxpr, inner.consts))
-    outs = call.primitive.bind(*in_vals, **params)
 
+def _finish(outs, treedef, labels_olds, done):
+  """The selects not made inside: every update, and the state leaves not
+  ``done`` (all of them when ``done`` is None)."""
+  labels, olds = labels_olds
+  done = [False] * len(labels) if done is None else done
   flag = outs[labels.index(OVERFLOW)]
   final = []
   for x, label, old, selected in zip(outs, labels, olds, done):
@@ -87,7 +107,7 @@ def call_selecting(fn: Callable[..., Any], args: Sequence[Any],
     elif label == SELECT and not selected:
       x = jnp.where(flag, old, x)
     final.append(x)
-  return jax.tree.unflatten(jax.tree.structure(out_shape), final)
+  return jax.tree.unflatten(treedef, final)
 
 
 def select_early(jaxpr, labels: Sequence[str],

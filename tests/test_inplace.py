@@ -222,3 +222,33 @@ def test_unexpected_jaxpr_shape_falls_back_to_selecting_after(monkeypatch):
   for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(slow)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
                                atol=1e-7)
+
+
+def test_eager_update_runs_op_by_op_and_skips_exactly(monkeypatch):
+  # Outside jit there is no donated buffer to reuse; tracing and binding a
+  # jit call would compile the whole update on every eager call.
+  params0 = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+
+  def run(update):
+    tx, params = _chain(), params0
+    state = tx.init(params)
+    out = []
+    for poison in (False, True, False):
+      updates, state = update(tx)(
+          _grads(fs.current_scale(state), poison), state, params)
+      params = optax.apply_updates(params, updates)
+      out.append((params, state))
+    return out
+
+  jitted = run(lambda tx: jax.jit(tx.update))
+
+  def no_tracing(*args, **kwargs):
+    raise AssertionError("traced an eager update")
+
+  monkeypatch.setattr(jax, "make_jaxpr", no_tracing)
+  eager = run(lambda tx: tx.update)
+  assert _bits(eager[1][0]) == _bits(eager[0][0])  # the overflow step
+  assert _bits(_inner(eager[1][1])) == _bits(_inner(eager[0][1]))
+  for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=1e-7)
