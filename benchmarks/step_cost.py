@@ -347,28 +347,35 @@ class _Lines:
 # Timing, in this process.
 
 
-def time_rows(rows, repeats, inner, warmup):
-  """Interleaved timing. ``rows``: list of [name, fn, params, state, grads].
+def time_rows(units, repeats, inner, warmup):
+  """Interleaved timing. ``units``: lists of one or two rows, each row a
+  list [name, fn, params, state, grads].
 
   Each round runs ``inner`` steps of every row in turn, blocking at the end
   of each row's steps; the sample is the elapsed time over ``inner``. The
-  order rotates by one row per round, so that no row always runs right after
-  the same neighbour (or first in its round).
+  order of the units rotates by one per round, so that no row always runs
+  right after the same neighbour (or first in its round). The two rows of a
+  unit (fp16_scaling's clean and overflow steps) always run back to back,
+  in alternating order, so that their per-round ratio compares like with
+  like: with three rows in one rotation the overflow row followed the clean
+  one in two rounds of three, and read 5% slow at 2M/1000 where an A/B
+  alternating test reads 0.995x.
   """
   import jax
-  samples = {r[0]: [] for r in rows}
+  samples = {r[0]: [] for unit in units for r in unit}
   for rnd in range(warmup + repeats):
-    shift = rnd % len(rows)
-    for row in rows[shift:] + rows[:shift]:
-      name, fn, params, state, grads = row
-      t0 = time.perf_counter()
-      for _ in range(inner):
-        params, state = fn(params, state, grads)
-      jax.block_until_ready((params, state))
-      dt = (time.perf_counter() - t0) / inner
-      row[2], row[3] = params, state
-      if rnd >= warmup:
-        samples[name].append(dt)
+    shift = rnd % len(units)
+    for unit in units[shift:] + units[:shift]:
+      for row in (unit if rnd % 2 == 0 else unit[::-1]):
+        name, fn, params, state, grads = row
+        t0 = time.perf_counter()
+        for _ in range(inner):
+          params, state = fn(params, state, grads)
+        jax.block_until_ready((params, state))
+        dt = (time.perf_counter() - t0) / inner
+        row[2], row[3] = params, state
+        if rnd >= warmup:
+          samples[name].append(dt)
   return samples
 
 
@@ -430,12 +437,13 @@ def run_shape(shape_name, n, num_leaves, keys, args):
     t0 = time.perf_counter()
     p, s = jax.block_until_ready(fn(p, s, grads))
     results[key]["load_s"] = time.perf_counter() - t0
-    rows.append([BY_KEY[key].label, fn, p, s, grads])
+    unit = [[BY_KEY[key].label, fn, p, s, grads]]
     if key == "fp16" and not args.no_overflow:
       p = copy_tree(params)
-      rows.append([OVERFLOW_ROW, fn, p, init(p), grads_overflow])
-  print(f"[{shape_name}] timing {len(rows)} rows x {args.repeats} rounds ...",
-        file=sys.stderr, flush=True)
+      unit.append([OVERFLOW_ROW, fn, p, init(p), grads_overflow])
+    rows.append(unit)
+  print(f"[{shape_name}] timing {sum(map(len, rows))} rows x {args.repeats} "
+        "rounds ...", file=sys.stderr, flush=True)
   samples = time_rows(rows, args.repeats, args.inner, args.warmup)
   jax.clear_caches()
   shutil.rmtree(cache_dir, ignore_errors=True)

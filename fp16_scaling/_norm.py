@@ -54,7 +54,7 @@ def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
 
 def _squares(x: jax.Array) -> jax.Array:
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  return jnp.where(jnp.isfinite(x), x * x, jnp.nan)
+  return lax.select(lax.is_finite(x), x * x, lax.full_like(x, jnp.nan))
 
 
 def leaf_sums(leaves: Sequence[jax.Array]) -> list:
