@@ -157,6 +157,67 @@ class Step(NamedTuple):
     params: list  # float32 master parameters after the step (np.float32 arrays, shapes of params0)
 
 
+def random_gradient_sequence(rng, shapes, steps, *, log10_range, bad_rate, bad_values):
+    """Unscaled float32 gradients for ``steps`` steps: each step draws a magnitude ``10**u``,
+    ``u`` uniform over ``log10_range``, and each leaf a further factor in [0.1, 10]; on about
+    ``bad_rate`` of the steps one random element of one random leaf becomes a value drawn from
+    ``bad_values`` (NaN, +inf, -inf). Returns the sequence and the indices of those steps."""
+    seq, bad_steps = [], []
+    for t in range(steps):
+        magnitude = 10 ** rng.uniform(*log10_range)
+        grads = [(rng.standard_normal(s) * magnitude * 10 ** rng.uniform(-1, 1)).astype(np.float32)
+                 for s in shapes]
+        if rng.random() < bad_rate:
+            leaf = grads[rng.integers(len(grads))]
+            value = bad_values[0] if len(bad_values) == 1 else rng.choice(bad_values)
+            leaf.reshape(-1)[rng.integers(leaf.size)] = value
+            bad_steps.append(t)
+        seq.append(grads)
+    return seq, bad_steps
+
+
+def scan_steps(tx, params, state, grads, given=None):
+    """Runs the guarded chain ``tx`` over gradients stacked along axis 0, in one jitted ``lax.scan``.
+
+    With ``given`` (parameters stacked the same way), step t starts from ``given[t]`` instead of the
+    previous step's parameters. Returns numpy arrays per step: params (list), scale before,
+    prev_loss_scale, loss_scale, overflow, grad_norm.
+    """
+    import jax
+    import optax
+    import fp16_scaling as fs
+
+    @jax.jit
+    def run(params, state, grads, given):
+        def step(carry, xs):
+            params, state = carry
+            g, start = xs
+            if start is not None:
+                params = start
+            before = fs.current_scale(state)
+            updates, state = tx.update(list(g), state, params)
+            params = optax.apply_updates(params, updates)
+            m = fs.scale_metrics(state)
+            return (params, state), (params, before, m["prev_loss_scale"], m["loss_scale"], m["overflow"],
+                                     m["grad_norm"])
+
+        return jax.lax.scan(step, (params, state), (grads, given))[1]
+
+    return jax.tree.map(np.asarray, run(params, state, grads, given))
+
+
+def assert_same_skips_and_scales(records, overflow, before, prev, after):
+    """Step by step against a peer run's records: the skip decision, the scale before the step,
+    the scale the gradients were made with (the peer's scale before), the scale after. Returns
+    the peer's skip mask."""
+    skipped = np.array([r.skipped for r in records])
+    np.testing.assert_array_equal(overflow, skipped, err_msg="skip decisions")
+    np.testing.assert_array_equal(before, [r.scale_before for r in records], err_msg="scale before the step")
+    np.testing.assert_array_equal(prev, [r.scale_before for r in records], err_msg="scale the grads were made with")
+    np.testing.assert_array_equal(after, [r.scale_after for r in records], err_msg="scale after the step")
+    return skipped
+
+
 def _present(grads, scale, scaled, dtype):
     with np.errstate(over="ignore", invalid="ignore"):
         if scaled:

@@ -72,17 +72,8 @@ def _gradient_sequence(rng):
     """Unscaled gradients spanning the float16 range at the scales the run reaches (about 2**11 to
     2**15): magnitudes from 1e-6 (many elements underflow to fp16 subnormals or zero) up to where
     ``g * scale`` passes 65504 and the cast overflows; NaN in a random leaf on ~4% of the steps."""
-    seq, nan_steps = [], []
-    for t in range(STEPS):
-        magnitude = 10 ** rng.uniform(-6, 1)
-        grads = [(rng.standard_normal(s) * magnitude * 10 ** rng.uniform(-1, 1)).astype(np.float32)
-                 for s in SHAPES]
-        if rng.random() < NAN_RATE:
-            leaf = grads[rng.integers(len(grads))]
-            leaf.reshape(-1)[rng.integers(leaf.size)] = np.nan
-            nan_steps.append(t)
-        seq.append(grads)
-    return seq, nan_steps
+    return peers.random_gradient_sequence(rng, SHAPES, STEPS, log10_range=(-6, 1), bad_rate=NAN_RATE,
+                                          bad_values=[np.nan])
 
 
 def _optax_optimizer(name):
@@ -111,30 +102,13 @@ def replay(optimizer, params0, records, scaler, clip):
     grads = [jnp.asarray(np.stack([r.grads[i] for r in records])) for i in range(len(params0))]
     assert all(g.dtype == jnp.float16 for g in grads)
 
-    @jax.jit
-    def run(params, state, grads):
-        def step(carry, g):
-            params, state = carry
-            before = fs.current_scale(state)
-            updates, state = tx.update(list(g), state, params)
-            params = optax.apply_updates(params, updates)
-            m = fs.scale_metrics(state)
-            return (params, state), (params, before, m["prev_loss_scale"], m["loss_scale"], m["overflow"],
-                                     m["grad_norm"])
-
-        return jax.lax.scan(step, (params, state), grads)[1]
-
-    return jax.tree.map(np.asarray, run(params, state, grads))
+    return peers.scan_steps(tx, params, state, grads)
 
 
 def assert_same_steps(records, ours, clip):
     """Every step: skip, scales, reported norm, master parameters. Returns event counts."""
     params, before, prev, after, overflow, norm = ours
-    skipped = np.array([r.skipped for r in records])
-    np.testing.assert_array_equal(overflow, skipped, err_msg="skip decisions")
-    np.testing.assert_array_equal(before, [r.scale_before for r in records], err_msg="scale before the step")
-    np.testing.assert_array_equal(prev, [r.scale_before for r in records], err_msg="scale the grads were made with")
-    np.testing.assert_array_equal(after, [r.scale_after for r in records], err_msg="scale after the step")
+    skipped = peers.assert_same_skips_and_scales(records, overflow, before, prev, after)
     peer_norm = np.array([r.norm for r in records])
     assert np.isinf(peer_norm[skipped]).all() and np.isnan(norm[skipped]).all()
     np.testing.assert_allclose(norm[~skipped], peer_norm[~skipped], rtol=NORM_RTOL, err_msg="reported norm")

@@ -61,17 +61,8 @@ SCALERS = {
 def _gradient_sequence(rng):
     """Unscaled gradients with magnitudes over nine decades; on OVERFLOW_RATE of the steps a NaN,
     +inf or -inf in a random element of a random leaf."""
-    seq, bad_steps = [], []
-    for t in range(STEPS):
-        magnitude = 10 ** rng.uniform(-6, 1.5)
-        grads = [(rng.standard_normal(s) * magnitude * 10 ** rng.uniform(-1, 1)).astype(np.float32)
-                 for s in SHAPES]
-        if rng.random() < OVERFLOW_RATE:
-            leaf = grads[rng.integers(len(grads))]
-            leaf.reshape(-1)[rng.integers(leaf.size)] = rng.choice([np.nan, np.inf, -np.inf])
-            bad_steps.append(t)
-        seq.append(grads)
-    return seq, bad_steps
+    return peers.random_gradient_sequence(rng, SHAPES, STEPS, log10_range=(-6, 1.5),
+                                          bad_rate=OVERFLOW_RATE, bad_values=[np.nan, np.inf, -np.inf])
 
 
 def replay(optimizer, params0, records, scaler, max_norm, *, follow_peer):
@@ -91,23 +82,7 @@ def replay(optimizer, params0, records, scaler, max_norm, *, follow_peer):
     assert all(g.dtype == jnp.float32 for g in grads)
     peer_before = [jnp.asarray(np.stack([p] + [r.params[i] for r in records[:-1]])) for i, p in enumerate(params0)]
 
-    @jax.jit
-    def run(params, state, grads, peer_before):
-        def step(carry, xs):
-            params, state = carry
-            g, given = xs
-            if follow_peer:
-                params = given
-            before = fs.current_scale(state)
-            updates, state = tx.update(list(g), state, params)
-            params = optax.apply_updates(params, updates)
-            m = fs.scale_metrics(state)
-            return (params, state), (params, before, m["prev_loss_scale"], m["loss_scale"], m["overflow"],
-                                     m["grad_norm"])
-
-        return jax.lax.scan(step, (params, state), (grads, peer_before))[1]
-
-    return jax.tree.map(np.asarray, run(params, tx.init(params), grads, peer_before))
+    return peers.scan_steps(tx, params, tx.init(params), grads, peer_before if follow_peer else None)
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALERS))
@@ -123,11 +98,7 @@ def test_whole_steps_match_torch_amp(optimizer, follow_peer, scaling):
     params, before, prev, after, overflow, norm = replay(optimizer, params0, records, fs.torch_scaler(**cfg),
                                                          MAX_NORM, follow_peer=follow_peer)
 
-    skipped = np.array([r.skipped for r in records])
-    np.testing.assert_array_equal(overflow, skipped, err_msg="skip decisions")
-    np.testing.assert_array_equal(before, [r.scale_before for r in records], err_msg="scale before the step")
-    np.testing.assert_array_equal(prev, [r.scale_before for r in records], err_msg="scale the grads were made with")
-    np.testing.assert_array_equal(after, [r.scale_after for r in records], err_msg="scale after the step")
+    skipped = peers.assert_same_skips_and_scales(records, overflow, before, prev, after)
     peer_norm = np.array([r.norm for r in records])
     assert not np.isfinite(peer_norm[skipped]).any() and np.isnan(norm[skipped]).all()
     np.testing.assert_allclose(norm[~skipped], peer_norm[~skipped], rtol=NORM_RTOL, err_msg="reported norm")

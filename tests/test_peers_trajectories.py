@@ -325,6 +325,20 @@ def _report(name, tally):
     print(f"\n{name}: {CONFIGS} configs x {SEQUENCES} sequences x {STEPS} steps: {tally}")
 
 
+def _compare_all(name, cfgs, flags, scales, trajectory, clamped, also=None):
+    """Compares every (config, sequence) of ``scales`` with the peer's ``trajectory``; ``also``
+    runs further per-sequence checks. Returns the tally, already reported."""
+    tally = _tally()
+    for i, cfg in enumerate(cfgs):
+        for j in range(SEQUENCES):
+            raw = trajectory(flags[i, j], **cfg)
+            _compare(name, i, j, cfg, flags[i, j], scales[i, j], raw, clamped, tally)
+            if also is not None:
+                also(i, j, cfg, tally)
+    _report(name, tally)
+    return tally
+
+
 # ---------------------------------------------------------------------------------------------------
 # Random sequences.
 
@@ -335,17 +349,15 @@ def test_deepspeed_trajectories_match_dynamic_loss_scaler():
     flags = np.stack([_overflows(rng, lambda: _deepspeed_peer(c), c["init_scale"]) for c in cfgs])
     scalers = [fs.deepspeed_scaler(**c, raise_error_at_min_scale=True) for c in cfgs]
     scales, errors = ours(scalers, flags)
-    tally = _tally()
-    tally["raises at the floor"] = 0
-    for i, cfg in enumerate(cfgs):
-        for j in range(SEQUENCES):
-            raw = peers.ds_loss_scaler_trajectory(flags[i, j], **cfg)
-            _compare("deepspeed", i, j, cfg, flags[i, j], scales[i, j], raw, _deepspeed_clamped, tally)
-            raises = _deepspeed_raises(flags[i, j], cfg)
-            np.testing.assert_array_equal(errors[i, j], raises,
-                                          err_msg=f"deepspeed config {i} sequence {j}: min_scale_errors")
-            tally["raises at the floor"] += raises[-1]
-    _report("deepspeed", tally)
+
+    def check_raises(i, j, cfg, tally):
+        raises = _deepspeed_raises(flags[i, j], cfg)
+        np.testing.assert_array_equal(errors[i, j], raises,
+                                      err_msg=f"deepspeed config {i} sequence {j}: min_scale_errors")
+        tally["raises at the floor"] = tally.get("raises at the floor", 0) + raises[-1]
+
+    tally = _compare_all("deepspeed", cfgs, flags, scales, peers.ds_loss_scaler_trajectory,
+                         _deepspeed_clamped, also=check_raises)
     assert tally["steps_vs_raw_peer"] == tally["steps"], tally  # the ceiling keeps it in float32
     for event in ("growths", "back-offs", "hysteresis absorptions", "back-offs onto the floor",
                   "back-offs clamped by the floor", "raises at the floor"):
@@ -357,12 +369,8 @@ def test_torch_trajectories_match_grad_scaler_update():
     cfgs = _torch_configs(rng)
     flags = np.stack([_overflows(rng, lambda: _torch_peer(c), c["init_scale"]) for c in cfgs])
     scales, _ = ours([fs.torch_scaler(**c) for c in cfgs], flags)
-    tally = _tally()
-    for i, cfg in enumerate(cfgs):
-        for j in range(SEQUENCES):
-            raw = peers.torch_scaler_trajectory_fast(flags[i, j], **cfg)
-            _compare("torch", i, j, cfg, flags[i, j], scales[i, j], raw, _torch_clamped, tally)
-    _report("torch", tally)
+    tally = _compare_all("torch", cfgs, flags, scales, peers.torch_scaler_trajectory_fast,
+                         _torch_clamped)
     # Without a floor, NaN-heavy sequences (p near 0.5, long intervals) sink torch's scale below the
     # normals within a few hundred steps: departures, compared with the clamped torch from there on.
     assert tally["steps_vs_raw_peer"] >= 0.7 * tally["steps"], tally
@@ -376,12 +384,8 @@ def test_megatron_trajectories_match_dynamic_grad_scaler():
     cfgs = _megatron_configs(rng)
     flags = np.stack([_overflows(rng, lambda: _megatron_peer(c), c["initial_scale"]) for c in cfgs])
     scales, _ = ours([fs.megatron_scaler(**c) for c in cfgs], flags)
-    tally = _tally()
-    for i, cfg in enumerate(cfgs):
-        for j in range(SEQUENCES):
-            raw = peers.megatron_scaler_trajectory(flags[i, j], **cfg)
-            _compare("megatron", i, j, cfg, flags[i, j], scales[i, j], raw, _megatron_clamped, tally)
-    _report("megatron", tally)
+    tally = _compare_all("megatron", cfgs, flags, scales, peers.megatron_scaler_trajectory,
+                         _megatron_clamped)
     assert tally["steps_vs_raw_peer"] == tally["steps"], tally  # the ceiling keeps it in float32
     for event in ("growths", "back-offs", "hysteresis absorptions", "back-offs onto the floor",
                   "back-offs clamped by the floor"):
