@@ -10,7 +10,8 @@ shows each extra pass over memory: a ``copy`` of an optimizer moment, a second
 read of the gradients, a materialized intermediate.
 
   python benchmarks/hlo_traffic.py /tmp/hlo/fp16_20M_200.hlo.txt --params 20e6
-  python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --params 20e6  # side by side
+  python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --params 20e6  # side by
+  side
 """
 
 import argparse
@@ -19,13 +20,35 @@ import re
 import sys
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
 }
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
-         "opt-barrier", "after-all", "partition-id", "replica-id"}
+_INSTR = re.compile(
+  r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$"
+)
+_FREE = {
+  "parameter",
+  "constant",
+  "tuple",
+  "get-tuple-element",
+  "bitcast",
+  "opt-barrier",
+  "after-all",
+  "partition-id",
+  "replica-id",
+}
 
 
 def shape_bytes(text):
@@ -60,9 +83,10 @@ def stem(name):
 
 
 _CALLED = re.compile(
-    r"(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+)|"
-    r"false_computation=%([\w.\-]+)|body=%([\w.\-]+)|"
-    r"condition=%([\w.\-]+))")
+  r"(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+)|"
+  r"false_computation=%([\w.\-]+)|body=%([\w.\-]+)|"
+  r"condition=%([\w.\-]+))"
+)
 
 
 def breakdown(hlo):
@@ -85,8 +109,13 @@ def breakdown(hlo):
       if op in _FREE:
         continue
       if op in ("conditional", "while", "call"):
-        called = [n for g in _CALLED.findall(rest) for part in g if part
-                  for n in re.findall(r"[\w.\-]+", part)]
+        called = [
+          n
+          for g in _CALLED.findall(rest)
+          for part in g
+          if part
+          for n in re.findall(r"[\w.\-]+", part)
+        ]
         if op == "call":
           called = re.findall(r"to_apply=%([\w.\-]+)", rest)
         subs = []
@@ -114,13 +143,22 @@ def breakdown(hlo):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("hlo", nargs="+", help="optimized HLO text files")
-  p.add_argument("--params", type=float, default=1.0,
-                 help="divide bytes by this (the parameter count) for B/param")
-  p.add_argument("--min", type=float, default=0.05,
-                 help="hide groups below this many B/param (default 0.05)")
+  p.add_argument(
+    "--params",
+    type=float,
+    default=1.0,
+    help="divide bytes by this (the parameter count) for B/param",
+  )
+  p.add_argument(
+    "--min",
+    type=float,
+    default=0.05,
+    help="hide groups below this many B/param (default 0.05)",
+  )
   args = p.parse_args(argv)
   tables = [breakdown(open(f).read()) for f in args.hlo]
   keys = []
@@ -130,8 +168,9 @@ def main(argv=None):
   names = [f.split("/")[-1] for f in args.hlo]
   if len(set(names)) < len(names):  # same file name: add the folder
     names = ["/".join(f.split("/")[-2:]) for f in args.hlo]
-  print("| instructions | " + " | ".join(f"{n} (n, {unit})" for n in names)
-        + " |")
+  print(
+    "| instructions | " + " | ".join(f"{n} (n, {unit})" for n in names) + " |"
+  )
   print("|---|" + "---:|" * len(args.hlo))
   totals = [0.0] * len(tables)
   for k in keys:

@@ -23,8 +23,8 @@ recipe alike) and XLA's ``bytes accessed`` of the compiled step, the
 proxy for memory traffic of a memory-bound step; each also as a ratio to (a).
 Targets are judged on per-round paired ratios.
 
-  python benchmarks/step_cost.py                   # 20M/200 and 2M/1000
-  python benchmarks/step_cost.py --shape 20M/200 --repeats 40 --compile-repeats 3
+  python benchmarks/step_cost.py                   # 20M/200 and 2M/1000 python
+  benchmarks/step_cost.py --shape 20M/200 --repeats 40 --compile-repeats 3
   python benchmarks/step_cost.py --tiny            # seconds; the smoke test
 """
 
@@ -52,8 +52,11 @@ WEIGHT_DECAY = 1e-4
 MAX_NORM = 1.0
 LOSS_SCALE = 2.0**16  # the initial (or static) scale of every scaled recipe
 
-SHAPES = {"20M/200": (20_000_000, 200), "2M/1000": (2_000_000, 1000),
-          "tiny": (4_096, 8)}
+SHAPES = {
+  "20M/200": (20_000_000, 200),
+  "2M/1000": (2_000_000, 1000),
+  "tiny": (4_096, 8),
+}
 DEFAULT_SHAPES = ("20M/200", "2M/1000")
 
 
@@ -65,12 +68,12 @@ class Recipe:
 
 
 RECIPES = (
-    Recipe("floor", "a. optax clip + adamw, no scaling (floor)", ""),
-    Recipe("fp16", "b. fp16_scaling", ""),
-    Recipe("fp16_expert", "b. fp16_scaling, expert mask", ""),
-    Recipe("jmp", "c. jmp DynamicLossScale + select_tree", "jmp"),
-    Recipe("apply_if_finite", "d. optax.apply_if_finite, static scale", ""),
-    Recipe("flax", "e. flax DynamicScale + jnp.where", "flax"),
+  Recipe("floor", "a. optax clip + adamw, no scaling (floor)", ""),
+  Recipe("fp16", "b. fp16_scaling", ""),
+  Recipe("fp16_expert", "b. fp16_scaling, expert mask", ""),
+  Recipe("jmp", "c. jmp DynamicLossScale + select_tree", "jmp"),
+  Recipe("apply_if_finite", "d. optax.apply_if_finite, static scale", ""),
+  Recipe("flax", "e. flax DynamicScale + jnp.where", "flax"),
 )
 BY_KEY = {r.key: r for r in RECIPES}
 OVERFLOW_ROW = "b. fp16_scaling, overflow step"
@@ -87,8 +90,9 @@ def parse_shape(text):
     leaves = int(leaves)
   except ValueError:
     raise argparse.ArgumentTypeError(
-        f"shape must be PARAMS/LEAVES like 20M/200, or one of {list(SHAPES)}; "
-        f"got {text!r}") from None
+      f"shape must be PARAMS/LEAVES like 20M/200, or one of {list(SHAPES)}; "
+      f"got {text!r}"
+    ) from None
   if leaves < 1 or n < leaves:
     raise argparse.ArgumentTypeError(f"need 1 <= leaves <= params: {text!r}")
   return text, (n, leaves)
@@ -112,8 +116,10 @@ def build(key, num_leaves):
   f32 = jnp.float32
 
   def clip_adamw():
-    return optax.chain(optax.clip_by_global_norm(MAX_NORM),
-                       optax.adamw(LR, weight_decay=WEIGHT_DECAY))
+    return optax.chain(
+      optax.clip_by_global_norm(MAX_NORM),
+      optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+    )
 
   def to_f32(grads):
     return jax.tree.map(lambda g: g.astype(f32), grads)
@@ -129,13 +135,17 @@ def build(key, num_leaves):
 
   if key in ("fp16", "fp16_expert"):
     import fp16_scaling as fs
-    mask = ([i % 2 == 1 for i in range(num_leaves)]
-            if key == "fp16_expert" else None)
-    tx = fs.skip_on_overflow(optax.chain(
+
+    mask = (
+      [i % 2 == 1 for i in range(num_leaves)] if key == "fp16_expert" else None
+    )
+    tx = fs.skip_on_overflow(
+      optax.chain(
         fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=LOSS_SCALE)),
         fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
         optax.adamw(LR, weight_decay=WEIGHT_DECAY),
-    ))
+      )
+    )
 
     def step(params, state, grads):
       updates, state = tx.update(grads, state, params)
@@ -145,14 +155,17 @@ def build(key, num_leaves):
 
   if key == "jmp":
     import jmp
+
     tx = clip_adamw()
 
     # The loss scale travels as its two arrays: jmp's DynamicLossScale pytree
     # validates its leaves on unflatten and so cannot be an argument of
     # ``jit(...).lower`` in current JAX; it is rebuilt inside the step.
     def init(params):
-      return tx.init(params), (jnp.asarray(LOSS_SCALE, f32),
-                               jnp.zeros([], jnp.int32))
+      return tx.init(params), (
+        jnp.asarray(LOSS_SCALE, f32),
+        jnp.zeros([], jnp.int32),
+      )
 
     def step(params, state, grads):
       opt_state, (scale, counter) = state
@@ -163,7 +176,8 @@ def build(key, num_leaves):
       updates, new_opt_state = tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
       params, opt_state = jmp.select_tree(
-          grads_finite, (new_params, new_opt_state), (params, opt_state))
+        grads_finite, (new_params, new_opt_state), (params, opt_state)
+      )
       return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
 
     return init, step
@@ -181,6 +195,7 @@ def build(key, num_leaves):
 
   if key == "flax":
     from flax.training.dynamic_scale import DynamicScale
+
     tx = clip_adamw()
 
     # DynamicScale.value_and_grad differentiates ``scale * loss``. Its
@@ -195,13 +210,15 @@ def build(key, num_leaves):
     present.defvjp(lambda g: (jnp.zeros([], f32), g), lambda g, ct: (g,))
 
     def init(params):
-      return tx.init(params), DynamicScale(fin_steps=jnp.zeros([], jnp.int32),
-                                           scale=jnp.asarray(LOSS_SCALE, f32))
+      return tx.init(params), DynamicScale(
+        fin_steps=jnp.zeros([], jnp.int32), scale=jnp.asarray(LOSS_SCALE, f32)
+      )
 
     def step(params, state, grads):
       opt_state, dynamic_scale = state
       dynamic_scale, is_fin, _, grads = dynamic_scale.value_and_grad(present)(
-          grads)
+        grads
+      )
       updates, new_opt_state = tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
       select = functools.partial(jnp.where, is_fin)  # as Flax's examples do
@@ -218,12 +235,17 @@ def make_inputs(n, num_leaves, seed=0):
   """float32 params and two float16 gradient trees: clean and one inf."""
   import jax
   import jax.numpy as jnp
+
   sizes = leaf_sizes(n, num_leaves)
   keys = jax.random.split(jax.random.PRNGKey(seed), 2 * num_leaves)
-  params = [0.02 * jax.random.normal(keys[i], (s,), jnp.float32)
-            for i, s in enumerate(sizes)]
-  grads = [jax.random.normal(keys[num_leaves + i], (s,), jnp.float16)
-           for i, s in enumerate(sizes)]
+  params = [
+    0.02 * jax.random.normal(keys[i], (s,), jnp.float32)
+    for i, s in enumerate(sizes)
+  ]
+  grads = [
+    jax.random.normal(keys[num_leaves + i], (s,), jnp.float16)
+    for i, s in enumerate(sizes)
+  ]
   overflow = list(grads)
   overflow[0] = overflow[0].at[0].set(jnp.inf)
   return params, grads, overflow
@@ -232,17 +254,20 @@ def make_inputs(n, num_leaves, seed=0):
 def copy_tree(tree):
   import jax
   import jax.numpy as jnp
+
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 def jitted(key, num_leaves):
   import jax
+
   init, step = build(key, num_leaves)
   return init, jax.jit(step, donate_argnums=(0, 1))
 
 
 def configure_cache(cache_dir):
   import jax
+
   jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -257,6 +282,7 @@ def configure_cache(cache_dir):
 def worker(args):
   configure_cache(args.cache_dir)
   import jax
+
   _, (n, num_leaves) = parse_shape(args.shape)
   init, step = jitted(args.worker, num_leaves)
   params, grads, _ = make_inputs(n, num_leaves)
@@ -276,21 +302,36 @@ def worker(args):
     name = f"{args.worker}_{args.shape.replace('/', '_')}.hlo.txt"
     with open(os.path.join(args.dump_hlo, name), "w") as f:
       f.write(compiled.as_text())
-  print("RESULT " + json.dumps(dict(
-      lower_s=t1 - t0, compile_s=t2 - t1,
-      bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
-      flops=float(cost.get("flops", float("nan"))))), flush=True)
+  print(
+    "RESULT "
+    + json.dumps(
+      dict(
+        lower_s=t1 - t0,
+        compile_s=t2 - t1,
+        bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
+        flops=float(cost.get("flops", float("nan"))),
+      )
+    ),
+    flush=True,
+  )
 
 
 def compile_in_worker(key, shape, cache_dir, budget, dump_hlo, startup_s=300):
   """Cold compile of one recipe in a subprocess; None when past the budget."""
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", key,
-         "--shape", shape, "--cache-dir", cache_dir]
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--worker",
+    key,
+    "--shape",
+    shape,
+    "--cache-dir",
+    cache_dir,
+  ]
   if dump_hlo:
     cmd += ["--dump-hlo", dump_hlo]
   with tempfile.TemporaryFile() as err:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err,
-                            bufsize=0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, bufsize=0)
     lines = _Lines(proc.stdout)
 
     def failure(what):
@@ -308,7 +349,7 @@ def compile_in_worker(key, shape, cache_dir, budget, dump_hlo, startup_s=300):
         return None
       if line is None:
         raise failure("failed")
-      return json.loads(line[len("RESULT "):])
+      return json.loads(line[len("RESULT ") :])
     finally:
       if proc.poll() is None:
         proc.kill()
@@ -362,11 +403,12 @@ def time_rows(units, repeats, inner, warmup):
   alternating test reads 0.995x.
   """
   import jax
+
   samples = {r[0]: [] for unit in units for r in unit}
   for rnd in range(warmup + repeats):
     shift = rnd % len(units)
     for unit in units[shift:] + units[:shift]:
-      for row in (unit if rnd % 2 == 0 else unit[::-1]):
+      for row in unit if rnd % 2 == 0 else unit[::-1]:
         name, fn, params, state, grads = row
         t0 = time.perf_counter()
         for _ in range(inner):
@@ -381,6 +423,7 @@ def time_rows(units, repeats, inner, warmup):
 
 def run_shape(shape_name, n, num_leaves, keys, args):
   import jax
+
   cache_dir = tempfile.mkdtemp(prefix="step_cost_cache_")
   configure_cache(cache_dir)
   results = {}
@@ -401,8 +444,9 @@ def run_shape(shape_name, n, num_leaves, keys, args):
       # is the one this process then loads the executable from.
       scratch = cache_dir if first else tempfile.mkdtemp(prefix="step_cost_")
       try:
-        res = compile_in_worker(key, shape_arg, scratch, args.budget,
-                                args.dump_hlo if first else None)
+        res = compile_in_worker(
+          key, shape_arg, scratch, args.budget, args.dump_hlo if first else None
+        )
       finally:
         if not first:
           shutil.rmtree(scratch, ignore_errors=True)
@@ -413,16 +457,24 @@ def run_shape(shape_name, n, num_leaves, keys, args):
         break  # a slow compile is not worth repeating: one cold number
     if res is None:
       results[key] = dict(status=f"> budget ({args.budget:g} s)")
-      print(f"[{shape_name}]   {key}: compile > {args.budget:g} s, killed",
-            file=sys.stderr, flush=True)
+      print(
+        f"[{shape_name}]   {key}: compile > {args.budget:g} s, killed",
+        file=sys.stderr,
+        flush=True,
+      )
       continue
     totals = [a["lower_s"] + a["compile_s"] for a in attempts]
     res = dict(attempts[totals.index(_median_low(totals))])
     res["compile_attempts_s"] = totals
     res["status"] = "ok"
     results[key] = res
-    print(f"[{shape_name}]   {key}: " + ", ".join(f"{t:.1f}" for t in totals)
-          + " s", file=sys.stderr, flush=True)
+    print(
+      f"[{shape_name}]   {key}: "
+      + ", ".join(f"{t:.1f}" for t in totals)
+      + " s",
+      file=sys.stderr,
+      flush=True,
+    )
 
   params, grads, grads_overflow = make_inputs(n, num_leaves)
   rows = []
@@ -442,8 +494,12 @@ def run_shape(shape_name, n, num_leaves, keys, args):
       p = copy_tree(params)
       unit.append([OVERFLOW_ROW, fn, p, init(p), grads_overflow])
     rows.append(unit)
-  print(f"[{shape_name}] timing {sum(map(len, rows))} rows x {args.repeats} "
-        "rounds ...", file=sys.stderr, flush=True)
+  print(
+    f"[{shape_name}] timing {sum(map(len, rows))} rows x {args.repeats} "
+    "rounds ...",
+    file=sys.stderr,
+    flush=True,
+  )
   samples = time_rows(rows, args.repeats, args.inner, args.warmup)
   jax.clear_caches()
   shutil.rmtree(cache_dir, ignore_errors=True)
@@ -469,12 +525,12 @@ def table(shape_name, n, num_leaves, keys, results, samples):
   base_compile = (floor["lower_s"] + floor["compile_s"]) if floor_ok else None
   base_bytes = floor.get("bytes_accessed") if floor_ok else None
   lines = [
-      f"Shape {shape_name}: {n:,} float32 params in {num_leaves} leaves, "
-      "float16 grads",
-      "",
-      "| recipe | compile s | vs a | step ms (median) | vs a | "
-      "bytes accessed | B/param | vs a |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|",
+    f"Shape {shape_name}: {n:,} float32 params in {num_leaves} leaves, "
+    "float16 grads",
+    "",
+    "| recipe | compile s | vs a | step ms (median) | vs a | "
+    "bytes accessed | B/param | vs a |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   record = dict(shape=shape_name, params=n, leaves=num_leaves, rows={})
   names = []
@@ -493,48 +549,58 @@ def table(shape_name, n, num_leaves, keys, results, samples):
     compile_s = res["lower_s"] + res["compile_s"]
     b = res["bytes_accessed"]
     cells = [
-        name,
-        "(same executable)" if same else f"{compile_s:.2f}",
-        "" if same else fmt_ratio(compile_s, base_compile),
-        f"{step * 1e3:.3f}" if step is not None else "–",
-        fmt_ratio(step, base_step),
-        "" if same else f"{b:,.0f}",
-        "" if same else f"{b / n:.1f}",
-        "" if same else fmt_ratio(b, base_bytes),
+      name,
+      "(same executable)" if same else f"{compile_s:.2f}",
+      "" if same else fmt_ratio(compile_s, base_compile),
+      f"{step * 1e3:.3f}" if step is not None else "–",
+      fmt_ratio(step, base_step),
+      "" if same else f"{b:,.0f}",
+      "" if same else f"{b / n:.1f}",
+      "" if same else fmt_ratio(b, base_bytes),
     ]
     lines.append("| " + " | ".join(cells) + " |")
     spread = samples.get(name, [])
     record["rows"][name] = dict(
-        status="ok", lower_s=res["lower_s"], compile_s=res["compile_s"],
-        compile_attempts_s=res.get("compile_attempts_s"),
-        first_call_s=res.get("load_s"),
-        step_s_median=step,
-        step_s_p10=_quantile(spread, 0.1), step_s_p90=_quantile(spread, 0.9),
-        step_s_samples=spread,
-        bytes_accessed=b, flops=res["flops"])
+      status="ok",
+      lower_s=res["lower_s"],
+      compile_s=res["compile_s"],
+      compile_attempts_s=res.get("compile_attempts_s"),
+      first_call_s=res.get("load_s"),
+      step_s_median=step,
+      step_s_p10=_quantile(spread, 0.1),
+      step_s_p90=_quantile(spread, 0.9),
+      step_s_samples=spread,
+      bytes_accessed=b,
+      flops=res["flops"],
+    )
 
   notes = []
   floor_label = BY_KEY["floor"].label
   if samples.get(OVERFLOW_ROW) and samples.get(BY_KEY["fp16"].label):
     ratios = _paired(samples[OVERFLOW_ROW], samples[BY_KEY["fp16"].label])
-    notes.append("fp16_scaling overflow step / clean step, per round: "
-                 + _verdict(ratios, 1.0))
+    notes.append(
+      "fp16_scaling overflow step / clean step, per round: "
+      + _verdict(ratios, 1.0)
+    )
   if floor_ok:
     for key in ("fp16", "fp16_expert"):
       row = record["rows"].get(BY_KEY[key].label, {})
       if row.get("status") != "ok":
         if key in results:
-          notes.append(f"{BY_KEY[key].label}: {results[key]['status']}: "
-                       "MISS (compile target 1.5x)")
+          notes.append(
+            f"{BY_KEY[key].label}: {results[key]['status']}: "
+            "MISS (compile target 1.5x)"
+          )
         continue
       wall = _paired(samples[BY_KEY[key].label], samples[floor_label])
       b = row["bytes_accessed"] / base_bytes
       c = (row["lower_s"] + row["compile_s"]) / base_compile
       notes.append(
-          f"{BY_KEY[key].label} vs targets: wall per round "
-          f"{_verdict(wall, 1.03)}; bytes {b:.3f}x "
-          f"{'ok' if b <= 1.0005 else 'MISS'} (<= 1.0x); compile {c:.3f}x "
-          f"{'ok' if c <= 1.5005 else 'MISS'} (<= 1.5x)")
+        f"{BY_KEY[key].label} vs targets: wall per round "
+        f"{_verdict(wall, 1.03)}; bytes {b:.3f}x "
+        f"{'ok' if b <= 1.0005 else 'MISS'} (<= 1.0x); compile {c:.3f}x "
+        f"{'ok' if c <= 1.5005 else 'MISS'} (<= 1.5x)"
+      )
   lines += [""] + [f"- {x}" for x in notes]
   return "\n".join(lines), record
 
@@ -551,8 +617,13 @@ def _verdict(ratios, limit):
   is above it, 'within noise' otherwise."""
   med = statistics.median(ratios)
   lo, hi = _quantile(ratios, 0.25), _quantile(ratios, 0.75)
-  verdict = ("ok" if med <= limit + 5e-4 else
-             "MISS" if lo > limit + 5e-4 else "within noise, above")
+  verdict = (
+    "ok"
+    if med <= limit + 5e-4
+    else "MISS"
+    if lo > limit + 5e-4
+    else "within noise, above"
+  )
   return f"{med:.3f}x [{lo:.3f}x, {hi:.3f}x] {verdict} (<= {limit}x)"
 
 
@@ -565,41 +636,77 @@ def _quantile(values, q):
 
 def machine():
   import jax
+
   dev = jax.devices()[0]
-  return (f"jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"device {dev.device_kind}, {os.cpu_count()} CPUs, "
-          f"{platform.machine()}, Python {platform.python_version()}")
+  return (
+    f"jax {jax.__version__}, backend {jax.default_backend()}, "
+    f"device {dev.device_kind}, {os.cpu_count()} CPUs, "
+    f"{platform.machine()}, Python {platform.python_version()}"
+  )
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--shape", action="append", type=parse_shape,
-                      help="PARAMS/LEAVES, e.g. 20M/200 (repeatable; default "
-                      "20M/200 and 2M/1000)")
-  parser.add_argument("--tiny", action="store_true",
-                      help=f"the tiny shape {SHAPES['tiny']} (smoke test)")
-  parser.add_argument("--recipes", default=",".join(r.key for r in RECIPES),
-                      help="comma-separated subset of: " +
-                      ", ".join(r.key for r in RECIPES))
-  parser.add_argument("--repeats", type=int, default=30,
-                      help="timed rounds per recipe (default 30)")
-  parser.add_argument("--inner", type=int, default=1,
-                      help="steps per timed sample (default 1; raise it on a "
-                      "GPU, where a step is shorter than its dispatch)")
-  parser.add_argument("--warmup", type=int, default=3,
-                      help="untimed rounds first (default 3)")
-  parser.add_argument("--budget", type=float, default=300.0,
-                      help="seconds a recipe's compile may take before it is "
-                      "killed and reported as '> budget' (default 300)")
-  parser.add_argument("--compile-repeats", type=int, default=1,
-                      help="cold compiles per recipe, each in a fresh worker; "
-                      "the median is reported. A compile longer than a tenth "
-                      "of the budget is not repeated (default 1)")
-  parser.add_argument("--no-overflow", action="store_true",
-                      help="skip the fp16_scaling overflow-step row")
-  parser.add_argument("--dump-hlo", metavar="DIR",
-                      help="write each compiled step's optimized HLO here")
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+    "--shape",
+    action="append",
+    type=parse_shape,
+    help="PARAMS/LEAVES, e.g. 20M/200 (repeatable; default "
+    "20M/200 and 2M/1000)",
+  )
+  parser.add_argument(
+    "--tiny",
+    action="store_true",
+    help=f"the tiny shape {SHAPES['tiny']} (smoke test)",
+  )
+  parser.add_argument(
+    "--recipes",
+    default=",".join(r.key for r in RECIPES),
+    help="comma-separated subset of: " + ", ".join(r.key for r in RECIPES),
+  )
+  parser.add_argument(
+    "--repeats",
+    type=int,
+    default=30,
+    help="timed rounds per recipe (default 30)",
+  )
+  parser.add_argument(
+    "--inner",
+    type=int,
+    default=1,
+    help="steps per timed sample (default 1; raise it on a "
+    "GPU, where a step is shorter than its dispatch)",
+  )
+  parser.add_argument(
+    "--warmup", type=int, default=3, help="untimed rounds first (default 3)"
+  )
+  parser.add_argument(
+    "--budget",
+    type=float,
+    default=300.0,
+    help="seconds a recipe's compile may take before it is "
+    "killed and reported as '> budget' (default 300)",
+  )
+  parser.add_argument(
+    "--compile-repeats",
+    type=int,
+    default=1,
+    help="cold compiles per recipe, each in a fresh worker; "
+    "the median is reported. A compile longer than a tenth "
+    "of the budget is not repeated (default 1)",
+  )
+  parser.add_argument(
+    "--no-overflow",
+    action="store_true",
+    help="skip the fp16_scaling overflow-step row",
+  )
+  parser.add_argument(
+    "--dump-hlo",
+    metavar="DIR",
+    help="write each compiled step's optimized HLO here",
+  )
   parser.add_argument("--json", metavar="PATH", help="write results as JSON")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -624,10 +731,14 @@ def main(argv=None):
   print(f"Machine: {machine()}")
   if os.environ.get("XLA_FLAGS"):
     print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
-  print(f"Command: python benchmarks/step_cost.py "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}")
-  print(f"repeats={args.repeats} inner={args.inner} warmup={args.warmup} "
-        f"budget={args.budget:g}s compile_repeats={args.compile_repeats}")
+  print(
+    f"Command: python benchmarks/step_cost.py "
+    f"{' '.join(argv if argv is not None else sys.argv[1:])}"
+  )
+  print(
+    f"repeats={args.repeats} inner={args.inner} warmup={args.warmup} "
+    f"budget={args.budget:g}s compile_repeats={args.compile_repeats}"
+  )
   records = []
   for shape_name, (n, num_leaves) in shapes:
     results, samples = run_shape(shape_name, n, num_leaves, keys, args)
@@ -637,9 +748,16 @@ def main(argv=None):
     records.append(record)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(machine=machine(), argv=argv or sys.argv[1:],
-                     xla_flags=os.environ.get("XLA_FLAGS", ""),
-                     shapes=records), f, indent=1)
+      json.dump(
+        dict(
+          machine=machine(),
+          argv=argv or sys.argv[1:],
+          xla_flags=os.environ.get("XLA_FLAGS", ""),
+          shapes=records,
+        ),
+        f,
+        indent=1,
+      )
   return 0
 
 

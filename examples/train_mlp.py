@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import matplotlib
+
 matplotlib.use("Agg")  # headless: write the plot to a file
 import matplotlib.pyplot as plt
 import numpy as np
@@ -29,20 +30,26 @@ import fp16_scaling as fs
 
 # The dynamic presets, built from --init-scale and --window.
 PRESETS = {
-    "deepspeed": lambda s, w: fs.deepspeed_scaler(init_scale=s, scale_window=w),
-    "torch": lambda s, w: fs.torch_scaler(init_scale=s, growth_interval=w),
-    "megatron": lambda s, w: fs.megatron_scaler(initial_scale=s, growth_interval=w),
-    "flax": lambda s, w: fs.flax_scaler(scale=s, growth_interval=w),
+  "deepspeed": lambda s, w: fs.deepspeed_scaler(init_scale=s, scale_window=w),
+  "torch": lambda s, w: fs.torch_scaler(init_scale=s, growth_interval=w),
+  "megatron": lambda s, w: fs.megatron_scaler(
+    initial_scale=s, growth_interval=w
+  ),
+  "flax": lambda s, w: fs.flax_scaler(scale=s, growth_interval=w),
 }
 
 
 class MLP(nn.Module):
-  """Parameters are stored in float32; Dense casts them and computes in float16."""
+  """Parameters are stored in float32; Dense casts them and computes in
+  float16.
+  """
 
   @nn.compact
   def __call__(self, x):
     for width in (128, 128):
-      x = nn.relu(nn.Dense(width, dtype=jnp.float16, param_dtype=jnp.float32)(x))
+      x = nn.relu(
+        nn.Dense(width, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+      )
     return nn.Dense(10, dtype=jnp.float16, param_dtype=jnp.float32)(x)
 
 
@@ -58,7 +65,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=1000)
   p.add_argument("--preset", choices=sorted(PRESETS), default="deepspeed")
   p.add_argument("--init-scale", type=float, default=2.0**24)
-  p.add_argument("--window", type=int, default=100, help="clean steps between growths")
+  p.add_argument(
+    "--window", type=int, default=100, help="clean steps between growths"
+  )
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default="examples/train_mlp.png")
@@ -67,21 +76,31 @@ def main(argv=None):
   # Data: pixels 0..16 -> [0, 1], stratified 80/20 split.
   x, y = load_digits(return_X_y=True)
   x_tr, x_te, y_tr, y_te = train_test_split(
-      (x / 16.0).astype(np.float32), y, test_size=0.2, stratify=y, random_state=args.seed)
+    (x / 16.0).astype(np.float32),
+    y,
+    test_size=0.2,
+    stratify=y,
+    random_state=args.seed,
+  )
 
   model = MLP()
-  params = model.init(jax.random.key(args.seed), jnp.zeros((1, 64)))  # float32 masters
-  tx = fs.skip_on_overflow(optax.chain(
+  params = model.init(
+    jax.random.key(args.seed), jnp.zeros((1, 64))
+  )  # float32 masters
+  tx = fs.skip_on_overflow(
+    optax.chain(
       fs.fp16_loss_scale(PRESETS[args.preset](args.init_scale, args.window)),
       fs.clip_by_unscaled_norm(1.0),  # clip by the *unscaled* global norm
       optax.adamw(1e-3, weight_decay=1e-4),
-  ))
+    )
+  )
   opt_state = tx.init(params)
 
   def loss_fn(params, xb, yb):
     logits = model.apply(params, xb.astype(jnp.float16))  # float16 forward
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), yb).mean()  # softmax/CE in float32
+      logits.astype(jnp.float32), yb
+    ).mean()  # softmax/CE in float32
 
   @jax.jit
   def train_step(params, opt_state, xb, yb):
@@ -91,12 +110,17 @@ def main(argv=None):
     # at 2**24 the logits' gradient is already 2**24 / 128 * (p - y), and
     # float16 tops out at 65504 (~2**16).
     scaled_loss, grads = jax.value_and_grad(
-        lambda p: loss_fn(p, xb, yb) * scale)(params)
+      lambda p: loss_fn(p, xb, yb) * scale
+    )(params)
     # Unscale, detect overflow, clip, AdamW. On an overflow the parameters and
     # AdamW's state are left exactly as they were; only the scale moves.
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(fs.scale_metrics(opt_state), loss=scaled_loss / scale)
+    return (
+      params,
+      opt_state,
+      dict(fs.scale_metrics(opt_state), loss=scaled_loss / scale),
+    )
 
   @jax.jit
   def accuracy(params, xs, ys):
@@ -109,36 +133,58 @@ def main(argv=None):
     params, opt_state, m = train_step(params, opt_state, x_tr[idx], y_tr[idx])
     history.append(m)
     if step % 50 == 0:
-      bar.set_postfix(scale=fmt_scale(float(m["loss_scale"])), loss=f"{float(m['loss']):.3f}")
+      bar.set_postfix(
+        scale=fmt_scale(float(m["loss_scale"])), loss=f"{float(m['loss']):.3f}"
+      )
   h = {k: np.stack([m[k] for m in jax.device_get(history)]) for k in history[0]}
 
-  # Scale trajectory: each step whose outcome moved the scale, and the new scale.
-  used, nxt = h["prev_loss_scale"], h["loss_scale"]  # this step's scale, the next's
+  # Scale trajectory: each step whose outcome moved the scale, and the new
+  # scale.
+  used, nxt = (
+    h["prev_loss_scale"],
+    h["loss_scale"],
+  )  # this step's scale, the next's
   changes = [(int(i), float(nxt[i])) for i in np.flatnonzero(nxt != used)]
-  print(f"loss scale from {fmt_scale(args.init_scale)}, step:new scale ->",
-        " ".join(f"{i}:{fmt_scale(s)}" for i, s in changes) or "unchanged")
+  print(
+    f"loss scale from {fmt_scale(args.init_scale)}, step:new scale ->",
+    " ".join(f"{i}:{fmt_scale(s)}" for i, s in changes) or "unchanged",
+  )
   print(f"  {np.sum(nxt < used)} back-offs, {np.sum(nxt > used)} growths")
   skipped = int(h["skipped_steps"][-1])
-  leading = int(np.argmin(h["overflow"])) if not h["overflow"].all() else args.steps
-  print(f"skipped steps: {skipped}/{args.steps}, of which the first {leading} in a row")
+  leading = (
+    int(np.argmin(h["overflow"])) if not h["overflow"].all() else args.steps
+  )
+  print(
+    f"skipped steps: {skipped}/{args.steps}, of which the first {leading} in "
+    f"a row"
+  )
   # The norm is NaN on a skipped step: nanmean over the clean ones.
   last_n = h["grad_norm"][-100:]
-  print(f"true grad norm: last {h['grad_norm'][-1]:.4f}, "
-        f"mean of last {len(last_n)} steps {np.nanmean(last_n):.4f}")
+  print(
+    f"true grad norm: last {h['grad_norm'][-1]:.4f}, "
+    f"mean of last {len(last_n)} steps {np.nanmean(last_n):.4f}"
+  )
   acc = float(accuracy(params, x_te, y_te))
   print(f"final train loss {h['loss'][-1]:.4f}, test accuracy {acc:.4f}")
   if args.preset == "deepspeed":
     fs.raise_if_min_scale_reached(opt_state)  # fail where DeepSpeed would raise
 
-  # Plot: the loss scale each step used (overflows marked) and the true grad norm.
+  # Plot: the loss scale each step used (overflows marked) and the true grad
+  # norm.
   steps = np.arange(args.steps)
   fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(8, 5.5))
   ax1.step(steps, used, where="post", label="loss scale used")
   ovf = h["overflow"]
-  ax1.plot(steps[ovf], used[ovf], "rx", label=f"overflow, step skipped ({skipped})")
+  ax1.plot(
+    steps[ovf], used[ovf], "rx", label=f"overflow, step skipped ({skipped})"
+  )
   ax1.set_yscale("log", base=2)
-  ax1.set(ylabel="loss scale", title=f"{args.preset} preset, init "
-          f"{fmt_scale(args.init_scale)}, window {args.window}; test accuracy {acc:.3f}")
+  ax1.set(
+    ylabel="loss scale",
+    title=f"{args.preset} preset, init "
+    f"{fmt_scale(args.init_scale)}, window {args.window}; test accuracy "
+    f"{acc:.3f}",
+  )
   ax1.legend(loc="lower right")
   ax2.plot(steps, h["grad_norm"], lw=0.8, label="true (unscaled) grad norm")
   ax2.axhline(1.0, color="gray", ls="--", lw=0.8, label="clip threshold")
@@ -149,9 +195,15 @@ def main(argv=None):
   plt.close(fig)
   print(f"plot saved to {args.plot}")
 
-  return {"skipped_steps": skipped, "overflow": h["overflow"],
-          "scale_history": used, "scale_changes": changes, "accuracy": acc,
-          "grad_norm": h["grad_norm"], "init_scale": args.init_scale}
+  return {
+    "skipped_steps": skipped,
+    "overflow": h["overflow"],
+    "scale_history": used,
+    "scale_changes": changes,
+    "accuracy": acc,
+    "grad_norm": h["grad_norm"],
+    "init_scale": args.init_scale,
+  }
 
 
 if __name__ == "__main__":

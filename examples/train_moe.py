@@ -30,8 +30,8 @@ from typing import Optional  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
@@ -55,6 +55,7 @@ class MoE(nn.Module):
       outside shard_map, ``num_experts / expert_axis_size`` inside.
     expert_axis: mesh axis the experts are split over (None: not split).
   """
+
   num_experts: int
   local_experts: int
   hidden: int
@@ -65,10 +66,14 @@ class MoE(nn.Module):
   def __call__(self, x):
     dim = x.shape[-1]
     probs = jax.nn.softmax(
-        nn.Dense(self.num_experts, dtype=jnp.float32, name="router")(x), -1)
+      nn.Dense(self.num_experts, dtype=jnp.float32, name="router")(x), -1
+    )
     top, idx = lax.top_k(probs, self.top_k)
-    gates = jnp.einsum("tk,tke->te", top / top.sum(-1, keepdims=True),
-                       jax.nn.one_hot(idx, self.num_experts))
+    gates = jnp.einsum(
+      "tk,tke->te",
+      top / top.sum(-1, keepdims=True),
+      jax.nn.one_hot(idx, self.num_experts),
+    )
     init = nn.initializers.lecun_normal(batch_axis=(0,))
     w_in = self.param("w_in", init, (self.local_experts, dim, self.hidden))
     w_out = self.param("w_out", init, (self.local_experts, self.hidden, dim))
@@ -91,17 +96,24 @@ class MoE(nn.Module):
 
 class Model(nn.Module):
   """Shared embedding, LayerNorm and head around one MoE layer; float16."""
+
   local_experts: int = NUM_EXPERTS
   expert_axis: Optional[str] = None
 
   @nn.compact
   def __call__(self, x):
-    dense = lambda n, name: nn.Dense(n, dtype=jnp.float16,
-                                     param_dtype=jnp.float32, name=name)
+    dense = lambda n, name: nn.Dense(
+      n, dtype=jnp.float16, param_dtype=jnp.float32, name=name
+    )
     x = nn.gelu(dense(WIDTH, "embed")(x.astype(jnp.float16)))
     h = nn.LayerNorm(dtype=jnp.float16, param_dtype=jnp.float32)(x)
-    x = x + MoE(NUM_EXPERTS, self.local_experts, EXPERT_HIDDEN,
-                self.expert_axis, name="moe")(h)
+    x = x + MoE(
+      NUM_EXPERTS,
+      self.local_experts,
+      EXPERT_HIDDEN,
+      self.expert_axis,
+      name="moe",
+    )(h)
     return dense(CLASSES, "head")(x)
 
 
@@ -122,28 +134,39 @@ def is_expert(path) -> bool:
 def param_specs(params):
   """Experts split over the expert axis; everything else replicated."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: P(EXPERT) if is_expert(path) else P(), params)
+    lambda path, _: P(EXPERT) if is_expert(path) else P(), params
+  )
 
 
 def build(mesh, init_scale, window, max_norm, lr):
   """The optimizer, its state specs and the shard_map'ed train step."""
-  params = jax.jit(Model().init)(jax.random.key(0),
-                                 jnp.zeros((1, IN_DIM)))["params"]
+  params = jax.jit(Model().init)(jax.random.key(0), jnp.zeros((1, IN_DIM)))[
+    "params"
+  ]
   specs = param_specs(params)
-  expert_mask = jax.tree_util.tree_map_with_path(lambda p, _: is_expert(p),
-                                                 params)
-  tx = fs.skip_on_overflow(optax.chain(
+  expert_mask = jax.tree_util.tree_map_with_path(
+    lambda p, _: is_expert(p), params
+  )
+  tx = fs.skip_on_overflow(
+    optax.chain(
       fs.fp16_loss_scale(
-          fs.deepspeed_scaler(init_scale=init_scale, scale_window=window),
-          partition_specs=specs),
-      fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask,
-                               partition_specs=specs),
+        fs.deepspeed_scaler(init_scale=init_scale, scale_window=window),
+        partition_specs=specs,
+      ),
+      fs.clip_by_unscaled_norm(
+        max_norm, expert_mask=expert_mask, partition_specs=specs
+      ),
       optax.adamw(lr, weight_decay=1e-4),
-  ))
+    )
+  )
   state_specs = optax.tree_map_params(
-      tx, lambda _, spec: spec, tx.init(params), specs,
-      transform_non_params=lambda _: P(),
-      is_leaf=lambda s: isinstance(s, P))
+    tx,
+    lambda _, spec: spec,
+    tx.init(params),
+    specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda s: isinstance(s, P),
+  )
   local = Model(NUM_EXPERTS // mesh.shape[EXPERT], EXPERT)
   batch_spec = P((DATA, EXPERT))
 
@@ -154,8 +177,12 @@ def build(mesh, init_scale, window, max_norm, lr):
 
     def loss_fn(p):
       logits = local.apply({"params": p}, x).astype(jnp.float32)
-      nll = -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                         y[:, None], -1)) / num_tokens
+      nll = (
+        -jnp.sum(
+          jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1)
+        )
+        / num_tokens
+      )
       return nll * scale, nll
 
     # check_vma: gradients of replicated leaves arrive summed over the mesh,
@@ -165,10 +192,15 @@ def build(mesh, init_scale, window, max_norm, lr):
     params = optax.apply_updates(params, updates)
     return params, opt_state, lax.psum(nll, (DATA, EXPERT))
 
-  train_step = jax.jit(jax.shard_map(
-      step, mesh=mesh,
+  train_step = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
       in_specs=(specs, state_specs, batch_spec, batch_spec),
-      out_specs=(specs, state_specs, P())), donate_argnums=(0, 1))
+      out_specs=(specs, state_specs, P()),
+    ),
+    donate_argnums=(0, 1),
+  )
 
   def place(tree, tree_specs):
     # Specs padded to each array's rank, as the step's outputs spell them, so
@@ -176,8 +208,10 @@ def build(mesh, init_scale, window, max_norm, lr):
     def put(a, s):
       s = P(*s, *[None] * (jnp.ndim(a) - len(s)))
       return jax.device_put(a, NamedSharding(mesh, s))
-    return jax.tree.map(put, tree, tree_specs,
-                        is_leaf=lambda s: isinstance(s, P))
+
+    return jax.tree.map(
+      put, tree, tree_specs, is_leaf=lambda s: isinstance(s, P)
+    )
 
   return params, tx, specs, state_specs, train_step, place, local
 
@@ -193,8 +227,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=60)
   p.add_argument("--batch", type=int, default=256, help="global batch")
   p.add_argument("--init-scale", type=float, default=2.0**24)
-  p.add_argument("--window", type=int, default=20,
-                 help="clean steps between growths")
+  p.add_argument(
+    "--window", type=int, default=20, help="clean steps between growths"
+  )
   p.add_argument("--max-norm", type=float, default=1.0)
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--print-every", type=int, default=10)
@@ -203,19 +238,31 @@ def main(argv=None):
   mesh = jax.make_mesh(MESH_SHAPE, (DATA, EXPERT))
   with jax.set_mesh(mesh):
     params, tx, specs, state_specs, train_step, place, _ = build(
-        mesh, args.init_scale, args.window, args.max_norm, args.lr)
+      mesh, args.init_scale, args.window, args.max_norm, args.lr
+    )
     opt_state = place(jax.jit(tx.init)(params), state_specs)
     params = place(params, specs)
     x_all, y_all = make_data(args.steps * args.batch, seed=1)
     x_test, y_test = make_data(2048, seed=2)
     batch_sharding = NamedSharding(mesh, P((DATA, EXPERT)))
-    print(f"mesh {dict(mesh.shape)}, {NUM_EXPERTS} experts "
-          f"({NUM_EXPERTS // mesh.shape[EXPERT]} per expert shard), "
-          f"global batch {args.batch}, float16 compute")
-    print(f"{'step':>4} {'loss':>7} {'scale':>6} {'skip':>4} "
-          f"{'|g|':>9} {'|g_exp|':>9} {'|g_sh|':>9}  next")
-    keys = ("loss", "prev_loss_scale", "loss_scale", "overflow", "grad_norm",
-            "expert_grad_norm", "shared_grad_norm")
+    print(
+      f"mesh {dict(mesh.shape)}, {NUM_EXPERTS} experts "
+      f"({NUM_EXPERTS // mesh.shape[EXPERT]} per expert shard), "
+      f"global batch {args.batch}, float16 compute"
+    )
+    print(
+      f"{'step':>4} {'loss':>7} {'scale':>6} {'skip':>4} "
+      f"{'|g|':>9} {'|g_exp|':>9} {'|g_sh|':>9}  next"
+    )
+    keys = (
+      "loss",
+      "prev_loss_scale",
+      "loss_scale",
+      "overflow",
+      "grad_norm",
+      "expert_grad_norm",
+      "shared_grad_norm",
+    )
     history = {k: [] for k in keys}
     start = time.time()
     for i in range(args.steps):
@@ -228,12 +275,18 @@ def main(argv=None):
       for k in keys:
         history[k].append(m[k])
       changed = m["loss_scale"] != m["prev_loss_scale"]
-      if m["overflow"] or changed or i % args.print_every == 0 or (
-          i == args.steps - 1):
-        print(f"{i:4d} {m['loss']:7.4f} {fmt_scale(m['prev_loss_scale']):>6} "
-              f"{'yes' if m['overflow'] else '':>4} {m['grad_norm']:9.4f} "
-              f"{m['expert_grad_norm']:9.4f} {m['shared_grad_norm']:9.4f}  "
-              f"{fmt_scale(m['loss_scale'])}")
+      if (
+        m["overflow"]
+        or changed
+        or i % args.print_every == 0
+        or (i == args.steps - 1)
+      ):
+        print(
+          f"{i:4d} {m['loss']:7.4f} {fmt_scale(m['prev_loss_scale']):>6} "
+          f"{'yes' if m['overflow'] else '':>4} {m['grad_norm']:9.4f} "
+          f"{m['expert_grad_norm']:9.4f} {m['shared_grad_norm']:9.4f}  "
+          f"{fmt_scale(m['loss_scale'])}"
+        )
     elapsed = time.time() - start
 
     # Accuracy of the trained model on one device, with all experts.
@@ -243,15 +296,25 @@ def main(argv=None):
 
   history = {k: np.asarray(v) for k, v in history.items()}
   trajectory = [(0, history["prev_loss_scale"][0])] + [
-      (i + 1, s) for i, (s, prev) in enumerate(
-          zip(history["loss_scale"], history["prev_loss_scale"])) if s != prev]
-  print(f"scale trajectory (step: scale from then on): " + ", ".join(
-      f"{i}: {fmt_scale(s)}" for i, s in trajectory))
-  print(f"skipped {int(history['overflow'].sum())} of {args.steps} steps; "
-        f"test accuracy {accuracy:.3f} (chance {1 / CLASSES:.2f}); "
-        f"{elapsed:.1f}s for the steps")
-  history.update(accuracy=accuracy, skipped_steps=int(float(
-      fs.scale_metrics(opt_state)["skipped_steps"])))
+    (i + 1, s)
+    for i, (s, prev) in enumerate(
+      zip(history["loss_scale"], history["prev_loss_scale"])
+    )
+    if s != prev
+  ]
+  print(
+    "scale trajectory (step: scale from then on): "
+    + ", ".join(f"{i}: {fmt_scale(s)}" for i, s in trajectory)
+  )
+  print(
+    f"skipped {int(history['overflow'].sum())} of {args.steps} steps; "
+    f"test accuracy {accuracy:.3f} (chance {1 / CLASSES:.2f}); "
+    f"{elapsed:.1f}s for the steps"
+  )
+  history.update(
+    accuracy=accuracy,
+    skipped_steps=int(float(fs.scale_metrics(opt_state)["skipped_steps"])),
+  )
   return history
 
 

@@ -29,6 +29,7 @@ class ClipState(NamedTuple):
     expert_grad_norm: float32 2-norm of the expert leaves alone.
     shared_grad_norm: float32 2-norm of the other leaves.
   """
+
   grad_norm: jax.Array
   expert_grad_norm: jax.Array
   shared_grad_norm: jax.Array
@@ -45,24 +46,26 @@ def _expert_groups(expert_mask, tree) -> tuple:
   mask_leaves, mask_def = jax.tree.flatten(mask)
   if mask_def != treedef:
     raise ValueError(
-        "expert_mask must have the same structure as the gradients, with one "
-        f"bool per leaf; got {mask_def} for gradients {treedef}")
+      "expert_mask must have the same structure as the gradients, with one "
+      f"bool per leaf; got {mask_def} for gradients {treedef}"
+    )
   groups = []
   for m in mask_leaves:
     if not isinstance(m, (bool, np.bool_)):
       raise TypeError(
-          "expert_mask leaves must be Python bools known before tracing, got "
-          f"{type(m).__name__}")
+        "expert_mask leaves must be Python bools known before tracing, got "
+        f"{type(m).__name__}"
+      )
     groups.append(EXPERT if bool(m) else SHARED)
   return tuple(groups)
 
 
 def clip_by_unscaled_norm(
-    max_norm: float,
-    *,
-    expert_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
-    eps: float = 1e-6,
-    partition_specs: Optional[Any] = None,
+  max_norm: float,
+  *,
+  expert_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+  eps: float = 1e-6,
+  partition_specs: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """Clips gradients by their true global 2-norm.
 
@@ -92,12 +95,15 @@ def clip_by_unscaled_norm(
   if expert_mask is not None and not callable(expert_mask):
     leaves = jax.tree.leaves(expert_mask)
     if not all(isinstance(m, (bool, np.bool_)) for m in leaves):
-      raise TypeError("expert_mask must be a pytree of Python bools or a "
-                      "callable returning one")
+      raise TypeError(
+        "expert_mask must be a pytree of Python bools or a "
+        "callable returning one"
+      )
 
   def init_fn(params):
-    _norm.check_float_leaves(jax.tree.leaves(params),
-                             "clip_by_unscaled_norm params")
+    _norm.check_float_leaves(
+      jax.tree.leaves(params), "clip_by_unscaled_norm params"
+    )
     _expert_groups(expert_mask, params)
     _norm.leaf_axes_from_specs(partition_specs, params, "clip_by_unscaled_norm")
     zero = jnp.zeros([], jnp.float32)
@@ -108,31 +114,46 @@ def clip_by_unscaled_norm(
     leaves, treedef = jax.tree.flatten(updates)
     _norm.check_float_leaves(leaves, "clip_by_unscaled_norm gradients")
     groups = _expert_groups(expert_mask, updates)
-    leaf_axes = _norm.leaf_axes_from_specs(partition_specs, updates,
-                                           "clip_by_unscaled_norm")
+    leaf_axes = _norm.leaf_axes_from_specs(
+      partition_specs, updates, "clip_by_unscaled_norm"
+    )
     guard = _guard.current()
     seen = guard.lookup(leaves) if guard is not None else None
     if seen is not None:
       # The unscaled gradients straight from fp16_loss_scale: reuse its sums
       # and multiply the scaled gradients once by unscale * clip.
-      norms = _norm.reduce_norms(seen.sums, seen.scaled, leaf_groups=groups,
-                                 num_groups=2, leaf_axes=leaf_axes)
+      norms = _norm.reduce_norms(
+        seen.sums,
+        seen.scaled,
+        leaf_groups=groups,
+        num_groups=2,
+        leaf_axes=leaf_axes,
+      )
       sources, unscale = seen.scaled, seen.inv_scale
     else:
-      norms = _norm.reduce_norms(_norm.leaf_sums(leaves), leaves,
-                                 leaf_groups=groups, num_groups=2,
-                                 leaf_axes=leaf_axes)
+      norms = _norm.reduce_norms(
+        _norm.leaf_sums(leaves),
+        leaves,
+        leaf_groups=groups,
+        num_groups=2,
+        leaf_axes=leaf_axes,
+      )
       sources, unscale = leaves, jnp.float32(1)
     norm = norms.norm * unscale
-    factor = jnp.minimum(jnp.float32(1),
-                         jnp.float32(max_norm) / (norm + jnp.float32(eps)))
+    factor = jnp.minimum(
+      jnp.float32(1), jnp.float32(max_norm) / (norm + jnp.float32(eps))
+    )
     multiplier = unscale * factor
-    clipped = [x.astype(out.dtype) * multiplier.astype(out.dtype)
-               for x, out in zip(sources, leaves)]
+    clipped = [
+      x.astype(out.dtype) * multiplier.astype(out.dtype)
+      for x, out in zip(sources, leaves)
+    ]
     group_norms = norms.group_norms * unscale
-    new_state = ClipState(grad_norm=norm,
-                          expert_grad_norm=group_norms[EXPERT],
-                          shared_grad_norm=group_norms[SHARED])
+    new_state = ClipState(
+      grad_norm=norm,
+      expert_grad_norm=group_norms[EXPERT],
+      shared_grad_norm=group_norms[SHARED],
+    )
     return jax.tree.unflatten(treedef, clipped), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -30,14 +30,22 @@ import optax
 from fp16_scaling import _validate
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._loss_scale import fp16_loss_scale
-from fp16_scaling._scaler import (Scaler, deepspeed_scaler, no_scaler,
-                                  static_scaler)
+from fp16_scaling._scaler import Scaler
+from fp16_scaling._scaler import deepspeed_scaler
+from fp16_scaling._scaler import no_scaler
+from fp16_scaling._scaler import static_scaler
 from fp16_scaling._skip import skip_on_overflow
 
 _FP16_KEYS = {
-    "enabled", "auto_cast", "loss_scale", "initial_scale_power",
-    "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-    "min_loss_scale", "fp16_master_weights_and_grads",
+  "enabled",
+  "auto_cast",
+  "loss_scale",
+  "initial_scale_power",
+  "loss_scale_window",
+  "hysteresis",
+  "consecutive_hysteresis",
+  "min_loss_scale",
+  "fp16_master_weights_and_grads",
 }
 
 
@@ -49,19 +57,28 @@ class DeepSpeedFP16(NamedTuple):
     max_norm: ``gradient_clipping``, or None when it is 0 (off).
     zero_stage: the ZeRO stage read from the config (selects the path).
   """
+
   scaler: Scaler
   max_norm: Optional[float]
   zero_stage: int
 
-  def optimizer(self, inner: optax.GradientTransformation, *,
-                expert_mask=None, partition_specs=None
-                ) -> optax.GradientTransformationExtraArgs:
+  def optimizer(
+    self,
+    inner: optax.GradientTransformation,
+    *,
+    expert_mask=None,
+    partition_specs=None,
+  ) -> optax.GradientTransformationExtraArgs:
     """``skip_on_overflow(chain(fp16_loss_scale, [clip], inner))``."""
     parts = [fp16_loss_scale(self.scaler, partition_specs=partition_specs)]
     if self.max_norm is not None:
-      parts.append(clip_by_unscaled_norm(self.max_norm,
-                                         expert_mask=expert_mask,
-                                         partition_specs=partition_specs))
+      parts.append(
+        clip_by_unscaled_norm(
+          self.max_norm,
+          expert_mask=expert_mask,
+          partition_specs=partition_specs,
+        )
+      )
     parts.append(inner)
     return skip_on_overflow(optax.chain(*parts))
 
@@ -91,8 +108,9 @@ def _flag(field: str, value) -> bool:
   return value
 
 
-def from_deepspeed_config(config: Union[Mapping[str, Any], str, os.PathLike]
-                          ) -> DeepSpeedFP16:
+def from_deepspeed_config(
+  config: Union[Mapping[str, Any], str, os.PathLike],
+) -> DeepSpeedFP16:
   """Builds the loss scaler and clip that a DeepSpeed config describes.
 
   Args:
@@ -114,46 +132,61 @@ def from_deepspeed_config(config: Union[Mapping[str, Any], str, os.PathLike]
     raise ValueError(f"fp16 must be a JSON object, got {fp16!r}")
   unknown = set(fp16) - _FP16_KEYS
   if unknown:
-    raise ValueError(f"fp16: unknown field(s) {sorted(unknown)}; allowed: "
-                     f"{sorted(_FP16_KEYS)}")
+    raise ValueError(
+      f"fp16: unknown field(s) {sorted(unknown)}; allowed: {sorted(_FP16_KEYS)}"
+    )
 
-  stage = _integer("zero_optimization.stage",
-                   config.get("zero_optimization", {}).get("stage", 0))
+  stage = _integer(
+    "zero_optimization.stage",
+    config.get("zero_optimization", {}).get("stage", 0),
+  )
   if not 0 <= stage <= 3:
-    raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got "
-                     f"{stage}")
+    raise ValueError(
+      f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}"
+    )
   # The fp16 optimizers clip only when clip_grad > 0.
   clipping = _number("gradient_clipping", config.get("gradient_clipping", 1.0))
-  max_norm = (_validate.positive("gradient_clipping", clipping)
-              if clipping > 0 else None)
+  max_norm = (
+    _validate.positive("gradient_clipping", clipping) if clipping > 0 else None
+  )
 
   if not _flag("fp16.enabled", fp16.get("enabled", False)):
     return DeepSpeedFP16(no_scaler(), max_norm, stage)
 
   loss_scale = _number("fp16.loss_scale", fp16.get("loss_scale", 0))
   if loss_scale < 0:
-    raise ValueError("fp16.loss_scale must be >= 0 (0 enables dynamic loss "
-                     "scaling)")
+    raise ValueError(
+      "fp16.loss_scale must be >= 0 (0 enables dynamic loss scaling)"
+    )
   if loss_scale > 0:
     return DeepSpeedFP16(static_scaler(loss_scale), max_norm, stage)
 
-  power = _integer("fp16.initial_scale_power",
-                   fp16.get("initial_scale_power", 16))
+  power = _integer(
+    "fp16.initial_scale_power", fp16.get("initial_scale_power", 16)
+  )
   if not -126 <= power <= 127:
-    raise ValueError("fp16.initial_scale_power must be in [-126, 127] so that "
-                     f"2**power is a normal float32, got {power}")
-  window = _integer("fp16.loss_scale_window",
-                    fp16.get("loss_scale_window", 1000))
+    raise ValueError(
+      "fp16.initial_scale_power must be in [-126, 127] so that "
+      f"2**power is a normal float32, got {power}"
+    )
+  window = _integer(
+    "fp16.loss_scale_window", fp16.get("loss_scale_window", 1000)
+  )
   if window <= 0:
-    raise ValueError("fp16.loss_scale_window must be > 0 when dynamic loss "
-                     "scaling is enabled (loss_scale=0)")
+    raise ValueError(
+      "fp16.loss_scale_window must be > 0 when dynamic loss "
+      "scaling is enabled (loss_scale=0)"
+    )
   min_scale = _integer("fp16.min_loss_scale", fp16.get("min_loss_scale", 1))
   if min_scale <= 0:
-    raise ValueError("fp16.min_loss_scale must be > 0 when dynamic loss "
-                     "scaling is enabled (loss_scale=0)")
+    raise ValueError(
+      "fp16.min_loss_scale must be > 0 when dynamic loss "
+      "scaling is enabled (loss_scale=0)"
+    )
   hysteresis = _integer("fp16.hysteresis", fp16.get("hysteresis", 2))
-  consecutive = _flag("fp16.consecutive_hysteresis",
-                      fp16.get("consecutive_hysteresis", False))
+  consecutive = _flag(
+    "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
+  )
   if stage == 0:
     # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
     hysteresis, consecutive, raise_at_min = 1, False, False
@@ -163,11 +196,16 @@ def from_deepspeed_config(config: Union[Mapping[str, Any], str, os.PathLike]
     raise_at_min = True
   try:
     scaler = deepspeed_scaler(
-        init_scale=2.0**power, scale_window=window, min_scale=float(min_scale),
-        delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
-        raise_error_at_min_scale=raise_at_min)
+      init_scale=2.0**power,
+      scale_window=window,
+      min_scale=float(min_scale),
+      delayed_shift=hysteresis,
+      consecutive_hysteresis=consecutive,
+      raise_error_at_min_scale=raise_at_min,
+    )
   except ValueError as e:
-    raise ValueError(f"fp16: {e} (min_scale is fp16.min_loss_scale, "
-                     "init_scale is 2**fp16.initial_scale_power)") from None
+    raise ValueError(
+      f"fp16: {e} (min_scale is fp16.min_loss_scale, "
+      "init_scale is 2**fp16.initial_scale_power)"
+    ) from None
   return DeepSpeedFP16(scaler, max_norm, stage)
-

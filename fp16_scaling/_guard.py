@@ -1,4 +1,5 @@
-"""Trace-time context that :func:`skip_on_overflow` opens around its inner chain.
+"""Trace-time context that :func:`skip_on_overflow` opens around its inner
+chain.
 
 It exists only while the inner ``update`` is being called (traced, under
 jit), never in the compiled step. It serves two purposes:
@@ -23,10 +24,11 @@ import jax
 
 class UnscaledGrads(NamedTuple):
   """What ``fp16_loss_scale`` computed, for the clip that follows it."""
-  outputs: tuple   # the unscaled leaves it returned (matched by identity)
-  scaled: tuple    # the gradients it was given, scaled by the loss scale
+
+  outputs: tuple  # the unscaled leaves it returned (matched by identity)
+  scaled: tuple  # the gradients it was given, scaled by the loss scale
   inv_scale: jax.Array
-  sums: tuple      # per-leaf local sums of squares of ``scaled``
+  sums: tuple  # per-leaf local sums of squares of ``scaled``
 
 
 class Guard:
@@ -41,13 +43,15 @@ class Guard:
   def lookup(self, leaves: Sequence[jax.Array]) -> Optional[UnscaledGrads]:
     for entry in self._unscaled:
       if len(entry.outputs) == len(leaves) and all(
-          a is b for a, b in zip(entry.outputs, leaves)):
+        a is b for a, b in zip(entry.outputs, leaves)
+      ):
         return entry
     return None
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar(
-    "fp16_scaling_guard", default=None)
+  "fp16_scaling_guard", default=None
+)
 
 
 @contextlib.contextmanager

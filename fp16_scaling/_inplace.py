@@ -36,18 +36,21 @@ there is no donated buffer to reuse.
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex_core
+import jax.numpy as jnp
 
 # What each flat output of the inner update is.
-UPDATE = "update"        # an update leaf: -0.0 on overflow
-SELECT = "select"        # an inner state leaf: kept on overflow
-KEEP = "keep"            # bookkeeping: returned as computed
-OVERFLOW = "overflow"    # the overflow flag itself (bookkeeping)
+UPDATE = "update"  # an update leaf: -0.0 on overflow
+SELECT = "select"  # an inner state leaf: kept on overflow
+KEEP = "keep"  # bookkeeping: returned as computed
+OVERFLOW = "overflow"  # the overflow flag itself (bookkeeping)
 
 
-def call_selecting(fn: Callable[..., Any], args: Sequence[Any],
-                   labels_and_olds: Callable[[Any], tuple]) -> Any:
+def call_selecting(
+  fn: Callable[..., Any],
+  args: Sequence[Any],
+  labels_and_olds: Callable[[Any], tuple],
+) -> Any:
   """Calls ``fn(*args)`` and applies the skip, with the selects moved early.
 
   Args:
@@ -67,30 +70,44 @@ def call_selecting(fn: Callable[..., Any], args: Sequence[Any],
     # Called eagerly, op by op: no buffer is donated, nothing to gain, and
     # binding a freshly traced jit call would compile it on every call.
     out = fn(*args)
-    return _finish(jax.tree.leaves(out), jax.tree.structure(out),
-                   _checked(labels_and_olds(out)), None)
+    return _finish(
+      jax.tree.leaves(out),
+      jax.tree.structure(out),
+      _checked(labels_and_olds(out)),
+      None,
+    )
   outer, out_shape = jax.make_jaxpr(jax.jit(fn), return_shape=True)(*args)
   labels_olds = _checked(labels_and_olds(out_shape))
   call = _single_jit_call(outer)
   if call is None:
-    return _finish(jex_core.jaxpr_as_fun(outer)(*in_vals),
-                   jax.tree.structure(out_shape), labels_olds, None)
+    return _finish(
+      jex_core.jaxpr_as_fun(outer)(*in_vals),
+      jax.tree.structure(out_shape),
+      labels_olds,
+      None,
+    )
   labels, olds = labels_olds
   position = {id(x): i for i, x in enumerate(in_vals)}
-  old_positions = [None if old is None else position.get(id(old))
-                   for old in olds]
+  old_positions = [
+    None if old is None else position.get(id(old)) for old in olds
+  ]
   inner = call.params["jaxpr"]
   jaxpr, done = select_early(inner.jaxpr, labels, old_positions)
   params = dict(call.params, jaxpr=jex_core.ClosedJaxpr(jaxpr, inner.consts))
-  return _finish(call.primitive.bind(*in_vals, **params),
-                 jax.tree.structure(out_shape), labels_olds, done)
+  return _finish(
+    call.primitive.bind(*in_vals, **params),
+    jax.tree.structure(out_shape),
+    labels_olds,
+    done,
+  )
 
 
 def _checked(labels_olds):
   labels, olds = map(list, labels_olds)
   if labels.count(OVERFLOW) != 1:
     raise ValueError(
-        f"expected one overflow output, got {labels.count(OVERFLOW)}")
+      f"expected one overflow output, got {labels.count(OVERFLOW)}"
+    )
   return labels, olds
 
 
@@ -111,8 +128,9 @@ def _finish(outs, treedef, labels_olds, done):
   return jax.tree.unflatten(treedef, final)
 
 
-def select_early(jaxpr, labels: Sequence[str],
-                 old_positions: Sequence[Any]) -> tuple:
+def select_early(
+  jaxpr, labels: Sequence[str], old_positions: Sequence[Any]
+) -> tuple:
   """Inserts the skip's state selects into ``jaxpr`` as early as possible.
 
   Args:
@@ -155,8 +173,8 @@ def select_early(jaxpr, labels: Sequence[str],
     return jaxpr, done
 
   protected = _backward_slice(
-      jaxpr, [v for v, label in zip(outvars, labels)
-              if label in (KEEP, OVERFLOW)])
+    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
+  )
   defined = set(jaxpr.constvars) | set(jaxpr.invars)
   selected, eqns = {}, []
 
@@ -164,10 +182,16 @@ def select_early(jaxpr, labels: Sequence[str],
     for v in new_vars:
       if v in candidates and v not in selected and v in defined:
         out = jex_core.Var(v.aval)
-        eqns.append(jex_core.new_jaxpr_eqn(
-            [flag_var, v, candidates[v]], [out],
-            jex_core.primitives.select_n_p, {}, jex_core.no_effects,
-            source_info))
+        eqns.append(
+          jex_core.new_jaxpr_eqn(
+            [flag_var, v, candidates[v]],
+            [out],
+            jex_core.primitives.select_n_p,
+            {},
+            jex_core.no_effects,
+            source_info,
+          )
+        )
         selected[v] = out
 
   flag_known = flag_var in defined
@@ -175,9 +199,11 @@ def select_early(jaxpr, labels: Sequence[str],
     emit_selects(list(candidates), None)
   for i, eqn in enumerate(jaxpr.eqns):
     if i not in protected and any(
-        not _is_literal(v) and v in selected for v in eqn.invars):
-      eqn = eqn.replace(invars=[
-          v if _is_literal(v) else selected.get(v, v) for v in eqn.invars])
+      not _is_literal(v) and v in selected for v in eqn.invars
+    ):
+      eqn = eqn.replace(
+        invars=[v if _is_literal(v) else selected.get(v, v) for v in eqn.invars]
+      )
     eqns.append(eqn)
     defined.update(eqn.outvars)
     if flag_known:
@@ -200,10 +226,12 @@ def _single_jit_call(closed):
   if closed.consts or jaxpr.constvars or len(jaxpr.eqns) != 1:
     return None
   (eqn,) = jaxpr.eqns
-  if (eqn.primitive is not jex_core.primitives.jit_p
-      or list(eqn.invars) != list(jaxpr.invars)
-      or list(eqn.outvars) != list(jaxpr.outvars)
-      or "jaxpr" not in eqn.params):
+  if (
+    eqn.primitive is not jex_core.primitives.jit_p
+    or list(eqn.invars) != list(jaxpr.invars)
+    or list(eqn.outvars) != list(jaxpr.outvars)
+    or "jaxpr" not in eqn.params
+  ):
     return None
   return eqn
 

@@ -16,7 +16,8 @@ import optax
 
 from fp16_scaling import _guard
 from fp16_scaling import _norm
-from fp16_scaling._scaler import Scaler, ScalerState
+from fp16_scaling._scaler import Scaler
+from fp16_scaling._scaler import ScalerState
 
 
 class LossScaleState(NamedTuple):
@@ -33,6 +34,7 @@ class LossScaleState(NamedTuple):
     grad_norm: float32 true (unscaled) global 2-norm of the last step's
       gradients, before clipping; NaN on an overflow step.
   """
+
   scaler: ScalerState
   prev_loss_scale: jax.Array
   overflow: jax.Array
@@ -57,16 +59,16 @@ class LossScaleState(NamedTuple):
 
 
 _UNGUARDED = (
-    "fp16_loss_scale ran outside skip_on_overflow. In a bare optax.chain the "
-    "optimizer after it still runs on an overflow step and its momentum moves "
-    "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
-    "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer)).")
+  "fp16_loss_scale ran outside skip_on_overflow. In a bare optax.chain the "
+  "optimizer after it still runs on an overflow step and its momentum moves "
+  "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
+  "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
+)
 
 
-def fp16_loss_scale(scaler: Scaler,
-                    *,
-                    partition_specs: Optional[Any] = None
-                    ) -> optax.GradientTransformation:
+def fp16_loss_scale(
+  scaler: Scaler, *, partition_specs: Optional[Any] = None
+) -> optax.GradientTransformation:
   """Loss scaling for float16 training, as the first element of a chain.
 
   ``update`` receives the gradients of ``loss * current_scale(opt_state)``.
@@ -93,19 +95,20 @@ def fp16_loss_scale(scaler: Scaler,
   """
   if not isinstance(scaler, Scaler):
     raise TypeError(
-        f"scaler must be a Scaler from a preset such as deepspeed_scaler(), "
-        f"got {type(scaler).__name__}")
+      f"scaler must be a Scaler from a preset such as deepspeed_scaler(), "
+      f"got {type(scaler).__name__}"
+    )
 
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "fp16_loss_scale params")
     _norm.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
     state = scaler.init()
     return LossScaleState(
-        scaler=state,
-        prev_loss_scale=state.loss_scale,
-        overflow=jnp.bool_(False),
-        skipped_steps=jnp.zeros([], jnp.int32),
-        grad_norm=jnp.zeros([], jnp.float32),
+      scaler=state,
+      prev_loss_scale=state.loss_scale,
+      overflow=jnp.bool_(False),
+      skipped_steps=jnp.zeros([], jnp.int32),
+      grad_norm=jnp.zeros([], jnp.float32),
     )
 
   def update_fn(updates, state, params=None):
@@ -115,24 +118,27 @@ def fp16_loss_scale(scaler: Scaler,
       raise RuntimeError(_UNGUARDED)
     leaves, treedef = jax.tree.flatten(updates)
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
-    leaf_axes = _norm.leaf_axes_from_specs(partition_specs, updates,
-                                           "fp16_loss_scale")
+    leaf_axes = _norm.leaf_axes_from_specs(
+      partition_specs, updates, "fp16_loss_scale"
+    )
     scale = state.scaler.loss_scale
     inv_scale = 1.0 / scale
     sums = _norm.leaf_sums(leaves)
     norms = _norm.reduce_norms(sums, leaves, leaf_axes=leaf_axes)
     outputs = tuple(
-        x.astype(jnp.promote_types(x.dtype, jnp.float32)) * inv_scale
-        for x in leaves)
-    guard.record(_guard.UnscaledGrads(outputs, tuple(leaves), inv_scale,
-                                      tuple(sums)))
+      x.astype(jnp.promote_types(x.dtype, jnp.float32)) * inv_scale
+      for x in leaves
+    )
+    guard.record(
+      _guard.UnscaledGrads(outputs, tuple(leaves), inv_scale, tuple(sums))
+    )
     overflow = norms.overflow
     new_state = LossScaleState(
-        scaler=scaler.update(state.scaler, overflow),
-        prev_loss_scale=scale,
-        overflow=overflow,
-        skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
-        grad_norm=norms.norm * inv_scale,
+      scaler=scaler.update(state.scaler, overflow),
+      prev_loss_scale=scale,
+      overflow=overflow,
+      skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
+      grad_norm=norms.norm * inv_scale,
     )
     return jax.tree.unflatten(treedef, outputs), new_state
 

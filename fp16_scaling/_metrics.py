@@ -16,11 +16,15 @@ class MinLossScaleError(RuntimeError):
 def _the_loss_scale_state(opt_state) -> LossScaleState:
   found = find_loss_scale_states(opt_state)
   if not found:
-    raise ValueError("no fp16_loss_scale state found in opt_state: build the "
-                     "optimizer with fp16_loss_scale(...) in its chain")
+    raise ValueError(
+      "no fp16_loss_scale state found in opt_state: build the "
+      "optimizer with fp16_loss_scale(...) in its chain"
+    )
   if len(found) > 1:
-    raise ValueError(f"opt_state holds {len(found)} fp16_loss_scale states; "
-                     "expected exactly one")
+    raise ValueError(
+      f"opt_state holds {len(found)} fp16_loss_scale states; "
+      "expected exactly one"
+    )
   return found[0]
 
 
@@ -52,9 +56,13 @@ def scale_metrics(opt_state) -> dict:
     without an expert mask, every leaf counts as shared).
   """
   ls = _the_loss_scale_state(opt_state)
-  clips = [n for n in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, ClipState))
-           if isinstance(n, ClipState)]
+  clips = [
+    n
+    for n in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, ClipState)
+    )
+    if isinstance(n, ClipState)
+  ]
   if clips:
     expert, shared = clips[0].expert_grad_norm, clips[0].shared_grad_norm
     # On an overflow step the clip state is kept from the last clean step.
@@ -64,18 +72,19 @@ def scale_metrics(opt_state) -> dict:
   else:
     expert, shared = jnp.zeros([], jnp.float32), ls.grad_norm
   return {
-      "loss_scale": ls.scaler.loss_scale,
-      "prev_loss_scale": ls.prev_loss_scale,
-      "overflow": ls.overflow,
-      "skipped_steps": ls.skipped_steps,
-      "grad_norm": ls.grad_norm,
-      "expert_grad_norm": expert,
-      "shared_grad_norm": shared,
+    "loss_scale": ls.scaler.loss_scale,
+    "prev_loss_scale": ls.prev_loss_scale,
+    "overflow": ls.overflow,
+    "skipped_steps": ls.skipped_steps,
+    "grad_norm": ls.grad_norm,
+    "expert_grad_norm": expert,
+    "shared_grad_norm": shared,
   }
 
 
 def raise_if_min_scale_reached(opt_state) -> None:
-  """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale`` would.
+  """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale``
+  would.
 
   DeepSpeed raises inside its step when an overflow would lower a scale that
   already equals ``min_scale``. A jitted step cannot raise, so the state
@@ -93,7 +102,8 @@ def raise_if_min_scale_reached(opt_state) -> None:
   errors = int(np.asarray(jax.device_get(ls.scaler.min_scale_errors)))
   if errors:
     raise MinLossScaleError(
-        f"Current loss scale already at minimum "
-        f"({float(jax.device_get(ls.scaler.loss_scale))}) - cannot decrease "
-        f"scale anymore: {errors} overflowing step(s) hit the floor "
-        f"(DeepSpeed raises here; raise_error_at_min_scale=True).")
+      f"Current loss scale already at minimum "
+      f"({float(jax.device_get(ls.scaler.loss_scale))}) - cannot decrease "
+      f"scale anymore: {errors} overflowing step(s) hit the floor "
+      f"(DeepSpeed raises here; raise_error_at_min_scale=True)."
+    )

@@ -37,6 +37,7 @@ class Norms(NamedTuple):
     group_norms: float32 vector, the 2-norm of each group of leaves.
     overflow: bool, whether any element was inf or NaN.
   """
+
   norm: jax.Array
   group_norms: jax.Array
   overflow: jax.Array
@@ -48,8 +49,9 @@ def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
-          f"{what} must be floating point (float16, bfloat16, float32 or "
-          f"float64); leaf {i} has dtype {dtype}")
+        f"{what} must be floating point (float16, bfloat16, float32 or "
+        f"float64); leaf {i} has dtype {dtype}"
+      )
 
 
 def _squares(x: jax.Array) -> jax.Array:
@@ -86,16 +88,19 @@ def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
   for (g, axes), vs in buckets.items():
     v = combine(jnp.stack(vs)) if len(vs) > 1 else vs[0]
     per_group[g].append(collective(v, axes) if axes else v)
-  return jnp.stack([combine(jnp.stack(vs)) if vs else jnp.float32(0)
-                    for vs in per_group])
+  return jnp.stack(
+    [combine(jnp.stack(vs)) if vs else jnp.float32(0) for vs in per_group]
+  )
 
 
-def reduce_norms(sums: Sequence[jax.Array],
-                 leaves: Sequence[jax.Array],
-                 *,
-                 leaf_groups: Optional[Sequence[int]] = None,
-                 num_groups: int = 1,
-                 leaf_axes: Optional[Sequence[AxisNames]] = None) -> Norms:
+def reduce_norms(
+  sums: Sequence[jax.Array],
+  leaves: Sequence[jax.Array],
+  *,
+  leaf_groups: Optional[Sequence[int]] = None,
+  num_groups: int = 1,
+  leaf_axes: Optional[Sequence[AxisNames]] = None,
+) -> Norms:
   """Global and per-group norms from :func:`leaf_sums`.
 
   Args:
@@ -118,8 +123,14 @@ def reduce_norms(sums: Sequence[jax.Array],
     return Norms(zero, jnp.zeros([num_groups], jnp.float32), jnp.bool_(False))
 
   def group_sums(values):
-    return _grouped(values, leaf_groups, leaf_axes, num_groups, jnp.sum,
-                    lambda v, axes: lax.psum(v, axes))
+    return _grouped(
+      values,
+      leaf_groups,
+      leaf_axes,
+      num_groups,
+      jnp.sum,
+      lambda v, axes: lax.psum(v, axes),
+    )
 
   common = group_sums(sums)
   total = jnp.sum(common)
@@ -131,16 +142,29 @@ def reduce_norms(sums: Sequence[jax.Array],
     def rescue(_):
       # Each group relative to its own largest magnitude: relative to the
       # global one, a small group's squares would underflow float32.
-      maxima = [jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
-                for x in leaves]
-      peaks = _grouped(maxima, leaf_groups, leaf_axes, num_groups, jnp.max,
-                       lambda v, axes: lax.pmax(v, axes))
+      maxima = [
+        jnp.max(jnp.abs(x), initial=0).astype(jnp.float32) for x in leaves
+      ]
+      peaks = _grouped(
+        maxima,
+        leaf_groups,
+        leaf_axes,
+        num_groups,
+        jnp.max,
+        lambda v, axes: lax.pmax(v, axes),
+      )
       peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
-      rel = group_sums([jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
-                        for x, g in zip(leaves, leaf_groups)])
+      rel = group_sums(
+        [
+          jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
+          for x, g in zip(leaves, leaf_groups)
+        ]
+      )
       top = jnp.max(peaks)
-      return (top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
-              peaks * jnp.sqrt(rel))
+      return (
+        top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
+        peaks * jnp.sqrt(rel),
+      )
 
     def keep(_):
       return jnp.sqrt(total), jnp.sqrt(common)
@@ -175,19 +199,29 @@ def _leaf_specs(partition_specs, tree, what: str) -> list:
   for spec in jax.tree.leaves(partition_specs, is_leaf=_is_spec):
     if not _is_spec(spec):
       raise TypeError(
-          f"{what}: partition_specs must hold a jax.sharding.PartitionSpec or "
-          f"None at each leaf, got {spec!r} ({type(spec).__name__})")
+        f"{what}: partition_specs must hold a jax.sharding.PartitionSpec or "
+        f"None at each leaf, got {spec!r} ({type(spec).__name__})"
+      )
   try:
     per_subtree = jax.tree.map(
-        lambda spec, sub: [spec] * len(jax.tree.leaves(sub)),
-        partition_specs, tree, is_leaf=_is_spec)
+      lambda spec, sub: [spec] * len(jax.tree.leaves(sub)),
+      partition_specs,
+      tree,
+      is_leaf=_is_spec,
+    )
   except (ValueError, TypeError) as e:
     raise ValueError(
-        f"{what}: partition_specs must have the structure of the gradients "
-        f"(or a prefix of it), with a PartitionSpec or None at each leaf: "
-        f"{e}") from None
-  return [s for group in jax.tree.leaves(
-      per_subtree, is_leaf=lambda x: isinstance(x, list)) for s in group]
+      f"{what}: partition_specs must have the structure of the gradients "
+      f"(or a prefix of it), with a PartitionSpec or None at each leaf: "
+      f"{e}"
+    ) from None
+  return [
+    s
+    for group in jax.tree.leaves(
+      per_subtree, is_leaf=lambda x: isinstance(x, list)
+    )
+    for s in group
+  ]
 
 
 def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
@@ -224,16 +258,18 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
     missing = [a for a in named if a not in mesh_axes]
     if mesh_axes and missing:
       raise ValueError(
-          f"{what}: partition_specs give gradient leaf "
-          f"{jax.tree_util.keystr(path)} the spec {spec}, which names mesh "
-          f"axis {missing[0]!r}; the mesh has axes {mesh_axes}")
+        f"{what}: partition_specs give gradient leaf "
+        f"{jax.tree_util.keystr(path)} the spec {spec}, which names mesh "
+        f"axis {missing[0]!r}; the mesh has axes {mesh_axes}"
+      )
     unnamed = sorted(_varying_axes(x) - set(named))
     if unnamed:
       raise ValueError(
-          f"{what}: partition_specs give gradient leaf "
-          f"{jax.tree_util.keystr(path)} the spec {spec}, replicated over "
-          f"mesh axis {unnamed[0]!r}, but under shard_map it varies over that "
-          f"axis: reduce it over {unnamed[0]!r} first (lax.psum or lax.pmean) "
-          f"or name {unnamed[0]!r} in its PartitionSpec")
+        f"{what}: partition_specs give gradient leaf "
+        f"{jax.tree_util.keystr(path)} the spec {spec}, replicated over "
+        f"mesh axis {unnamed[0]!r}, but under shard_map it varies over that "
+        f"axis: reduce it over {unnamed[0]!r} first (lax.psum or lax.pmean) "
+        f"or name {unnamed[0]!r} in its PartitionSpec"
+      )
     axes.append(tuple(a for a in named if a in manual))
   return tuple(axes)

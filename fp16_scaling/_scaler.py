@@ -46,6 +46,7 @@ class ScalerState(NamedTuple):
       already sat at ``min_scale`` with ``raise_at_min_scale`` set: the steps
       on which DeepSpeed raises. See :func:`raise_if_min_scale_reached`.
   """
+
   loss_scale: jax.Array
   growth_tracker: jax.Array
   hysteresis_left: jax.Array
@@ -72,6 +73,7 @@ class Scaler:
       ``ScalerState.min_scale_errors`` (DeepSpeed raises there).
     name: the preset that built it, for messages.
   """
+
   init_scale: float
   growth_factor: float = 1.0
   backoff_factor: float = 1.0
@@ -89,10 +91,10 @@ class Scaler:
 
   def init(self) -> ScalerState:
     return ScalerState(
-        loss_scale=jnp.asarray(self.init_scale, jnp.float32),
-        growth_tracker=jnp.asarray(-self.growth_delay, jnp.int32),
-        hysteresis_left=jnp.asarray(self.hysteresis - 1, jnp.int32),
-        min_scale_errors=jnp.zeros([], jnp.int32),
+      loss_scale=jnp.asarray(self.init_scale, jnp.float32),
+      growth_tracker=jnp.asarray(-self.growth_delay, jnp.int32),
+      hysteresis_left=jnp.asarray(self.hysteresis - 1, jnp.int32),
+      min_scale_errors=jnp.zeros([], jnp.int32),
     )
 
   def update(self, state: ScalerState, overflow: jax.Array) -> ScalerState:
@@ -114,8 +116,9 @@ class Scaler:
 
     # Overflow: absorbed while hysteresis is left, else back off to the floor.
     absorbed = state.hysteresis_left > 0
-    backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor),
-                             jnp.float32(self.min_scale))
+    backed_off = jnp.maximum(
+      scale * jnp.float32(self.backoff_factor), jnp.float32(self.min_scale)
+    )
     scale_after_overflow = jnp.where(absorbed, scale, backed_off)
     hysteresis_after_overflow = jnp.maximum(state.hysteresis_left - 1, 0)
     hit_floor = ~absorbed & (scale == jnp.float32(self.min_scale))
@@ -132,13 +135,16 @@ class Scaler:
     if self.raise_at_min_scale:
       errors = errors + (overflow & hit_floor).astype(jnp.int32)
     return ScalerState(
-        loss_scale=jnp.where(overflow, scale_after_overflow, scale_after_clean),
-        growth_tracker=jnp.where(
-            overflow, jnp.int32(-self.growth_delay),
-            jnp.where(grow, jnp.int32(0), tracker)),
-        hysteresis_left=jnp.where(overflow, hysteresis_after_overflow,
-                                  hysteresis_after_clean),
-        min_scale_errors=errors,
+      loss_scale=jnp.where(overflow, scale_after_overflow, scale_after_clean),
+      growth_tracker=jnp.where(
+        overflow,
+        jnp.int32(-self.growth_delay),
+        jnp.where(grow, jnp.int32(0), tracker),
+      ),
+      hysteresis_left=jnp.where(
+        overflow, hysteresis_after_overflow, hysteresis_after_clean
+      ),
+      min_scale_errors=errors,
     )
 
 
@@ -171,17 +177,20 @@ def no_scaler() -> Scaler:
 def _check_floor(min_scale: float, init_scale: float, name: str) -> float:
   if min_scale > init_scale:
     raise ValueError(
-        f"{name} must not exceed the initial scale ({init_scale!r}), got "
-        f"{min_scale!r}")
+      f"{name} must not exceed the initial scale ({init_scale!r}), got "
+      f"{min_scale!r}"
+    )
   return min_scale
 
 
-def deepspeed_scaler(init_scale: float = 2.0**32,
-                     scale_window: int = 1000,
-                     min_scale: float = 1.0,
-                     delayed_shift: int = 1,
-                     consecutive_hysteresis: bool = False,
-                     raise_error_at_min_scale: bool = True) -> Scaler:
+def deepspeed_scaler(
+  init_scale: float = 2.0**32,
+  scale_window: int = 1000,
+  min_scale: float = 1.0,
+  delayed_shift: int = 1,
+  consecutive_hysteresis: bool = False,
+  raise_error_at_min_scale: bool = True,
+) -> Scaler:
   """DeepSpeed's ``DynamicLossScaler``, step for step.
 
   Follows ``deepspeed/runtime/fp16/loss_scaler.py`` (0.19): the scale doubles
@@ -205,26 +214,31 @@ def deepspeed_scaler(init_scale: float = 2.0**32,
   """
   init_scale = _validate.scale("init_scale", init_scale)
   return Scaler(
-      init_scale=init_scale,
-      growth_factor=2.0,
-      backoff_factor=0.5,
-      growth_interval=_validate.count("scale_window", scale_window),
-      growth_delay=1,
-      min_scale=_check_floor(_validate.scale("min_scale", min_scale),
-                             init_scale, "min_scale"),
-      hysteresis=_validate.count("delayed_shift", delayed_shift),
-      consecutive_hysteresis=_validate.flag("consecutive_hysteresis",
-                                            consecutive_hysteresis),
-      raise_at_min_scale=_validate.flag("raise_error_at_min_scale",
-                                        raise_error_at_min_scale),
-      name="deepspeed",
+    init_scale=init_scale,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=_validate.count("scale_window", scale_window),
+    growth_delay=1,
+    min_scale=_check_floor(
+      _validate.scale("min_scale", min_scale), init_scale, "min_scale"
+    ),
+    hysteresis=_validate.count("delayed_shift", delayed_shift),
+    consecutive_hysteresis=_validate.flag(
+      "consecutive_hysteresis", consecutive_hysteresis
+    ),
+    raise_at_min_scale=_validate.flag(
+      "raise_error_at_min_scale", raise_error_at_min_scale
+    ),
+    name="deepspeed",
   )
 
 
-def torch_scaler(init_scale: float = 2.0**16,
-                 growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> Scaler:
+def torch_scaler(
+  init_scale: float = 2.0**16,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+) -> Scaler:
   """``torch.amp.GradScaler``, step for step.
 
   Follows ``torch._amp_update_scale_``: every overflow multiplies the scale by
@@ -248,20 +262,22 @@ def torch_scaler(init_scale: float = 2.0**16,
     A :class:`Scaler`.
   """
   return Scaler(
-      init_scale=_validate.scale("init_scale", init_scale),
-      growth_factor=_validate.above_one("growth_factor", growth_factor),
-      backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
-      growth_interval=_validate.count("growth_interval", growth_interval),
-      name="torch",
+    init_scale=_validate.scale("init_scale", init_scale),
+    growth_factor=_validate.above_one("growth_factor", growth_factor),
+    backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
+    growth_interval=_validate.count("growth_interval", growth_interval),
+    name="torch",
   )
 
 
-def megatron_scaler(initial_scale: float = 2.0**32,
-                    min_scale: float = 1.0,
-                    growth_factor: float = 2.0,
-                    backoff_factor: float = 0.5,
-                    growth_interval: int = 1000,
-                    hysteresis: int = 2) -> Scaler:
+def megatron_scaler(
+  initial_scale: float = 2.0**32,
+  min_scale: float = 1.0,
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 1000,
+  hysteresis: int = 2,
+) -> Scaler:
   """Megatron-core's ``DynamicGradScaler``, step for step.
 
   Follows ``megatron/core/optimizer/grad_scaler.py``: every overflow restarts
@@ -284,22 +300,25 @@ def megatron_scaler(initial_scale: float = 2.0**32,
   """
   initial_scale = _validate.scale("initial_scale", initial_scale)
   return Scaler(
-      init_scale=initial_scale,
-      growth_factor=_validate.above_one("growth_factor", growth_factor),
-      backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
-      growth_interval=_validate.count("growth_interval", growth_interval),
-      min_scale=_check_floor(_validate.scale("min_scale", min_scale),
-                             initial_scale, "min_scale"),
-      hysteresis=_validate.count("hysteresis", hysteresis),
-      name="megatron",
+    init_scale=initial_scale,
+    growth_factor=_validate.above_one("growth_factor", growth_factor),
+    backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
+    growth_interval=_validate.count("growth_interval", growth_interval),
+    min_scale=_check_floor(
+      _validate.scale("min_scale", min_scale), initial_scale, "min_scale"
+    ),
+    hysteresis=_validate.count("hysteresis", hysteresis),
+    name="megatron",
   )
 
 
-def flax_scaler(growth_factor: float = 2.0,
-                backoff_factor: float = 0.5,
-                growth_interval: int = 2000,
-                scale: float = 2.0**15,
-                minimum_scale: float = _validate.F32_TINY) -> Scaler:
+def flax_scaler(
+  growth_factor: float = 2.0,
+  backoff_factor: float = 0.5,
+  growth_interval: int = 2000,
+  scale: float = 2.0**15,
+  minimum_scale: float = _validate.F32_TINY,
+) -> Scaler:
   """Flax's ``flax.training.dynamic_scale.DynamicScale``.
 
   Flax compares its counter with ``growth_interval`` before counting the
@@ -319,11 +338,12 @@ def flax_scaler(growth_factor: float = 2.0,
   """
   scale = _validate.scale("scale", scale)
   return Scaler(
-      init_scale=scale,
-      growth_factor=_validate.above_one("growth_factor", growth_factor),
-      backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
-      growth_interval=_validate.count("growth_interval", growth_interval) + 1,
-      min_scale=_check_floor(_validate.scale("minimum_scale", minimum_scale),
-                             scale, "minimum_scale"),
-      name="flax",
+    init_scale=scale,
+    growth_factor=_validate.above_one("growth_factor", growth_factor),
+    backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
+    growth_interval=_validate.count("growth_interval", growth_interval) + 1,
+    min_scale=_check_floor(
+      _validate.scale("minimum_scale", minimum_scale), scale, "minimum_scale"
+    ),
+    name="flax",
   )

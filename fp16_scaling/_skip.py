@@ -16,7 +16,6 @@ write every donated state buffer in place, as it does for plain optax.
 """
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from fp16_scaling import _guard
@@ -38,7 +37,7 @@ def find_loss_scale_states(tree) -> list:
 
 
 def skip_on_overflow(
-    inner: optax.GradientTransformation
+  inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and discards the step exactly when its gradients overflowed.
 
@@ -71,13 +70,15 @@ def skip_on_overflow(
       _, new_state = out_shape
       if jax.tree.structure(new_state) != jax.tree.structure(state):
         raise ValueError(
-            "skip_on_overflow: the inner update returned a state whose "
-            "structure differs from its input state")
+          "skip_on_overflow: the inner update returned a state whose "
+          "structure differs from its input state"
+        )
       labels = [_inplace.UPDATE] * len(jax.tree.leaves(out_shape[0]))
       olds = [None] * len(labels)
       for new, old in zip(
-          jax.tree.leaves(new_state, is_leaf=_is_bookkeeping),
-          jax.tree.leaves(state, is_leaf=_is_bookkeeping)):
+        jax.tree.leaves(new_state, is_leaf=_is_bookkeeping),
+        jax.tree.leaves(state, is_leaf=_is_bookkeeping),
+      ):
         if _is_bookkeeping(new):
           tags = jax.tree.map(lambda _: _inplace.KEEP, new)
           if isinstance(new, LossScaleState):
@@ -92,7 +93,8 @@ def skip_on_overflow(
 
     _single_loss_scale_state(state)
     return _inplace.call_selecting(
-        run_inner, (updates, state, params, extra_args), labels_and_olds)
+      run_inner, (updates, state, params, extra_args), labels_and_olds
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -101,6 +103,7 @@ def _single_loss_scale_state(state) -> LossScaleState:
   found = find_loss_scale_states(state)
   if len(found) != 1:
     raise ValueError(
-        "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale "
-        f"(it decides the overflow); found {len(found)}")
+      "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale "
+      f"(it decides the overflow); found {len(found)}"
+    )
   return found[0]

@@ -29,8 +29,9 @@ def scale(name: str, value) -> float:
   v = real(name, value)
   if not (math.isfinite(v) and F32_TINY <= v <= F32_MAX):
     raise ValueError(
-        f"{name} must be a positive, finite, normal float32 in "
-        f"[{F32_TINY:.6g}, {F32_MAX:.6g}], got {value!r}")
+      f"{name} must be a positive, finite, normal float32 in "
+      f"[{F32_TINY:.6g}, {F32_MAX:.6g}], got {value!r}"
+    )
   return float(np.float32(v))
 
 
@@ -45,33 +46,40 @@ def open_unit(name: str, value) -> float:
   v = real(name, value)
   if not 0.0 < v < 1.0:
     raise ValueError(
-        f"{name} must lie in the open interval (0, 1), got {value!r}")
+      f"{name} must lie in the open interval (0, 1), got {value!r}"
+    )
   return float(np.float32(v))
 
 
 def positive(name: str, value) -> float:
   v = real(name, value)
   if not (math.isfinite(v) and 0.0 < v <= F32_MAX):
-    raise ValueError(f"{name} must be positive and at most float32's maximum "
-                     f"({F32_MAX:.6g}), got {value!r}")
+    raise ValueError(
+      f"{name} must be positive and at most float32's maximum "
+      f"({F32_MAX:.6g}), got {value!r}"
+    )
   return v
 
 
 def non_negative(name: str, value) -> float:
   v = real(name, value)
   if not (math.isfinite(v) and 0.0 <= v <= F32_MAX):
-    raise ValueError(f"{name} must be >= 0 and at most float32's maximum "
-                     f"({F32_MAX:.6g}), got {value!r}")
+    raise ValueError(
+      f"{name} must be >= 0 and at most float32's maximum "
+      f"({F32_MAX:.6g}), got {value!r}"
+    )
   return v
 
 
 def count(name: str, value, minimum: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be an integer >= {minimum}, "
-                    f"got {_describe(value)}")
+    raise TypeError(
+      f"{name} must be an integer >= {minimum}, got {_describe(value)}"
+    )
   if not minimum <= int(value) <= 2**31 - 2:
     raise ValueError(
-        f"{name} must be an integer in [{minimum}, {2**31 - 2}], got {value!r}")
+      f"{name} must be an integer in [{minimum}, {2**31 - 2}], got {value!r}"
+    )
   return int(value)
 
 

@@ -31,13 +31,32 @@ def tiny_run(tmp_path_factory):
   # up for the mesh tests.
   env = dict(os.environ)
   env["XLA_FLAGS"] = " ".join(
-      f for f in env.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count"))
+    f
+    for f in env.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+  )
   proc = subprocess.run(
-      [sys.executable, str(SCRIPT), "--tiny", "--repeats", "2", "--warmup",
-       "1", "--budget", "300", "--json", str(out / "result.json"),
-       "--dump-hlo", str(out / "hlo")],
-      capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    [
+      sys.executable,
+      str(SCRIPT),
+      "--tiny",
+      "--repeats",
+      "2",
+      "--warmup",
+      "1",
+      "--budget",
+      "300",
+      "--json",
+      str(out / "result.json"),
+      "--dump-hlo",
+      str(out / "hlo"),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=ROOT,
+    env=env,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout, out
 
@@ -72,8 +91,17 @@ def test_json_and_hlo_breakdown(tiny_run):
   dumps = sorted((out / "hlo").glob("*.hlo.txt"))
   assert len(dumps) == len(_load(SCRIPT).RECIPES)
   proc = subprocess.run(
-      [sys.executable, str(TRAFFIC), str(dumps[0]), "--params",
-       str(shape["params"])],
-      capture_output=True, text=True, timeout=120, cwd=ROOT)
+    [
+      sys.executable,
+      str(TRAFFIC),
+      str(dumps[0]),
+      "--params",
+      str(shape["params"]),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+  )
   assert proc.returncode == 0, proc.stderr
   assert "| **total** |" in proc.stdout

@@ -1,4 +1,6 @@
-"""clip_by_unscaled_norm: torch/DeepSpeed's clip formula, MoE norms, one pass."""
+"""clip_by_unscaled_norm: torch/DeepSpeed's clip formula, MoE norms, one
+pass.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +14,13 @@ import fp16_scaling as fs
 def _grads(seed=0, scale=1.0):
   rng = np.random.default_rng(seed)
   return {
-      "experts": {"w1": jnp.asarray(rng.normal(size=(4, 8, 3)) * scale,
-                                    jnp.float32)},
-      "shared": {"w": jnp.asarray(rng.normal(size=(8, 3)) * scale, jnp.float32),
-                 "b": jnp.asarray(rng.normal(size=(16,)) * scale, jnp.float32)},
+    "experts": {
+      "w1": jnp.asarray(rng.normal(size=(4, 8, 3)) * scale, jnp.float32)
+    },
+    "shared": {
+      "w": jnp.asarray(rng.normal(size=(8, 3)) * scale, jnp.float32),
+      "b": jnp.asarray(rng.normal(size=(16,)) * scale, jnp.float32),
+    },
   }
 
 
@@ -23,8 +28,9 @@ EXPERT_MASK = {"experts": {"w1": True}, "shared": {"w": False, "b": False}}
 
 
 def _np_norm(leaves):
-  return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
-                           for x in leaves)))
+  return float(
+    np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in leaves))
+  )
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])
@@ -41,10 +47,13 @@ def test_clip_formula_matches_torch(max_norm):
     np.testing.assert_allclose(u, np.asarray(g) * coef, rtol=1e-6)
 
 
-@pytest.mark.parametrize("mask", [EXPERT_MASK,
-                                  lambda g: {"experts": {"w1": True},
-                                             "shared": {"w": False,
-                                                        "b": False}}])
+@pytest.mark.parametrize(
+  "mask",
+  [
+    EXPERT_MASK,
+    lambda g: {"experts": {"w1": True}, "shared": {"w": False, "b": False}},
+  ],
+)
 def test_expert_and_shared_norms_reported_apart_and_clipped_together(mask):
   grads = _grads(1, scale=3.0)
   tx = fs.clip_by_unscaled_norm(1.0, expert_mask=mask)
@@ -62,9 +71,12 @@ def test_expert_and_shared_norms_reported_apart_and_clipped_together(mask):
 
 def test_inside_the_chain_norms_are_of_unscaled_gradients():
   true = _grads(2)
-  tx = fs.skip_on_overflow(optax.chain(
+  tx = fs.skip_on_overflow(
+    optax.chain(
       fs.fp16_loss_scale(fs.static_scaler(2.0**12)),
-      fs.clip_by_unscaled_norm(0.1, expert_mask=EXPERT_MASK)))
+      fs.clip_by_unscaled_norm(0.1, expert_mask=EXPERT_MASK),
+    )
+  )
   state = tx.init(true)
   scaled = jax.tree.map(lambda g: g * 2.0**12, true)
   updates, state = jax.jit(tx.update)(scaled, state)
@@ -72,10 +84,12 @@ def test_inside_the_chain_norms_are_of_unscaled_gradients():
   total = _np_norm(jax.tree.leaves(true))
   assert float(m["grad_norm"]) == pytest.approx(total, rel=1e-6)
   assert float(m["expert_grad_norm"]) == pytest.approx(
-      _np_norm([true["experts"]["w1"]]), rel=1e-6)
+    _np_norm([true["experts"]["w1"]]), rel=1e-6
+  )
   for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(true)):
-    np.testing.assert_allclose(u, np.asarray(g) * 0.1 / (total + 1e-6),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      u, np.asarray(g) * 0.1 / (total + 1e-6), rtol=1e-6
+    )
 
 
 def _count_big_reductions(fn, *args):
@@ -90,15 +104,17 @@ def _count_big_reductions(fn, *args):
       if eqn.primitive.name == "cond":
         continue
       if eqn.primitive.name.startswith("reduce_") and any(
-          np.prod(v.aval.shape) >= 16 for v in eqn.invars):
+        np.prod(v.aval.shape) >= 16 for v in eqn.invars
+      ):
         n += 1
       for p in eqn.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        for sub in p if isinstance(p, (list, tuple)) else [p]:
           if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
             n += walk(sub.jaxpr)
           elif hasattr(sub, "eqns"):
             n += walk(sub)
     return n
+
   return walk(jaxpr.jaxpr)
 
 
@@ -106,18 +122,22 @@ def _count_big_reductions(fn, *args):
 def test_one_pass_over_the_gradients_like_plain_optax(dtype):
   params = jax.tree.map(lambda x: x.astype(jnp.float32), _grads())
   grads = jax.tree.map(lambda x: x.astype(dtype), _grads())
-  ours = fs.skip_on_overflow(optax.chain(
+  ours = fs.skip_on_overflow(
+    optax.chain(
       fs.fp16_loss_scale(fs.torch_scaler()),
       fs.clip_by_unscaled_norm(1.0, expert_mask=EXPERT_MASK),
-      optax.adamw(1e-3)))
+      optax.adamw(1e-3),
+    )
+  )
   floor = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 
   def step(tx):
     return lambda g, s, p: tx.update(g, s, p)
 
   n_ours = _count_big_reductions(step(ours), grads, ours.init(params), params)
-  n_floor = _count_big_reductions(step(floor), grads, floor.init(params),
-                                  params)
+  n_floor = _count_big_reductions(
+    step(floor), grads, floor.init(params), params
+  )
   assert n_floor == len(jax.tree.leaves(grads))  # optax: one sum per leaf
   assert n_ours == n_floor
 
@@ -126,15 +146,19 @@ def test_without_the_chain_the_clip_computes_its_own_norm():
   # Something between fp16_loss_scale and the clip makes new arrays: the
   # clip must then measure them itself, and still be right.
   true = _grads(3)
-  tx = fs.skip_on_overflow(optax.chain(
+  tx = fs.skip_on_overflow(
+    optax.chain(
       fs.fp16_loss_scale(fs.static_scaler(8.0)),
       optax.scale(2.0),
-      fs.clip_by_unscaled_norm(1e9)))
+      fs.clip_by_unscaled_norm(1e9),
+    )
+  )
   state = tx.init(true)
   _, state = jax.jit(tx.update)(jax.tree.map(lambda g: g * 8.0, true), state)
   clip_state = state[2]
   assert float(clip_state.grad_norm) == pytest.approx(
-      2 * _np_norm(jax.tree.leaves(true)), rel=1e-6)
+    2 * _np_norm(jax.tree.leaves(true)), rel=1e-6
+  )
 
 
 def test_bad_arguments():

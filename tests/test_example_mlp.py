@@ -1,4 +1,6 @@
-"""Runs examples/train_mlp.py end to end (short) and checks what it claims to show."""
+"""Runs examples/train_mlp.py end to end (short) and checks what it claims to
+show.
+"""
 
 import pathlib
 import runpy
@@ -11,45 +13,62 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
+EXAMPLE = (
+  pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
+)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    plot = tmp_path_factory.mktemp("plot") / "mlp.png"
-    main = runpy.run_path(str(EXAMPLE))["main"]  # not run as __main__: no training yet
-    result = main(["--steps", "120", "--window", "20", "--init-scale", str(2.0**24),
-                   "--plot", str(plot)])
-    return result, plot
+  plot = tmp_path_factory.mktemp("plot") / "mlp.png"
+  main = runpy.run_path(str(EXAMPLE))[
+    "main"
+  ]  # not run as __main__: no training yet
+  result = main(
+    [
+      "--steps",
+      "120",
+      "--window",
+      "20",
+      "--init-scale",
+      str(2.0**24),
+      "--plot",
+      str(plot),
+    ]
+  )
+  return result, plot
 
 
 def test_high_initial_scale_overflows_and_backs_off(run):
-    result, _ = run
-    overflow, scales = result["overflow"], result["scale_history"]
-    # 2**24 overflows float16 on the first step, which is skipped...
-    assert overflow[0] and scales[0] == 2.0**24
-    assert result["skipped_steps"] >= 1
-    assert result["skipped_steps"] == int(overflow.sum())
-    # ...and the scale backs off below it, halving on each leading overflow.
-    assert scales.min() < 2.0**24
-    leading = int(np.argmin(overflow))
-    assert leading >= 1 and not overflow[leading]
-    np.testing.assert_array_equal(scales[:leading + 1], 2.0**24 / 2.0**np.arange(leading + 1))
-    # Skipped steps report a NaN norm; clean ones a finite, positive true norm.
-    norms = result["grad_norm"]
-    assert np.isnan(norms[overflow]).all()
-    assert np.isfinite(norms[~overflow]).all() and (norms[~overflow] > 0).all()
+  result, _ = run
+  overflow, scales = result["overflow"], result["scale_history"]
+  # 2**24 overflows float16 on the first step, which is skipped...
+  assert overflow[0] and scales[0] == 2.0**24
+  assert result["skipped_steps"] >= 1
+  assert result["skipped_steps"] == int(overflow.sum())
+  # ...and the scale backs off below it, halving on each leading overflow.
+  assert scales.min() < 2.0**24
+  leading = int(np.argmin(overflow))
+  assert leading >= 1 and not overflow[leading]
+  np.testing.assert_array_equal(
+    scales[: leading + 1], 2.0**24 / 2.0 ** np.arange(leading + 1)
+  )
+  # Skipped steps report a NaN norm; clean ones a finite, positive true norm.
+  norms = result["grad_norm"]
+  assert np.isnan(norms[overflow]).all()
+  assert np.isfinite(norms[~overflow]).all() and (norms[~overflow] > 0).all()
 
 
 def test_scale_grows_again_after_clean_window(run):
-    result, _ = run
-    # The deepspeed preset grows after window + 1 clean steps: 120 steps are enough.
-    scales = result["scale_history"]
-    assert (scales[1:] > scales[:-1]).any()
+  result, _ = run
+  # The deepspeed preset grows after window + 1 clean steps: 120 steps are
+  # enough.
+  scales = result["scale_history"]
+  assert (scales[1:] > scales[:-1]).any()
 
 
 def test_learns_and_writes_plot(run):
-    result, plot = run
-    assert result["accuracy"] > 0.7  # chance is 0.1
-    assert plot.exists() and plot.stat().st_size > 10_000
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  result, plot = run
+  assert result["accuracy"] > 0.7  # chance is 0.1
+  assert plot.exists() and plot.stat().st_size > 10_000
+  assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,8 +2,6 @@
 donated step that XLA runs in place, with no more memory traffic than plain
 optax."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +14,12 @@ from fp16_scaling import _inplace
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
-U, S, K, F = (_inplace.UPDATE, _inplace.SELECT, _inplace.KEEP,
-              _inplace.OVERFLOW)
+U, S, K, F = (
+  _inplace.UPDATE,
+  _inplace.SELECT,
+  _inplace.KEEP,
+  _inplace.OVERFLOW,
+)
 
 
 def _run(fn, args, labels, olds_of_args):
@@ -25,19 +27,20 @@ def _run(fn, args, labels, olds_of_args):
 
   def jitted(*args):
     return _inplace.call_selecting(
-        fn, args, lambda _: (labels, olds_of_args(args)))
+      fn, args, lambda _: (labels, olds_of_args(args))
+    )
 
   return jax.jit(jitted)(*args)
 
 
 def _toy(x, a, b, flag):
   # Outputs: (update, a_new, b_new, shared_1, shared_2, passed, book, flag)
-  early = a + 1.0            # a state leaf computed before the flag exists
+  early = a + 1.0  # a state leaf computed before the flag exists
   flag = flag | jnp.isnan(x).any()
   b_new = b * 2.0 + x
-  update = early * b_new     # reads two new state leaves
-  book = b_new + 0.5         # bookkeeping must see the unselected b_new
-  shared = x * 3.0           # one value returned as two state leaves
+  update = early * b_new  # reads two new state leaves
+  book = b_new + 0.5  # bookkeeping must see the unselected b_new
+  shared = x * 3.0  # one value returned as two state leaves
   return update, early, b_new, shared, shared, a, book, flag
 
 
@@ -85,38 +88,46 @@ def _reference_skip(inner):
     def keep(new, old):
       return new if isinstance(new, book) else jnp.where(overflow, old, new)
 
-    new_state = jax.tree.map(keep, new_state, state,
-                             is_leaf=lambda x: isinstance(x, book))
-    new_updates = jax.tree.map(lambda u: jnp.where(overflow, -0.0, u),
-                               new_updates)
+    new_state = jax.tree.map(
+      keep, new_state, state, is_leaf=lambda x: isinstance(x, book)
+    )
+    new_updates = jax.tree.map(
+      lambda u: jnp.where(overflow, -0.0, u), new_updates
+    )
     return new_updates, new_state
 
   return optax.GradientTransformation(inner.init, update)
 
 
 _OPTIMIZERS = {
-    "adamw+schedule": lambda: optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20),
-        weight_decay=0.1),
-    "sgd nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-3),
-    "adafactor": lambda: optax.adafactor(1e-2),
-    "inject_hyperparams adam": lambda: optax.inject_hyperparams(optax.adam)(
-        learning_rate=1e-3),
-    "MultiSteps adam": lambda: optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(),
+  "adamw+schedule": lambda: optax.adamw(
+    optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20), weight_decay=0.1
+  ),
+  "sgd nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  "lion": lambda: optax.lion(1e-3),
+  "adafactor": lambda: optax.adafactor(1e-2),
+  "inject_hyperparams adam": lambda: optax.inject_hyperparams(optax.adam)(
+    learning_rate=1e-3
+  ),
+  "MultiSteps adam": lambda: optax.MultiSteps(
+    optax.adam(1e-3), 2
+  ).gradient_transformation(),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
 def test_same_bits_as_a_select_after_the_update(name):
-  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)),
-            "b": jnp.array([0.0, -0.0, 1.0, 2.0])}
+  params = {
+    "w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)),
+    "b": jnp.array([0.0, -0.0, 1.0, 2.0]),
+  }
 
   def chain():
     return optax.chain(
-        fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**8, scale_window=2)),
-        fs.clip_by_unscaled_norm(1.0),
-        _OPTIMIZERS[name]())
+      fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**8, scale_window=2)),
+      fs.clip_by_unscaled_norm(1.0),
+      _OPTIMIZERS[name](),
+    )
 
   ours, ref = fs.skip_on_overflow(chain()), _reference_skip(chain())
 
@@ -124,13 +135,16 @@ def test_same_bits_as_a_select_after_the_update(name):
     key = jax.random.fold_in(jax.random.PRNGKey(1), i)
     scale = fs.current_scale(state)
     grads = jax.tree.map(
-        lambda p: (jax.random.normal(jax.random.fold_in(key, p.size), p.shape)
-                   * scale).astype(jnp.float16),
-        params)
+      lambda p: (
+        jax.random.normal(jax.random.fold_in(key, p.size), p.shape) * scale
+      ).astype(jnp.float16),
+      params,
+    )
     # Steps 3 and 4 overflow.
     poison = (i == 3) | (i == 4)
-    grads["w"] = grads["w"].at[0, 0].set(
-        jnp.where(poison, jnp.inf, grads["w"][0, 0]))
+    grads["w"] = (
+      grads["w"].at[0, 0].set(jnp.where(poison, jnp.inf, grads["w"][0, 0]))
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -156,8 +170,9 @@ def test_same_bits_as_a_select_after_the_update(name):
   # differently in the last place.
   for ours_step, ref_step in zip(ours_run, ref_run):
     for a, b in zip(jax.tree.leaves(ours_step), jax.tree.leaves(ref_step)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                                 atol=1e-7)
+      np.testing.assert_allclose(
+        np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+      )
 
 
 def _bits(tree):
@@ -166,15 +181,21 @@ def _bits(tree):
 
 def _inner(state):
   book = (LossScaleState, ClipState)
-  return jax.tree.map(lambda x: None if isinstance(x, book) else x, state,
-                      is_leaf=lambda x: isinstance(x, book))
+  return jax.tree.map(
+    lambda x: None if isinstance(x, book) else x,
+    state,
+    is_leaf=lambda x: isinstance(x, book),
+  )
 
 
 def _chain():
-  return fs.skip_on_overflow(optax.chain(
+  return fs.skip_on_overflow(
+    optax.chain(
       fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**8, scale_window=2)),
       fs.clip_by_unscaled_norm(1.0),
-      optax.adamw(1e-2, weight_decay=0.1)))
+      optax.adamw(1e-2, weight_decay=0.1),
+    )
+  )
 
 
 def _grads(scale, poison):
@@ -193,7 +214,8 @@ def test_rewritten_jaxpr_typechecks():
     state = tx.init(params)
     for poison in (False, True, False):
       updates, state = jax.jit(tx.update)(
-          _grads(fs.current_scale(state), poison), state, params)
+        _grads(fs.current_scale(state), poison), state, params
+      )
       params = optax.apply_updates(params, updates)
   assert int(fs.scale_metrics(state)["skipped_steps"]) == 1
 
@@ -209,7 +231,8 @@ def test_unexpected_jaxpr_shape_falls_back_to_selecting_after(monkeypatch):
     out = []
     for poison in (False, True, False, False):
       updates, state = jax.jit(tx.update)(
-          _grads(fs.current_scale(state), poison), state, params)
+        _grads(fs.current_scale(state), poison), state, params
+      )
       params = optax.apply_updates(params, updates)
       out.append((params, state))
     return out
@@ -220,8 +243,9 @@ def test_unexpected_jaxpr_shape_falls_back_to_selecting_after(monkeypatch):
   assert _bits(slow[1][0]) == _bits(slow[0][0])  # the overflow step
   assert _bits(_inner(slow[1][1])) == _bits(_inner(slow[0][1]))
   for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(slow)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_eager_update_runs_op_by_op_and_skips_exactly(monkeypatch):
@@ -235,7 +259,8 @@ def test_eager_update_runs_op_by_op_and_skips_exactly(monkeypatch):
     out = []
     for poison in (False, True, False):
       updates, state = update(tx)(
-          _grads(fs.current_scale(state), poison), state, params)
+        _grads(fs.current_scale(state), poison), state, params
+      )
       params = optax.apply_updates(params, updates)
       out.append((params, state))
     return out
@@ -250,5 +275,6 @@ def test_eager_update_runs_op_by_op_and_skips_exactly(monkeypatch):
   assert _bits(eager[1][0]) == _bits(eager[0][0])  # the overflow step
   assert _bits(_inner(eager[1][1])) == _bits(_inner(eager[0][1]))
   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+    )

@@ -10,8 +10,8 @@ import fp16_scaling as fs
 
 # Gradients whose true global norm is exactly 1.0: 0.6, 0.8 and zeros.
 TRUE_GRADS = {
-    "w": jnp.array([[0.6, 0.0], [0.0, 0.0]], jnp.float32),
-    "b": jnp.array([0.8, 0.0], jnp.float32),
+  "w": jnp.array([[0.6, 0.0], [0.0, 0.0]], jnp.float32),
+  "b": jnp.array([0.8, 0.0], jnp.float32),
 }
 
 
@@ -19,8 +19,9 @@ def make_tx(scaler, max_norm=10.0):
   # No optimizer after the clip: the chain's update is the unscaled, clipped
   # gradient itself, so "the applied update equals the true gradient" is an
   # exact equality to check.
-  return fs.skip_on_overflow(optax.chain(
-      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm)))
+  return fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm))
+  )
 
 
 def run(tx, steps, grads_fn=lambda i: TRUE_GRADS):
@@ -42,19 +43,18 @@ def run(tx, steps, grads_fn=lambda i: TRUE_GRADS):
 
 def test_static_scale_reports_true_norm():
   # DeepSpeed 0.19's FP16_UnfusedOptimizer reports 128.0 here.
-  (updates, metrics), = run(make_tx(fs.static_scaler(128.0)), 1)
+  ((updates, metrics),) = run(make_tx(fs.static_scaler(128.0)), 1)
   assert float(metrics["grad_norm"]) == 1.0
   assert float(metrics["prev_loss_scale"]) == 128.0
   jax.tree.map(np.testing.assert_array_equal, updates, TRUE_GRADS)
 
 
 DYNAMIC = {
-    "deepspeed": fs.deepspeed_scaler(128.0, scale_window=2, min_scale=1.0),
-    "torch": fs.torch_scaler(128.0, growth_interval=2),
-    "megatron": fs.megatron_scaler(128.0, 1.0, growth_interval=2,
-                                   hysteresis=1),
-    "megatron_h2": fs.megatron_scaler(128.0, 1.0, growth_interval=2),
-    "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
+  "deepspeed": fs.deepspeed_scaler(128.0, scale_window=2, min_scale=1.0),
+  "torch": fs.torch_scaler(128.0, growth_interval=2),
+  "megatron": fs.megatron_scaler(128.0, 1.0, growth_interval=2, hysteresis=1),
+  "megatron_h2": fs.megatron_scaler(128.0, 1.0, growth_interval=2),
+  "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
 }
 
 
@@ -76,8 +76,10 @@ def test_growth_steps_unscale_by_the_scale_the_grads_were_made_with(name):
 
 def test_float16_gradients_are_unscaled_in_float32():
   tx = make_tx(fs.static_scaler(2.0**15))
-  grads = {"w": jnp.full((2, 2), 2.0**-20, jnp.float32),
-           "b": jnp.full((2,), 2.0**-20, jnp.float32)}
+  grads = {
+    "w": jnp.full((2, 2), 2.0**-20, jnp.float32),
+    "b": jnp.full((2,), 2.0**-20, jnp.float32),
+  }
   state = tx.init(grads)
   # 2**-20 lies below float16's normal range (2**-14); scaled by 2**15 it is
   # 2**-5, exact in float16, and must come back as 2**-20 in float32.
@@ -85,16 +87,19 @@ def test_float16_gradients_are_unscaled_in_float32():
   updates, state = jax.jit(tx.update)(scaled, state)
   assert updates["w"].dtype == jnp.float32
   jax.tree.map(np.testing.assert_array_equal, updates, grads)
-  assert float(state[0].grad_norm) == pytest.approx(2.0**-20 * np.sqrt(6),
-                                                    rel=1e-6)
+  assert float(state[0].grad_norm) == pytest.approx(
+    2.0**-20 * np.sqrt(6), rel=1e-6
+  )
 
 
 def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
   # 3e30 squared overflows float32; the element is finite, so the step must
   # be taken and the norm reported exactly (3e30 / 4 alongside 4e30 / 4).
   tx = make_tx(fs.static_scaler(4.0), max_norm=1e35)
-  grads = {"w": jnp.array([[3e30, 0.0], [0.0, 0.0]], jnp.float32),
-           "b": jnp.array([4e30, 0.0], jnp.float32)}
+  grads = {
+    "w": jnp.array([[3e30, 0.0], [0.0, 0.0]], jnp.float32),
+    "b": jnp.array([4e30, 0.0], jnp.float32),
+  }
   state = tx.init(grads)
   updates, state = jax.jit(tx.update)(grads, state)
   ls = state[0]
@@ -106,8 +111,7 @@ def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_any_non_finite_element_is_an_overflow(bad):
   tx = make_tx(fs.deepspeed_scaler(64.0, 4))
-  grads = {"w": jnp.zeros((2, 2)).at[1, 0].set(bad),
-           "b": jnp.ones((2,))}
+  grads = {"w": jnp.zeros((2, 2)).at[1, 0].set(bad), "b": jnp.ones((2,))}
   state = tx.init(grads)
   updates, state = jax.jit(tx.update)(grads, state)
   ls = state[0]
@@ -153,8 +157,8 @@ def test_raise_if_min_scale_reached():
   nan = jax.tree.map(lambda g: g * jnp.nan, TRUE_GRADS)
   state = tx.init(TRUE_GRADS)
   update = jax.jit(tx.update)
-  _, state = update(nan, state)   # 2 -> 1: allowed
+  _, state = update(nan, state)  # 2 -> 1: allowed
   fs.raise_if_min_scale_reached(state)
-  _, state = update(nan, state)   # already at 1: DeepSpeed raises here
+  _, state = update(nan, state)  # already at 1: DeepSpeed raises here
   with pytest.raises(fs.MinLossScaleError, match="minimum"):
     fs.raise_if_min_scale_reached(state)

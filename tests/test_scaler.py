@@ -19,11 +19,13 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 def trajectory(scaler, overflows):
   """Scale after each step, driven through lax.scan under jit."""
+
   @jax.jit
   def run(flags):
     def body(state, flag):
       state = scaler.update(state, flag)
       return state, state
+
     return jax.lax.scan(body, scaler.init(), flags)
 
   final, states = run(jnp.asarray(overflows, bool))
@@ -35,14 +37,22 @@ C, O = False, True
 # Window 3, eight clean steps from scale 8 (peer-semantics.md: torch and
 # Megatron grow on steps 3 and 6, DeepSpeed on 4 and 7, Flax on 4 and 8).
 GROWTH_TABLE = {
-    "torch": (fs.torch_scaler(8.0, growth_interval=3),
-              [8, 8, 16, 16, 16, 32, 32, 32]),
-    "megatron": (fs.megatron_scaler(8.0, 1.0, growth_interval=3, hysteresis=1),
-                 [8, 8, 16, 16, 16, 32, 32, 32]),
-    "deepspeed": (fs.deepspeed_scaler(8.0, scale_window=3),
-                  [8, 8, 8, 16, 16, 16, 32, 32]),
-    "flax": (fs.flax_scaler(growth_interval=3, scale=8.0),
-             [8, 8, 8, 16, 16, 16, 16, 32]),
+  "torch": (
+    fs.torch_scaler(8.0, growth_interval=3),
+    [8, 8, 16, 16, 16, 32, 32, 32],
+  ),
+  "megatron": (
+    fs.megatron_scaler(8.0, 1.0, growth_interval=3, hysteresis=1),
+    [8, 8, 16, 16, 16, 32, 32, 32],
+  ),
+  "deepspeed": (
+    fs.deepspeed_scaler(8.0, scale_window=3),
+    [8, 8, 8, 16, 16, 16, 32, 32],
+  ),
+  "flax": (
+    fs.flax_scaler(growth_interval=3, scale=8.0),
+    [8, 8, 8, 16, 16, 16, 16, 32],
+  ),
 }
 
 
@@ -57,28 +67,37 @@ def test_growth_steps_match_each_peer(name):
 # Worked through each peer's update function by hand (see module docstring).
 PATTERN = [O, O, C, C, C, O, C, O, O]
 HYSTERESIS_TABLE = {
-    # DeepSpeed delayed_shift=2: the first overflow only spends hysteresis;
-    # growth at stable_interval 2 (step 4) refills it.
-    "deepspeed_h2": (fs.deepspeed_scaler(16.0, 2, 1.0, delayed_shift=2),
-                     [16, 8, 8, 8, 16, 16, 16, 8, 4]),
-    # consecutive_hysteresis refills on every clean step, so the overflow at
-    # step 7 (after the clean step 6) is absorbed too.
-    "deepspeed_h2_consecutive": (
-        fs.deepspeed_scaler(16.0, 2, 1.0, delayed_shift=2,
-                            consecutive_hysteresis=True),
-        [16, 8, 8, 8, 16, 16, 16, 16, 8]),
-    # Megatron hysteresis=2: the tracker goes 1, 0 (back off), -1 ...;
-    # refilled only on growth (step 3, second clean step).
-    "megatron_h2": (fs.megatron_scaler(16.0, 1.0, growth_interval=2,
-                                       hysteresis=2),
-                    [16, 8, 8, 16, 16, 16, 16, 8, 4]),
-    "torch": (fs.torch_scaler(16.0, growth_interval=2),
-              [8, 4, 4, 8, 8, 4, 4, 2, 1]),
-    # Flax growth_interval=2 grows on the third clean step in a row.
-    "flax": (fs.flax_scaler(growth_interval=2, scale=16.0),
-             [8, 4, 4, 4, 8, 4, 4, 2, 1]),
-    "static": (fs.static_scaler(16.0), [16] * 9),
-    "none": (fs.no_scaler(), [1] * 9),
+  # DeepSpeed delayed_shift=2: the first overflow only spends hysteresis;
+  # growth at stable_interval 2 (step 4) refills it.
+  "deepspeed_h2": (
+    fs.deepspeed_scaler(16.0, 2, 1.0, delayed_shift=2),
+    [16, 8, 8, 8, 16, 16, 16, 8, 4],
+  ),
+  # consecutive_hysteresis refills on every clean step, so the overflow at
+  # step 7 (after the clean step 6) is absorbed too.
+  "deepspeed_h2_consecutive": (
+    fs.deepspeed_scaler(
+      16.0, 2, 1.0, delayed_shift=2, consecutive_hysteresis=True
+    ),
+    [16, 8, 8, 8, 16, 16, 16, 16, 8],
+  ),
+  # Megatron hysteresis=2: the tracker goes 1, 0 (back off), -1 ...;
+  # refilled only on growth (step 3, second clean step).
+  "megatron_h2": (
+    fs.megatron_scaler(16.0, 1.0, growth_interval=2, hysteresis=2),
+    [16, 8, 8, 16, 16, 16, 16, 8, 4],
+  ),
+  "torch": (
+    fs.torch_scaler(16.0, growth_interval=2),
+    [8, 4, 4, 8, 8, 4, 4, 2, 1],
+  ),
+  # Flax growth_interval=2 grows on the third clean step in a row.
+  "flax": (
+    fs.flax_scaler(growth_interval=2, scale=16.0),
+    [8, 4, 4, 4, 8, 4, 4, 2, 1],
+  ),
+  "static": (fs.static_scaler(16.0), [16] * 9),
+  "none": (fs.no_scaler(), [1] * 9),
 }
 
 
@@ -117,12 +136,15 @@ def test_torch_scale_never_reaches_zero_and_recovers():
   assert got[-3:] == [TINY * 2, TINY * 4, TINY * 8]
 
 
-@pytest.mark.parametrize("scaler", [
+@pytest.mark.parametrize(
+  "scaler",
+  [
     fs.megatron_scaler(2.0**126, 1.0, growth_interval=1, hysteresis=1),
     fs.deepspeed_scaler(2.0**126, 1),
     fs.torch_scaler(2.0**126, growth_interval=1),
     fs.flax_scaler(growth_interval=1, scale=2.0**126),
-])
+  ],
+)
 def test_growth_never_reaches_inf(scaler):
   got, _ = trajectory(scaler, [C] * 10)
   assert max(got) == 2.0**127
@@ -130,8 +152,9 @@ def test_growth_never_reaches_inf(scaler):
 
 
 def test_non_power_of_two_factors_round_like_float32():
-  scaler = fs.torch_scaler(1000.0, growth_factor=1.5, backoff_factor=0.25,
-                           growth_interval=1)
+  scaler = fs.torch_scaler(
+    1000.0, growth_factor=1.5, backoff_factor=0.25, growth_interval=1
+  )
   got, _ = trajectory(scaler, [C, C, O])
   s = np.float32(1000.0)
   expected = [s * np.float32(1.5)]
@@ -141,25 +164,27 @@ def test_non_power_of_two_factors_round_like_float32():
 
 
 BAD = [
-    (lambda: fs.static_scaler(0.0), ValueError, "scale"),
-    (lambda: fs.static_scaler(float("inf")), ValueError, "scale"),
-    (lambda: fs.static_scaler(1e-40), ValueError, "scale"),
-    (lambda: fs.torch_scaler(-1.0), ValueError, "init_scale"),
-    (lambda: fs.torch_scaler(growth_factor=1.0), ValueError, "growth_factor"),
-    (lambda: fs.torch_scaler(backoff_factor=1.0), ValueError, "backoff_factor"),
-    (lambda: fs.torch_scaler(backoff_factor=0.0), ValueError, "backoff_factor"),
-    (lambda: fs.torch_scaler(growth_interval=0), ValueError, "growth_interval"),
-    (lambda: fs.torch_scaler(growth_interval=2.5), TypeError,
-     "growth_interval"),
-    (lambda: fs.deepspeed_scaler(scale_window=0), ValueError, "scale_window"),
-    (lambda: fs.deepspeed_scaler(delayed_shift=0), ValueError, "delayed_shift"),
-    (lambda: fs.deepspeed_scaler(8.0, min_scale=16.0), ValueError, "min_scale"),
-    (lambda: fs.deepspeed_scaler(consecutive_hysteresis="yes"), TypeError,
-     "consecutive_hysteresis"),
-    (lambda: fs.megatron_scaler(hysteresis=0), ValueError, "hysteresis"),
-    (lambda: fs.megatron_scaler(8.0, min_scale=16.0), ValueError, "min_scale"),
-    (lambda: fs.megatron_scaler(8.0, min_scale=0.0), ValueError, "min_scale"),
-    (lambda: fs.flax_scaler(backoff_factor=2.0), ValueError, "backoff_factor"),
+  (lambda: fs.static_scaler(0.0), ValueError, "scale"),
+  (lambda: fs.static_scaler(float("inf")), ValueError, "scale"),
+  (lambda: fs.static_scaler(1e-40), ValueError, "scale"),
+  (lambda: fs.torch_scaler(-1.0), ValueError, "init_scale"),
+  (lambda: fs.torch_scaler(growth_factor=1.0), ValueError, "growth_factor"),
+  (lambda: fs.torch_scaler(backoff_factor=1.0), ValueError, "backoff_factor"),
+  (lambda: fs.torch_scaler(backoff_factor=0.0), ValueError, "backoff_factor"),
+  (lambda: fs.torch_scaler(growth_interval=0), ValueError, "growth_interval"),
+  (lambda: fs.torch_scaler(growth_interval=2.5), TypeError, "growth_interval"),
+  (lambda: fs.deepspeed_scaler(scale_window=0), ValueError, "scale_window"),
+  (lambda: fs.deepspeed_scaler(delayed_shift=0), ValueError, "delayed_shift"),
+  (lambda: fs.deepspeed_scaler(8.0, min_scale=16.0), ValueError, "min_scale"),
+  (
+    lambda: fs.deepspeed_scaler(consecutive_hysteresis="yes"),
+    TypeError,
+    "consecutive_hysteresis",
+  ),
+  (lambda: fs.megatron_scaler(hysteresis=0), ValueError, "hysteresis"),
+  (lambda: fs.megatron_scaler(8.0, min_scale=16.0), ValueError, "min_scale"),
+  (lambda: fs.megatron_scaler(8.0, min_scale=0.0), ValueError, "min_scale"),
+  (lambda: fs.flax_scaler(backoff_factor=2.0), ValueError, "backoff_factor"),
 ]
 
 

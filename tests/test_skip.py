@@ -7,34 +7,40 @@ import numpy as np
 import optax
 
 import fp16_scaling as fs
-
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
 
 def _params():
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return {"dense": {"kernel": jax.random.normal(k1, (4, 3)),
-                    "bias": jnp.array([0.0, -0.0, 1.0])},
-          "out": jax.random.normal(k2, (3,))}
+  return {
+    "dense": {
+      "kernel": jax.random.normal(k1, (4, 3)),
+      "bias": jnp.array([0.0, -0.0, 1.0]),
+    },
+    "out": jax.random.normal(k2, (3,)),
+  }
 
 
 def _true_grads(i):
   key = jax.random.PRNGKey(100 + i)
   return jax.tree.map(
-      lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape),
-      _params())
+    lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape),
+    _params(),
+  )
 
 
 def _tx():
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20)
-  return fs.skip_on_overflow(optax.chain(
+  return fs.skip_on_overflow(
+    optax.chain(
       # Powers of two only: unscaling is exact, so a run with a different
       # scale history sees bit-identical unscaled gradients.
       fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**10, scale_window=3)),
       fs.clip_by_unscaled_norm(2.0),
       optax.adamw(schedule, weight_decay=0.1),
-  ))
+    )
+  )
 
 
 @jax.jit
@@ -52,8 +58,10 @@ def _bits(tree):
 
 def _strip_bookkeeping(state):
   return jax.tree.map(
-      lambda x: None if isinstance(x, (LossScaleState, ClipState)) else x,
-      state, is_leaf=lambda x: isinstance(x, (LossScaleState, ClipState)))
+    lambda x: None if isinstance(x, (LossScaleState, ClipState)) else x,
+    state,
+    is_leaf=lambda x: isinstance(x, (LossScaleState, ClipState)),
+  )
 
 
 def test_overflow_step_is_bit_identical_and_run_matches_one_without_it():
@@ -70,10 +78,13 @@ def test_overflow_step_is_bit_identical_and_run_matches_one_without_it():
       assert bool(fs.scale_metrics(state)["overflow"])
       assert _bits(params) == _bits(before_params)
       assert _bits(_strip_bookkeeping(state)) == _bits(
-          _strip_bookkeeping(before_state))
+        _strip_bookkeeping(before_state)
+      )
       # the bookkeeping did move
-      assert float(fs.current_scale(state)) == float(
-          fs.current_scale(before_state)) / 2
+      assert (
+        float(fs.current_scale(state))
+        == float(fs.current_scale(before_state)) / 2
+      )
     params, state = _step(params, state, grads[i], False)
   run_a = params, state
 
@@ -85,10 +96,14 @@ def test_overflow_step_is_bit_identical_and_run_matches_one_without_it():
 
   assert _bits(run_a[0]) == _bits(run_b[0])
   assert _bits(_strip_bookkeeping(run_a[1])) == _bits(
-      _strip_bookkeeping(run_b[1]))
+    _strip_bookkeeping(run_b[1])
+  )
   # The schedule and Adam counted 10 steps in both runs, not 11 in run A.
-  counts = [int(c) for c in jax.tree.leaves(_strip_bookkeeping(run_a[1]))
-            if np.asarray(c).dtype == np.int32]
+  counts = [
+    int(c)
+    for c in jax.tree.leaves(_strip_bookkeeping(run_a[1]))
+    if np.asarray(c).dtype == np.int32
+  ]
   assert counts and all(c == 10 for c in counts)
   assert int(fs.scale_metrics(run_a[1])["skipped_steps"]) == 1
   assert int(fs.scale_metrics(run_b[1])["skipped_steps"]) == 0

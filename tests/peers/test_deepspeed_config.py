@@ -5,24 +5,26 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracles
 import pytest
 
 import fp16_scaling as fs
-import peers
 
-peers.init_deepspeed()
+oracles.init_deepspeed()
 from deepspeed.runtime import config as ds_config  # noqa: E402
 from deepspeed.runtime.fp16 import loss_scaler as ds_ls  # noqa: E402
 from deepspeed.runtime.precision_config import get_float16_config  # noqa: E402
 
 
 def _ds_reads(config):
-  """What DeepSpeed's engine builds from ``config``: (kind, scaler fields, clip).
+  """What DeepSpeed's engine builds from ``config``: (kind, scaler fields,
+  clip).
 
   Non-ZeRO fp16 optimizers take a ``LossScaleConfig``; ZeRO stages build a
   ``DynamicLossScaler`` via ``CreateLossScaler`` from the same args.
   """
   import torch
+
   fp16 = get_float16_config(config)
   clip = ds_config.get_gradient_clipping(config)
   stage = config.get("zero_optimization", {}).get("stage", 0)
@@ -35,8 +37,11 @@ def _ds_reads(config):
   if stage == 0:
     lsc = ds_ls.LossScaleConfig(torch.float16, True, fp16.loss_scale, args)
     return "fp16_optimizer", lsc, clip
-  return "zero", ds_ls.CreateLossScaler(torch.float16, fp16.loss_scale, True,
-                                        args), clip
+  return (
+    "zero",
+    ds_ls.CreateLossScaler(torch.float16, fp16.loss_scale, True, args),
+    clip,
+  )
 
 
 def _trajectory(scaler, overflows):
@@ -64,20 +69,41 @@ def _ds_optimizer_trajectory(lsc, overflows):
 
 
 CONFIGS = [
-    {"fp16": {"enabled": True}},
-    {"fp16": {"enabled": True, "initial_scale_power": 8,
-              "loss_scale_window": 3, "hysteresis": 3, "min_loss_scale": 4},
-     "gradient_clipping": 0.5},
-    {"fp16": {"enabled": True, "initial_scale_power": 8,
-              "loss_scale_window": 3, "hysteresis": 3, "min_loss_scale": 4},
-     "zero_optimization": {"stage": 2}},
-    {"fp16": {"enabled": True, "initial_scale_power": 6,
-              "loss_scale_window": 2, "hysteresis": 2,
-              "consecutive_hysteresis": True},
-     "zero_optimization": {"stage": 1}, "gradient_clipping": 0},
-    {"fp16": {"enabled": True, "loss_scale": 1024}},
-    {"fp16": {"enabled": False}, "bf16": {"enabled": True}},
-    {},
+  {"fp16": {"enabled": True}},
+  {
+    "fp16": {
+      "enabled": True,
+      "initial_scale_power": 8,
+      "loss_scale_window": 3,
+      "hysteresis": 3,
+      "min_loss_scale": 4,
+    },
+    "gradient_clipping": 0.5,
+  },
+  {
+    "fp16": {
+      "enabled": True,
+      "initial_scale_power": 8,
+      "loss_scale_window": 3,
+      "hysteresis": 3,
+      "min_loss_scale": 4,
+    },
+    "zero_optimization": {"stage": 2},
+  },
+  {
+    "fp16": {
+      "enabled": True,
+      "initial_scale_power": 6,
+      "loss_scale_window": 2,
+      "hysteresis": 2,
+      "consecutive_hysteresis": True,
+    },
+    "zero_optimization": {"stage": 1},
+    "gradient_clipping": 0,
+  },
+  {"fp16": {"enabled": True, "loss_scale": 1024}},
+  {"fp16": {"enabled": False}, "bf16": {"enabled": True}},
+  {},
 ]
 
 
@@ -98,7 +124,8 @@ def test_matches_what_deepspeed_builds(config, tmp_path):
     assert ours.scaler.init_scale == ds and not ours.scaler.dynamic
   elif kind == "fp16_optimizer":
     assert _trajectory(ours.scaler, overflows) == _ds_optimizer_trajectory(
-        ds, overflows)
+      ds, overflows
+    )
   else:
     assert ours.scaler.raise_at_min_scale == ds.raise_error_at_min_scale
     expected = []
@@ -117,13 +144,13 @@ def test_hysteresis_only_matters_under_zero():
 
 
 BAD = [
-    ({"loss_scale": True}, "fp16.loss_scale"),
-    ({"loss_scale": -1}, "fp16.loss_scale"),
-    ({"loss_scale": float("inf")}, "fp16.loss_scale"),
-    ({"loss_scale_window": 0}, "fp16.loss_scale_window"),
-    ({"min_loss_scale": 0}, "fp16.min_loss_scale"),
-    ({"min_loss_scale": True}, "fp16.min_loss_scale"),
-    ({"loss_scale_window": float("nan")}, "fp16.loss_scale_window"),
+  ({"loss_scale": True}, "fp16.loss_scale"),
+  ({"loss_scale": -1}, "fp16.loss_scale"),
+  ({"loss_scale": float("inf")}, "fp16.loss_scale"),
+  ({"loss_scale_window": 0}, "fp16.loss_scale_window"),
+  ({"min_loss_scale": 0}, "fp16.min_loss_scale"),
+  ({"min_loss_scale": True}, "fp16.min_loss_scale"),
+  ({"loss_scale_window": float("nan")}, "fp16.loss_scale_window"),
 ]
 
 
@@ -138,20 +165,23 @@ def test_deepspeed_validation_errors(fp16, field):
 
 def test_values_deepspeed_accepts_but_float32_cannot_hold():
   with pytest.raises(ValueError, match="initial_scale_power"):
-    fs.from_deepspeed_config({"fp16": {"enabled": True,
-                                       "initial_scale_power": 200}})
+    fs.from_deepspeed_config(
+      {"fp16": {"enabled": True, "initial_scale_power": 200}}
+    )
   with pytest.raises(ValueError, match="min_loss_scale"):
-    fs.from_deepspeed_config({"fp16": {"enabled": True,
-                                       "initial_scale_power": 2,
-                                       "min_loss_scale": 8}})
+    fs.from_deepspeed_config(
+      {"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 8}}
+    )
   with pytest.raises(ValueError, match="unknown"):
     fs.from_deepspeed_config({"fp16": {"enabled": True, "windw": 3}})
 
 
 def test_optimizer_builds_the_guarded_chain():
   import optax
-  recipe = fs.from_deepspeed_config({"fp16": {"enabled": True},
-                                     "gradient_clipping": 0.5})
+
+  recipe = fs.from_deepspeed_config(
+    {"fp16": {"enabled": True}, "gradient_clipping": 0.5}
+  )
   tx = recipe.optimizer(optax.sgd(1.0))
   params = {"w": jnp.ones(4)}
   state = tx.init(params)

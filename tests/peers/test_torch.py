@@ -1,0 +1,197 @@
+"""Whole optimizer steps against torch.amp: GradScaler + clip_grad_norm_ +
+torch Adam / AdamW.
+
+The same gradient sequences go to ``oracles.run_torch_amp`` (each step:
+``scaler.unscale_``,
+``clip_grad_norm_``, ``scaler.step``, ``scaler.update`` over float32 parameters)
+and to::
+
+    skip_on_overflow(chain(fp16_loss_scale(torch_scaler(...)),
+    clip_by_unscaled_norm(max_norm),
+                           optax.adam(...) | optax.adamw(...)))
+
+fed the very scaled float32 gradients torch was given (``Step.grads``), one
+``lax.scan`` for the whole sequence. Overflow steps come from NaN and inf
+injected into random leaves (float32 gradients at these magnitudes do not
+overflow by themselves); the clip binds on about half of the clean steps. After
+every step: the same skip decision, the same scale before and after, the same
+reported norm (what ``clip_grad_norm_`` returns: the unscaled norm before
+clipping) and the same parameters.
+
+Conventions: torch Adam adds ``eps`` to ``sqrt(v_hat)``, as ``optax.adam`` does;
+torch AdamW (``decoupled_weight_decay=True``) multiplies the parameters by ``1 -
+lr * weight_decay``, and ``optax.adamw`` adds ``weight_decay * param`` to the
+update before scaling by ``-lr``: the same decoupled decay, also multiplied by
+the learning rate. Neither decays on a skipped step.
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import oracles
+import pytest
+
+import fp16_scaling as fs
+
+oracles.require("torch")
+
+SEED = int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
+SHAPES = [(16, 8), (33,), (4, 3, 5), (7,)]
+STEPS = 300
+MAX_NORM = 0.5  # about the median true norm of the sequence below
+OVERFLOW_RATE = 0.06
+# float32 values, for the reason given in test_peers_deepspeed.py: optax forms
+# the bias corrections in float32 from float32(beta), torch in double; a beta
+# such as 0.999 makes them drift apart.
+LR, BETAS, EPS, WEIGHT_DECAY = 2.0**-10, (0.875, 1 - 2.0**-10), 1e-8, 2.0**-4
+# Tolerances (see test_peers_deepspeed.py for the argument): float32 operation
+# order only. Measured over 6 seeds x 4 runs: parameters within 8.5e-8 *
+# max|param| (Adam, free-running) and 9.9e-8 (AdamW, step by step); norms within
+# 2.7e-7 relative. AdamW is compared step by step (each step from torch's
+# parameters): torch decays with a rounded multiply of its own, p * (1 - lr *
+# wd), where optax folds wd * p into the update and rounds once when adding it;
+# that is an independent rounding of up to half an ulp of p on every step, which
+# over 300 free-running steps random-walks to ~10 ulps (measured up to 3e-6 *
+# max|param|): torch AdamW against optax.adamw, whatever scales the gradients.
+# Step by step, one step's worth is left.
+PARAM_RTOL_OF_MAX = 1e-6
+NORM_RTOL = 1e-6
+
+SCALERS = {
+  # GradScaler's defaults but a short interval, so that the scale moves.
+  "powers_of_two": dict(
+    init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=6
+  ),
+  # Factors that are float32 values but not powers of two: scales with full
+  # significands.
+  "float32_factors": dict(
+    init_scale=1000.0,
+    growth_factor=1.5,
+    backoff_factor=0.625,
+    growth_interval=4,
+  ),
+}
+
+
+def _gradient_sequence(rng):
+  """Unscaled gradients with magnitudes over nine decades; on OVERFLOW_RATE of
+  the steps a NaN,
+  +inf or -inf in a random element of a random leaf."""
+  return oracles.random_gradient_sequence(
+    rng,
+    SHAPES,
+    STEPS,
+    log10_range=(-6, 1.5),
+    bad_rate=OVERFLOW_RATE,
+    bad_values=[np.nan, np.inf, -np.inf],
+  )
+
+
+def replay(optimizer, params0, records, scaler, max_norm, *, follow_peer):
+  """fp16_scaling fed the exact scaled gradients torch was given, one
+  ``lax.scan``.
+
+  With ``follow_peer``, step t starts from torch's parameters after step t - 1
+  (the optimizer state is still ours, carried from step to step: Adam's moments
+  do not depend on the parameters), so each step is compared on its own;
+  otherwise our parameters run free from ``params0``.
+  """
+  if optimizer == "adam":
+    inner = optax.adam(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS)
+  else:
+    inner = optax.adamw(
+      LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY
+    )
+  tx = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
+    )
+  )
+  params = [jnp.asarray(p) for p in params0]
+  grads = [
+    jnp.asarray(np.stack([r.grads[i] for r in records]))
+    for i in range(len(params0))
+  ]
+  assert all(g.dtype == jnp.float32 for g in grads)
+  peer_before = [
+    jnp.asarray(np.stack([p] + [r.params[i] for r in records[:-1]]))
+    for i, p in enumerate(params0)
+  ]
+
+  return oracles.scan_steps(
+    tx, params, tx.init(params), grads, peer_before if follow_peer else None
+  )
+
+
+@pytest.mark.parametrize("scaling", sorted(SCALERS))
+@pytest.mark.parametrize(
+  "optimizer,follow_peer",
+  [("adam", False), ("adamw", True)],
+  ids=["adam-free_running", "adamw-step_by_step"],
+)
+def test_whole_steps_match_torch_amp(optimizer, follow_peer, scaling):
+  cfg = SCALERS[scaling]
+  rng = np.random.default_rng(
+    [SEED, optimizer == "adamw", scaling == "float32_factors"]
+  )
+  params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+  seq, bad_steps = _gradient_sequence(rng)
+  decay = (
+    dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
+    if optimizer == "adamw"
+    else {}
+  )
+  records = oracles.run_torch_amp(
+    params0, seq, lr=LR, max_norm=MAX_NORM, betas=BETAS, eps=EPS, **cfg, **decay
+  )
+  params, before, prev, after, overflow, norm = replay(
+    optimizer,
+    params0,
+    records,
+    fs.torch_scaler(**cfg),
+    MAX_NORM,
+    follow_peer=follow_peer,
+  )
+
+  skipped = oracles.assert_same_skips_and_scales(
+    records, overflow, before, prev, after
+  )
+  peer_norm = np.array([r.norm for r in records])
+  assert (
+    not np.isfinite(peer_norm[skipped]).any() and np.isnan(norm[skipped]).all()
+  )
+  np.testing.assert_allclose(
+    norm[~skipped], peer_norm[~skipped], rtol=NORM_RTOL, err_msg="reported norm"
+  )
+  scale = max(
+    float(np.abs(r.params[i]).max())
+    for r in records
+    for i in range(len(SHAPES))
+  )
+  for i in range(len(SHAPES)):
+    np.testing.assert_allclose(
+      params[i],
+      np.stack([r.params[i] for r in records]),
+      rtol=0,
+      atol=PARAM_RTOL_OF_MAX * scale,
+      err_msg=f"parameter {i}",
+    )
+
+  binds = (
+    MAX_NORM / (peer_norm + 1e-6) < 1
+  )  # clip_grad_norm_'s coefficient, clamped at 1
+  counts = dict(
+    skipped=int(skipped.sum()),
+    clip_binds=int((binds & ~skipped).sum()),
+    clip_free=int((~binds & ~skipped).sum()),
+    growths=int(sum(r.scale_after > r.scale_before for r in records)),
+  )
+  print(f"\n{optimizer} {scaling}: {STEPS} steps, {counts}")
+  assert list(np.flatnonzero(skipped)) == bad_steps and len(bad_steps) >= 10
+  assert (
+    counts["clip_binds"] >= 50
+    and counts["clip_free"] >= 50
+    and counts["growths"] >= 10
+  )
