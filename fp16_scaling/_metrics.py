@@ -4,28 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp16_scaling._clipping import ClipState
-from fp16_scaling._loss_scale import LossScaleState
-from fp16_scaling._skip import find_loss_scale_states
+from fp16_scaling import _lookup
 
 
 class MinLossScaleError(RuntimeError):
   """An overflow wanted to lower a loss scale already at its minimum."""
-
-
-def _the_loss_scale_state(opt_state) -> LossScaleState:
-  found = find_loss_scale_states(opt_state)
-  if not found:
-    raise ValueError(
-      "no fp16_loss_scale state found in opt_state: build the "
-      "optimizer with fp16_loss_scale(...) in its chain"
-    )
-  if len(found) > 1:
-    raise ValueError(
-      f"opt_state holds {len(found)} fp16_loss_scale states; "
-      "expected exactly one"
-    )
-  return found[0]
 
 
 def current_scale(opt_state) -> jax.Array:
@@ -38,7 +21,7 @@ def current_scale(opt_state) -> jax.Array:
   Returns:
     A float32 scalar array (traceable: use it inside the jitted step).
   """
-  return _the_loss_scale_state(opt_state).scaler.loss_scale
+  return _lookup.loss_scale_state(opt_state).scaler.loss_scale
 
 
 def scale_metrics(opt_state) -> dict:
@@ -55,16 +38,10 @@ def scale_metrics(opt_state) -> dict:
     ``shared_grad_norm`` (from ``clip_by_unscaled_norm``; without one, or
     without an expert mask, every leaf counts as shared).
   """
-  ls = _the_loss_scale_state(opt_state)
-  clips = [
-    n
-    for n in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, ClipState)
-    )
-    if isinstance(n, ClipState)
-  ]
-  if clips:
-    expert, shared = clips[0].expert_grad_norm, clips[0].shared_grad_norm
+  ls = _lookup.loss_scale_state(opt_state)
+  clip = _lookup.clip_state(opt_state)
+  if clip is not None:
+    expert, shared = clip.expert_grad_norm, clip.shared_grad_norm
     # On an overflow step the clip state is kept from the last clean step.
     nan = jnp.float32(jnp.nan)
     expert = jnp.where(ls.overflow, nan, expert)
@@ -98,7 +75,7 @@ def raise_if_min_scale_reached(opt_state) -> None:
     MinLossScaleError: if any overflow hit the floor with
       ``raise_error_at_min_scale=True``.
   """
-  ls = _the_loss_scale_state(opt_state)
+  ls = _lookup.loss_scale_state(opt_state)
   errors = int(np.asarray(jax.device_get(ls.scaler.min_scale_errors)))
   if errors:
     raise MinLossScaleError(

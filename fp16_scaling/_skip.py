@@ -20,6 +20,7 @@ import optax
 
 from fp16_scaling import _guard
 from fp16_scaling import _inplace
+from fp16_scaling import _lookup
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
@@ -28,12 +29,6 @@ _BOOKKEEPING = (LossScaleState, ClipState)
 
 def _is_bookkeeping(x) -> bool:
   return isinstance(x, _BOOKKEEPING)
-
-
-def find_loss_scale_states(tree) -> list:
-  """Every :class:`LossScaleState` in a (nested) optax state."""
-  nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
-  return [n for n in nodes if isinstance(n, LossScaleState)]
 
 
 def skip_on_overflow(
@@ -99,11 +94,10 @@ def skip_on_overflow(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _single_loss_scale_state(state) -> LossScaleState:
-  found = find_loss_scale_states(state)
+def _single_loss_scale_state(state) -> None:
+  found = _lookup.all_with_path(state, LossScaleState)
   if len(found) != 1:
     raise ValueError(
       "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale "
       f"(it decides the overflow); found {len(found)}"
     )
-  return found[0]

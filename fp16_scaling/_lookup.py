@@ -1,0 +1,91 @@
+"""The one way to find fp16_scaling's states inside a nested optax state.
+
+Every host helper (``current_scale``, ``scale_metrics``, ...) and
+``skip_on_overflow`` itself find the :class:`LossScaleState` and the
+:class:`ClipState` through these functions, so a state that has lost its
+types, or holds the wrong number of them, gets the same message everywhere.
+"""
+
+from typing import Any, Optional
+
+import jax
+import optax
+
+from fp16_scaling._clipping import ClipState
+from fp16_scaling._loss_scale import LossScaleState
+
+_UNTYPED_KEYS = frozenset({"scaler", "prev_loss_scale", "skipped_steps"})
+
+
+def all_with_path(tree: Any, cls: type) -> list:
+  """Every node of type ``cls`` (a NamedTuple) in ``tree``, with its path."""
+  return optax.tree_utils.tree_get_all_with_path(
+    tree, cls.__name__, filtering=lambda _, v: isinstance(v, cls)
+  )
+
+
+def _looks_untyped(tree: Any) -> bool:
+  """Whether ``tree`` holds a loss-scale state restored as plain containers."""
+  found = []
+
+  def visit(x):
+    if isinstance(x, dict):
+      if _UNTYPED_KEYS <= set(map(str, x)):
+        found.append(x)
+      for v in x.values():
+        visit(v)
+    elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+      for v in x:
+        visit(v)
+    elif hasattr(x, "_fields"):
+      for v in x:
+        visit(v)
+
+  visit(tree)
+  return bool(found)
+
+
+def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
+  """The one :class:`LossScaleState` in ``opt_state``.
+
+  Raises:
+    ValueError: there is none (saying so differently when the state lost its
+      types in a restore without a target) or more than one.
+  """
+  found = all_with_path(opt_state, LossScaleState)
+  if len(found) == 1:
+    return found[0][1]
+  if not found:
+    if _looks_untyped(opt_state):
+      raise ValueError(
+        f"{what} holds a loss-scale state that lost its types: it was "
+        "restored as plain dicts or lists (orbax or flax.serialization "
+        "without a target). Restore with a target of the right structure, "
+        "e.g. checkpointer.restore(path, target=tx.init(params)) or "
+        "flax.serialization.from_state_dict(tx.init(params), restored)."
+      )
+    raise ValueError(
+      f"no fp16_loss_scale state found in {what}: build the optimizer with "
+      "fp16_loss_scale(...) in its chain"
+    )
+  paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
+  raise ValueError(
+    f"{what} holds {len(found)} fp16_loss_scale states ({paths}); expected "
+    "exactly one"
+  )
+
+
+def clip_state(opt_state: Any) -> Optional[ClipState]:
+  """The first :class:`ClipState` in ``opt_state``, or None."""
+  found = all_with_path(opt_state, ClipState)
+  return found[0][1] if found else None
+
+
+def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``."""
+  loss_scale_state(opt_state)
+  return jax.tree.map(
+    lambda x: new if isinstance(x, LossScaleState) else x,
+    opt_state,
+    is_leaf=lambda x: isinstance(x, LossScaleState),
+  )
