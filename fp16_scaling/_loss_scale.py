@@ -45,18 +45,6 @@ class LossScaleState(NamedTuple):
   def loss_scale(self) -> jax.Array:
     return self.scaler.loss_scale
 
-  @property
-  def growth_tracker(self) -> jax.Array:
-    return self.scaler.growth_tracker
-
-  @property
-  def hysteresis_left(self) -> jax.Array:
-    return self.scaler.hysteresis_left
-
-  @property
-  def min_scale_errors(self) -> jax.Array:
-    return self.scaler.min_scale_errors
-
 
 _UNGUARDED = (
   "fp16_loss_scale ran outside skip_on_overflow. In a bare optax.chain the "

@@ -71,7 +71,6 @@ class Scaler:
       on growth (DeepSpeed's ``consecutive_hysteresis``).
     raise_at_min_scale: count overflows that would back off below the floor in
       ``ScalerState.min_scale_errors`` (DeepSpeed raises there).
-    name: the preset that built it, for messages.
   """
 
   init_scale: float
@@ -83,7 +82,6 @@ class Scaler:
   hysteresis: int = 1
   consecutive_hysteresis: bool = False
   raise_at_min_scale: bool = False
-  name: str = "scaler"
 
   @property
   def dynamic(self) -> bool:
@@ -159,7 +157,7 @@ def static_scaler(scale: float) -> Scaler:
   Returns:
     A :class:`Scaler`.
   """
-  return Scaler(init_scale=_validate.scale("scale", scale), name="static")
+  return Scaler(init_scale=_validate.scale("scale", scale))
 
 
 def no_scaler() -> Scaler:
@@ -171,7 +169,7 @@ def no_scaler() -> Scaler:
   Returns:
     A :class:`Scaler`.
   """
-  return Scaler(init_scale=1.0, name="none")
+  return Scaler(init_scale=1.0)
 
 
 def _check_floor(min_scale: float, init_scale: float, name: str) -> float:
@@ -184,6 +182,7 @@ def _check_floor(min_scale: float, init_scale: float, name: str) -> float:
 
 
 def deepspeed_scaler(
+  *,
   init_scale: float = 2.0**32,
   scale_window: int = 1000,
   min_scale: float = 1.0,
@@ -229,11 +228,11 @@ def deepspeed_scaler(
     raise_at_min_scale=_validate.flag(
       "raise_error_at_min_scale", raise_error_at_min_scale
     ),
-    name="deepspeed",
   )
 
 
 def torch_scaler(
+  *,
   init_scale: float = 2.0**16,
   growth_factor: float = 2.0,
   backoff_factor: float = 0.5,
@@ -266,11 +265,11 @@ def torch_scaler(
     growth_factor=_validate.above_one("growth_factor", growth_factor),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
     growth_interval=_validate.count("growth_interval", growth_interval),
-    name="torch",
   )
 
 
 def megatron_scaler(
+  *,
   initial_scale: float = 2.0**32,
   min_scale: float = 1.0,
   growth_factor: float = 2.0,
@@ -308,15 +307,15 @@ def megatron_scaler(
       _validate.scale("min_scale", min_scale), initial_scale, "min_scale"
     ),
     hysteresis=_validate.count("hysteresis", hysteresis),
-    name="megatron",
   )
 
 
 def flax_scaler(
+  *,
   growth_factor: float = 2.0,
   backoff_factor: float = 0.5,
   growth_interval: int = 2000,
-  scale: float = 2.0**15,
+  scale: float = 2.0**16,
   minimum_scale: float = _validate.F32_TINY,
 ) -> Scaler:
   """Flax's ``flax.training.dynamic_scale.DynamicScale``.
@@ -345,5 +344,4 @@ def flax_scaler(
     min_scale=_check_floor(
       _validate.scale("minimum_scale", minimum_scale), scale, "minimum_scale"
     ),
-    name="flax",
   )

@@ -21,7 +21,13 @@ def _describe(value):
 def real(name: str, value) -> float:
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{name} must be a real number, got {_describe(value)}")
-  return float(value)
+  try:
+    return float(value)
+  except OverflowError:
+    raise ValueError(
+      f"{name} must be within float32's range (at most {F32_MAX:.6g}), got "
+      f"an integer with {len(str(abs(int(value))))} digits"
+    ) from None
 
 
 def scale(name: str, value) -> float:
@@ -71,7 +77,8 @@ def non_negative(name: str, value) -> float:
   return v
 
 
-def count(name: str, value, minimum: int = 1) -> int:
+def count(name: str, value) -> int:
+  minimum = 1
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(
       f"{name} must be an integer >= {minimum}, got {_describe(value)}"

@@ -124,7 +124,9 @@ def test_same_bits_as_a_select_after_the_update(name):
 
   def chain():
     return optax.chain(
-      fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**8, scale_window=2)),
+      fs.fp16_loss_scale(
+        fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
+      ),
       fs.clip_by_unscaled_norm(1.0),
       _OPTIMIZERS[name](),
     )
@@ -191,7 +193,9 @@ def _inner(state):
 def _chain():
   return fs.skip_on_overflow(
     optax.chain(
-      fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**8, scale_window=2)),
+      fs.fp16_loss_scale(
+        fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
+      ),
       fs.clip_by_unscaled_norm(1.0),
       optax.adamw(1e-2, weight_decay=0.1),
     )

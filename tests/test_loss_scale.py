@@ -50,10 +50,16 @@ def test_static_scale_reports_true_norm():
 
 
 DYNAMIC = {
-  "deepspeed": fs.deepspeed_scaler(128.0, scale_window=2, min_scale=1.0),
-  "torch": fs.torch_scaler(128.0, growth_interval=2),
-  "megatron": fs.megatron_scaler(128.0, 1.0, growth_interval=2, hysteresis=1),
-  "megatron_h2": fs.megatron_scaler(128.0, 1.0, growth_interval=2),
+  "deepspeed": fs.deepspeed_scaler(
+    init_scale=128.0, scale_window=2, min_scale=1.0
+  ),
+  "torch": fs.torch_scaler(init_scale=128.0, growth_interval=2),
+  "megatron": fs.megatron_scaler(
+    initial_scale=128.0, min_scale=1.0, growth_interval=2, hysteresis=1
+  ),
+  "megatron_h2": fs.megatron_scaler(
+    initial_scale=128.0, min_scale=1.0, growth_interval=2
+  ),
   "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
 }
 
@@ -110,7 +116,7 @@ def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_any_non_finite_element_is_an_overflow(bad):
-  tx = make_tx(fs.deepspeed_scaler(64.0, 4))
+  tx = make_tx(fs.deepspeed_scaler(init_scale=64.0, scale_window=4))
   grads = {"w": jnp.zeros((2, 2)).at[1, 0].set(bad), "b": jnp.ones((2,))}
   state = tx.init(grads)
   updates, state = jax.jit(tx.update)(grads, state)
@@ -153,7 +159,9 @@ def test_current_scale_found_at_any_depth():
 
 
 def test_raise_if_min_scale_reached():
-  tx = make_tx(fs.deepspeed_scaler(2.0, 4, min_scale=1.0))
+  tx = make_tx(
+    fs.deepspeed_scaler(init_scale=2.0, scale_window=4, min_scale=1.0)
+  )
   nan = jax.tree.map(lambda g: g * jnp.nan, TRUE_GRADS)
   state = tx.init(TRUE_GRADS)
   update = jax.jit(tx.update)

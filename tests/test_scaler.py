@@ -38,15 +38,17 @@ C, O = False, True
 # Megatron grow on steps 3 and 6, DeepSpeed on 4 and 7, Flax on 4 and 8).
 GROWTH_TABLE = {
   "torch": (
-    fs.torch_scaler(8.0, growth_interval=3),
+    fs.torch_scaler(init_scale=8.0, growth_interval=3),
     [8, 8, 16, 16, 16, 32, 32, 32],
   ),
   "megatron": (
-    fs.megatron_scaler(8.0, 1.0, growth_interval=3, hysteresis=1),
+    fs.megatron_scaler(
+      initial_scale=8.0, min_scale=1.0, growth_interval=3, hysteresis=1
+    ),
     [8, 8, 16, 16, 16, 32, 32, 32],
   ),
   "deepspeed": (
-    fs.deepspeed_scaler(8.0, scale_window=3),
+    fs.deepspeed_scaler(init_scale=8.0, scale_window=3),
     [8, 8, 8, 16, 16, 16, 32, 32],
   ),
   "flax": (
@@ -70,25 +72,33 @@ HYSTERESIS_TABLE = {
   # DeepSpeed delayed_shift=2: the first overflow only spends hysteresis;
   # growth at stable_interval 2 (step 4) refills it.
   "deepspeed_h2": (
-    fs.deepspeed_scaler(16.0, 2, 1.0, delayed_shift=2),
+    fs.deepspeed_scaler(
+      init_scale=16.0, scale_window=2, min_scale=1.0, delayed_shift=2
+    ),
     [16, 8, 8, 8, 16, 16, 16, 8, 4],
   ),
   # consecutive_hysteresis refills on every clean step, so the overflow at
   # step 7 (after the clean step 6) is absorbed too.
   "deepspeed_h2_consecutive": (
     fs.deepspeed_scaler(
-      16.0, 2, 1.0, delayed_shift=2, consecutive_hysteresis=True
+      init_scale=16.0,
+      scale_window=2,
+      min_scale=1.0,
+      delayed_shift=2,
+      consecutive_hysteresis=True,
     ),
     [16, 8, 8, 8, 16, 16, 16, 16, 8],
   ),
   # Megatron hysteresis=2: the tracker goes 1, 0 (back off), -1 ...;
   # refilled only on growth (step 3, second clean step).
   "megatron_h2": (
-    fs.megatron_scaler(16.0, 1.0, growth_interval=2, hysteresis=2),
+    fs.megatron_scaler(
+      initial_scale=16.0, min_scale=1.0, growth_interval=2, hysteresis=2
+    ),
     [16, 8, 8, 16, 16, 16, 16, 8, 4],
   ),
   "torch": (
-    fs.torch_scaler(16.0, growth_interval=2),
+    fs.torch_scaler(init_scale=16.0, growth_interval=2),
     [8, 4, 4, 8, 8, 4, 4, 2, 1],
   ),
   # Flax growth_interval=2 grows on the third clean step in a row.
@@ -111,16 +121,23 @@ def test_overflow_and_hysteresis_tables(name):
 def test_deepspeed_min_scale_errors_counted_where_deepspeed_raises():
   # init 4, floor 2: the first overflow halves to 2, every later one would
   # lower a scale already at the floor, which DeepSpeed raises on.
-  scaler = fs.deepspeed_scaler(4.0, 2, min_scale=2.0)
+  scaler = fs.deepspeed_scaler(init_scale=4.0, scale_window=2, min_scale=2.0)
   got, final = trajectory(scaler, [O, C, O, O])
   assert got == [2, 2, 2, 2]
   assert int(final.min_scale_errors) == 2
-  quiet = fs.deepspeed_scaler(4.0, 2, 2.0, raise_error_at_min_scale=False)
+  quiet = fs.deepspeed_scaler(
+    init_scale=4.0,
+    scale_window=2,
+    min_scale=2.0,
+    raise_error_at_min_scale=False,
+  )
   assert int(trajectory(quiet, [O, C, O, O])[1].min_scale_errors) == 0
 
 
 def test_hysteresis_absorbed_overflow_at_floor_is_not_an_error():
-  scaler = fs.deepspeed_scaler(2.0, 2, min_scale=2.0, delayed_shift=2)
+  scaler = fs.deepspeed_scaler(
+    init_scale=2.0, scale_window=2, min_scale=2.0, delayed_shift=2
+  )
   got, final = trajectory(scaler, [O])
   assert got == [2] and int(final.min_scale_errors) == 0
 
@@ -128,7 +145,7 @@ def test_hysteresis_absorbed_overflow_at_floor_is_not_an_error():
 def test_torch_scale_never_reaches_zero_and_recovers():
   # torch's scale sinks through float32 subnormals to 0 under persistent NaN
   # and can never grow back; ours stops at float32's smallest normal number.
-  scaler = fs.torch_scaler(2.0**16, growth_interval=1)
+  scaler = fs.torch_scaler(init_scale=2.0**16, growth_interval=1)
   got, _ = trajectory(scaler, [O] * 300 + [C] * 3)
   floor_steps = got[:300]
   assert min(floor_steps) == TINY
@@ -139,9 +156,11 @@ def test_torch_scale_never_reaches_zero_and_recovers():
 @pytest.mark.parametrize(
   "scaler",
   [
-    fs.megatron_scaler(2.0**126, 1.0, growth_interval=1, hysteresis=1),
-    fs.deepspeed_scaler(2.0**126, 1),
-    fs.torch_scaler(2.0**126, growth_interval=1),
+    fs.megatron_scaler(
+      initial_scale=2.0**126, min_scale=1.0, growth_interval=1, hysteresis=1
+    ),
+    fs.deepspeed_scaler(init_scale=2.0**126, scale_window=1),
+    fs.torch_scaler(init_scale=2.0**126, growth_interval=1),
     fs.flax_scaler(growth_interval=1, scale=2.0**126),
   ],
 )
@@ -153,7 +172,7 @@ def test_growth_never_reaches_inf(scaler):
 
 def test_non_power_of_two_factors_round_like_float32():
   scaler = fs.torch_scaler(
-    1000.0, growth_factor=1.5, backoff_factor=0.25, growth_interval=1
+    init_scale=1000.0, growth_factor=1.5, backoff_factor=0.25, growth_interval=1
   )
   got, _ = trajectory(scaler, [C, C, O])
   s = np.float32(1000.0)
@@ -167,7 +186,7 @@ BAD = [
   (lambda: fs.static_scaler(0.0), ValueError, "scale"),
   (lambda: fs.static_scaler(float("inf")), ValueError, "scale"),
   (lambda: fs.static_scaler(1e-40), ValueError, "scale"),
-  (lambda: fs.torch_scaler(-1.0), ValueError, "init_scale"),
+  (lambda: fs.torch_scaler(init_scale=-1.0), ValueError, "init_scale"),
   (lambda: fs.torch_scaler(growth_factor=1.0), ValueError, "growth_factor"),
   (lambda: fs.torch_scaler(backoff_factor=1.0), ValueError, "backoff_factor"),
   (lambda: fs.torch_scaler(backoff_factor=0.0), ValueError, "backoff_factor"),
@@ -175,15 +194,27 @@ BAD = [
   (lambda: fs.torch_scaler(growth_interval=2.5), TypeError, "growth_interval"),
   (lambda: fs.deepspeed_scaler(scale_window=0), ValueError, "scale_window"),
   (lambda: fs.deepspeed_scaler(delayed_shift=0), ValueError, "delayed_shift"),
-  (lambda: fs.deepspeed_scaler(8.0, min_scale=16.0), ValueError, "min_scale"),
+  (
+    lambda: fs.deepspeed_scaler(init_scale=8.0, min_scale=16.0),
+    ValueError,
+    "min_scale",
+  ),
   (
     lambda: fs.deepspeed_scaler(consecutive_hysteresis="yes"),
     TypeError,
     "consecutive_hysteresis",
   ),
   (lambda: fs.megatron_scaler(hysteresis=0), ValueError, "hysteresis"),
-  (lambda: fs.megatron_scaler(8.0, min_scale=16.0), ValueError, "min_scale"),
-  (lambda: fs.megatron_scaler(8.0, min_scale=0.0), ValueError, "min_scale"),
+  (
+    lambda: fs.megatron_scaler(initial_scale=8.0, min_scale=16.0),
+    ValueError,
+    "min_scale",
+  ),
+  (
+    lambda: fs.megatron_scaler(initial_scale=8.0, min_scale=0.0),
+    ValueError,
+    "min_scale",
+  ),
   (lambda: fs.flax_scaler(backoff_factor=2.0), ValueError, "backoff_factor"),
 ]
 
@@ -192,3 +223,28 @@ BAD = [
 def test_bad_configuration_names_the_parameter(make, error, name):
   with pytest.raises(error, match=name):
     make()
+
+
+@pytest.mark.parametrize(
+  "preset",
+  [fs.deepspeed_scaler, fs.torch_scaler, fs.megatron_scaler, fs.flax_scaler],
+)
+def test_presets_refuse_positional_arguments(preset):
+  # flax_scaler(2.0**15) once set growth_factor=32768 without a word.
+  with pytest.raises(TypeError, match="positional"):
+    preset(2.0**15)
+
+
+@pytest.mark.parametrize(
+  "make, name",
+  [
+    (lambda v: fs.deepspeed_scaler(init_scale=v), "init_scale"),
+    (lambda v: fs.torch_scaler(growth_factor=v), "growth_factor"),
+    (lambda v: fs.megatron_scaler(min_scale=v), "min_scale"),
+    (lambda v: fs.static_scaler(v), "scale"),
+    (lambda v: fs.clip_by_unscaled_norm(v), "max_norm"),
+  ],
+)
+def test_a_huge_python_int_is_named(make, name):
+  with pytest.raises(ValueError, match=f"^{name} must be within float32"):
+    make(10**400)

@@ -36,7 +36,9 @@ def _tx():
     optax.chain(
       # Powers of two only: unscaling is exact, so a run with a different
       # scale history sees bit-identical unscaled gradients.
-      fs.fp16_loss_scale(fs.deepspeed_scaler(2.0**10, scale_window=3)),
+      fs.fp16_loss_scale(
+        fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3)
+      ),
       fs.clip_by_unscaled_norm(2.0),
       optax.adamw(schedule, weight_decay=0.1),
     )

@@ -204,7 +204,11 @@ def test_whole_steps_match_deepspeed_fp16_optimizer(fused, optimizer):
     eps=EPS,
   )
   scaler = fs.deepspeed_scaler(
-    INIT_SCALE, WINDOW, FLOOR, delayed_shift=1, raise_error_at_min_scale=False
+    init_scale=INIT_SCALE,
+    scale_window=WINDOW,
+    min_scale=FLOOR,
+    delayed_shift=1,
+    raise_error_at_min_scale=False,
   )
   counts = assert_same_steps(
     records, replay(optimizer, params0, records, scaler, CLIP), CLIP
@@ -302,7 +306,9 @@ def test_unpatched_deepspeed_still_has_both_bugs(fused):
     fixed[-1].params[0], np.full(4, -3.0, np.float32)
   )
   # fp16_scaling: the same scales, the full gradient every step, 1.0 reported.
-  applied, norms, scales = _ours_exact(fs.deepspeed_scaler(128.0, 2, 1.0), 6)
+  applied, norms, scales = _ours_exact(
+    fs.deepspeed_scaler(init_scale=128.0, scale_window=2, min_scale=1.0), 6
+  )
   assert scales == [r.scale_after for r in dynamic]
   assert norms == [1.0] * 6
   for a in applied:
