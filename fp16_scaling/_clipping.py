@@ -118,6 +118,8 @@ def clip_by_unscaled_norm(
       partition_specs, updates, "clip_by_unscaled_norm"
     )
     guard = _guard.current()
+    if guard is not None:
+      guard.check_clip_order()
     seen = guard.lookup(leaves) if guard is not None else None
     if seen is not None:
       # The unscaled gradients straight from fp16_loss_scale: reuse its sums

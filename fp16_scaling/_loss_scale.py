@@ -90,6 +90,8 @@ def fp16_loss_scale(
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "fp16_loss_scale params")
     _norm.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
+    if _guard.current() is None:
+      raise RuntimeError(_UNGUARDED)
     state = scaler.init()
     return LossScaleState(
       scaler=state,
@@ -105,6 +107,7 @@ def fp16_loss_scale(
     if guard is None:
       raise RuntimeError(_UNGUARDED)
     leaves, treedef = jax.tree.flatten(updates)
+    guard.check_loss_scale_input(leaves)
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
     leaf_axes = _norm.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"

@@ -51,14 +51,16 @@ def skip_on_overflow(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    state = inner.init(params)
+    with _guard.guarded():
+      state = inner.init(params)
     _single_loss_scale_state(state)
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
 
     def run_inner(updates, state, params, extra_args):
-      with _guard.guarded():
+      with _guard.guarded() as guard:
+        guard.receive(jax.tree.leaves(updates))
         return inner.update(updates, state, params, **extra_args)
 
     def labels_and_olds(out_shape):
@@ -99,5 +101,7 @@ def _single_loss_scale_state(state) -> None:
   if len(found) != 1:
     raise ValueError(
       "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale "
-      f"(it decides the overflow); found {len(found)}"
+      f"(it decides the overflow); found {len(found)}. Build it as "
+      "skip_on_overflow(optax.chain(fp16_loss_scale(...), "
+      "clip_by_unscaled_norm(...), optimizer))."
     )

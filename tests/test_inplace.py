@@ -96,7 +96,11 @@ def _reference_skip(inner):
     )
     return new_updates, new_state
 
-  return optax.GradientTransformation(inner.init, update)
+  def init(params):
+    with _guard.guarded():
+      return inner.init(params)
+
+  return optax.GradientTransformation(init, update)
 
 
 _OPTIMIZERS = {

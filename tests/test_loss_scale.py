@@ -127,10 +127,13 @@ def test_any_non_finite_element_is_an_overflow(bad):
     assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
 
 
-def test_bare_chain_fails_loudly():
+def test_bare_chain_fails_loudly_at_init():
   tx = optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adam(1e-3))
-  state = tx.init(TRUE_GRADS)
-  with pytest.raises(RuntimeError, match="skip_on_overflow"):
+  with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
+    tx.init(TRUE_GRADS)
+  # A state made by the guarded chain does not let the bare one update.
+  state = fs.skip_on_overflow(tx).init(TRUE_GRADS)
+  with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
     jax.jit(tx.update)(TRUE_GRADS, state, TRUE_GRADS)
 
 
