@@ -3,11 +3,14 @@ tests/mesh/.
 
 XLA reads XLA_FLAGS once, when jax is first imported, so this must run before
 any test module imports jax. Tests that do not use a mesh are unaffected: they
-run on the default device, cpu:0.
+run on the default device, cpu:0. This folder is on ``sys.path`` (pytest puts
+a rootless conftest's folder there), so test modules can ``import helpers``.
 """
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+import helpers
+
+os.environ["XLA_FLAGS"] = helpers.with_eight_devices(
+  os.environ.get("XLA_FLAGS", "")
+)

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import helpers
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,11 +31,7 @@ def tiny_run(tmp_path_factory):
   # Run it as a user would: without the 8 simulated devices conftest.py sets
   # up for the mesh tests.
   env = dict(os.environ)
-  env["XLA_FLAGS"] = " ".join(
-    f
-    for f in env.get("XLA_FLAGS", "").split()
-    if not f.startswith("--xla_force_host_platform_device_count")
-  )
+  env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
   proc = subprocess.run(
     [
       sys.executable,

@@ -2,6 +2,8 @@
 donated step that XLA runs in place, with no more memory traffic than plain
 optax."""
 
+from helpers import bits as _bits
+from helpers import strip_bookkeeping as _inner
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,19 +181,6 @@ def test_same_bits_as_a_select_after_the_update(name):
       np.testing.assert_allclose(
         np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
       )
-
-
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
-def _inner(state):
-  book = (LossScaleState, ClipState)
-  return jax.tree.map(
-    lambda x: None if isinstance(x, book) else x,
-    state,
-    is_leaf=lambda x: isinstance(x, book),
-  )
 
 
 def _chain():

@@ -6,15 +6,13 @@ The tables were worked out step by step on paper from those functions; the
 comparison with the peers' running code lives in tests/test_peers_*.py.
 """
 
+from helpers import TINY
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fp16_scaling as fs
-
-TINY = float(np.finfo(np.float32).tiny)
-F32_MAX = float(np.finfo(np.float32).max)
 
 
 def trajectory(scaler, overflows):

@@ -1,14 +1,14 @@
 """skip_on_overflow: an overflow step leaves parameters and optimizer state
 bit-identical, and the run continues as if the step had never happened."""
 
+from helpers import bits as _bits
+from helpers import strip_bookkeeping as _strip_bookkeeping
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import fp16_scaling as fs
-from fp16_scaling._clipping import ClipState
-from fp16_scaling._loss_scale import LossScaleState
 
 
 def _params():
@@ -52,18 +52,6 @@ def _step(params, state, true_grads, poison):
   grads["out"] = grads["out"].at[1].multiply(jnp.where(poison, jnp.inf, 1.0))
   updates, state = _tx().update(grads, state, params)
   return optax.apply_updates(params, updates), state
-
-
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
-def _strip_bookkeeping(state):
-  return jax.tree.map(
-    lambda x: None if isinstance(x, (LossScaleState, ClipState)) else x,
-    state,
-    is_leaf=lambda x: isinstance(x, (LossScaleState, ClipState)),
-  )
 
 
 def test_overflow_step_is_bit_identical_and_run_matches_one_without_it():

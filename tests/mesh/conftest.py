@@ -2,16 +2,9 @@
 before jax loads.
 """
 
-import os
-
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get(
-  "XLA_FLAGS", ""
-):  # `pytest tests/mesh` from elsewhere
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import helpers
+import jax
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -19,6 +12,6 @@ def _eight_devices():
   if jax.device_count() < 8:
     pytest.fail(
       f"mesh tests need 8 devices, jax has {jax.device_count()}: jax was "
-      f"imported before "
-      f"tests/conftest.py could set XLA_FLAGS={_FLAG}"
+      f"imported before tests/conftest.py could set "
+      f"XLA_FLAGS={helpers.DEVICES_FLAG}"
     )

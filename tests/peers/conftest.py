@@ -8,6 +8,7 @@ torch its compiler on first import.
 
 import os
 
+import helpers
 import pytest
 
 os.environ["DS_ACCELERATOR"] = "cpu"
@@ -26,4 +27,4 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def seed() -> int:
   """The peer tests' random seed; set FP16_SCALING_PEER_SEED to draw others."""
-  return int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
+  return helpers.SEED

@@ -332,6 +332,34 @@ def assert_same_skips_and_scales(records, overflow, before, prev, after):
   return skipped
 
 
+def assert_same_steps(records, ours, *, norm_rtol, param_rtol_of_max):
+  """Whole optimizer steps against a peer run's records: skips and scales
+  (``assert_same_skips_and_scales``), the reported norm (NaN for ours and not
+  finite for the peer on a skipped step, within ``norm_rtol`` elsewhere) and
+  the master parameters (within ``param_rtol_of_max`` times their largest
+  magnitude). ``ours`` is what ``scan_steps`` returns. Returns the peer's skip
+  mask and reported norms.
+  """
+  params, before, prev, after, overflow, norm = ours
+  skipped = assert_same_skips_and_scales(records, overflow, before, prev, after)
+  peer_norm = np.array([r.norm for r in records])
+  assert not np.isfinite(peer_norm[skipped]).any()
+  assert np.isnan(norm[skipped]).all()
+  np.testing.assert_allclose(
+    norm[~skipped], peer_norm[~skipped], rtol=norm_rtol, err_msg="reported norm"
+  )
+  largest = max(float(np.abs(p).max()) for r in records for p in r.params)
+  for i, ours_i in enumerate(params):
+    np.testing.assert_allclose(
+      ours_i,
+      np.stack([r.params[i] for r in records]),
+      rtol=0,
+      atol=param_rtol_of_max * largest,
+      err_msg=f"master parameter {i}",
+    )
+  return skipped, peer_norm
+
+
 def _present(grads, scale, scaled, dtype):
   with np.errstate(over="ignore", invalid="ignore"):
     if scaled:

@@ -18,8 +18,8 @@ sizes (a few hundred elements); measured within 2.2e-7 relative over 30 seeds x
 """
 
 import functools
-import os
 
+from helpers import SEED
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +32,6 @@ import fp16_scaling as fs
 oracles.require("torch")
 oracles.init_deepspeed()
 
-SEED = int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
 NORM_RTOL = 1e-6
 SCALE = (
   2.0**10

@@ -25,8 +25,7 @@ update before scaling by ``-lr``: the same decoupled decay, also multiplied by
 the learning rate. Neither decays on a skipped step.
 """
 
-import os
-
+from helpers import SEED
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -37,7 +36,6 @@ import fp16_scaling as fs
 
 oracles.require("torch")
 
-SEED = int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
 SHAPES = [(16, 8), (33,), (4, 3, 5), (7,)]
 STEPS = 300
 MAX_NORM = 0.5  # about the median true norm of the sequence below
@@ -155,29 +153,12 @@ def test_whole_steps_match_torch_amp(optimizer, follow_peer, scaling):
     follow_peer=follow_peer,
   )
 
-  skipped = oracles.assert_same_skips_and_scales(
-    records, overflow, before, prev, after
+  skipped, peer_norm = oracles.assert_same_steps(
+    records,
+    (params, before, prev, after, overflow, norm),
+    norm_rtol=NORM_RTOL,
+    param_rtol_of_max=PARAM_RTOL_OF_MAX,
   )
-  peer_norm = np.array([r.norm for r in records])
-  assert (
-    not np.isfinite(peer_norm[skipped]).any() and np.isnan(norm[skipped]).all()
-  )
-  np.testing.assert_allclose(
-    norm[~skipped], peer_norm[~skipped], rtol=NORM_RTOL, err_msg="reported norm"
-  )
-  scale = max(
-    float(np.abs(r.params[i]).max())
-    for r in records
-    for i in range(len(SHAPES))
-  )
-  for i in range(len(SHAPES)):
-    np.testing.assert_allclose(
-      params[i],
-      np.stack([r.params[i] for r in records]),
-      rtol=0,
-      atol=PARAM_RTOL_OF_MAX * scale,
-      err_msg=f"parameter {i}",
-    )
 
   binds = (
     MAX_NORM / (peer_norm + 1e-6) < 1

@@ -43,8 +43,10 @@ Seeds are fixed; set ``FP16_SCALING_PEER_SEED`` to draw another set.
 """
 
 import math
-import os
 
+from helpers import F32_MAX
+from helpers import SEED
+from helpers import TINY
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,15 +60,11 @@ oracles.init_deepspeed()
 grad_scaler = oracles.require("megatron.core.optimizer.grad_scaler")
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
 
-TINY = float(np.finfo(np.float32).tiny)
-F32_MAX = float(np.finfo(np.float32).max)
-
 CONFIGS = (
   16  # per preset; one jit per preset compiles them all (about 0.3 s each)
 )
 SEQUENCES = 13  # per configuration: 208 sequences per preset
 STEPS = 2000
-SEED = int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
 
 
 # ------------------------------------------------------------------------------

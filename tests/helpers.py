@@ -1,0 +1,63 @@
+"""Helpers shared by the test folders (tests/, tests/peers/, tests/mesh/).
+
+tests/conftest.py puts this folder on ``sys.path``, so every test module can
+``import helpers``. Peer drivers, which need PyTorch, live in
+tests/peers/oracles.py instead.
+"""
+
+import os
+
+import numpy as np
+
+# No jax import at module level: tests/conftest.py imports this module before
+# jax loads, to set XLA_FLAGS.
+
+TINY = float(np.finfo(np.float32).tiny)  # float32's smallest normal, 2**-126
+F32_MAX = float(np.finfo(np.float32).max)
+
+# The random tests' seed; set FP16_SCALING_PEER_SEED to draw another set.
+SEED = int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
+
+# XLA reads XLA_FLAGS once, when jax first initialises a backend.
+DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+
+
+def with_eight_devices(flags: str) -> str:
+  """``flags`` (an XLA_FLAGS value) with 8 simulated CPU devices."""
+  if DEVICES_FLAG in flags:
+    return flags
+  return f"{flags} {DEVICES_FLAG}".strip()
+
+
+def without_device_count(flags: str) -> str:
+  """``flags`` without a simulated device count: one device, as users run."""
+  return " ".join(
+    f
+    for f in flags.split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+  )
+
+
+def bits(tree) -> list:
+  """Every leaf's bytes: equal lists mean bit-identical trees."""
+  import jax
+
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _is_bookkeeping(x) -> bool:
+  import fp16_scaling as fs
+
+  return isinstance(x, (fs.LossScaleState, fs.ClipState))
+
+
+def strip_bookkeeping(state):
+  """``state`` without the loss-scale and clip states, the parts that move on
+  an overflow step: what is left must keep every bit."""
+  import jax
+
+  return jax.tree.map(
+    lambda x: None if _is_bookkeeping(x) else x,
+    state,
+    is_leaf=_is_bookkeeping,
+  )
