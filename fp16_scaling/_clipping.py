@@ -89,6 +89,26 @@ def clip_by_unscaled_norm(
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
+
+  Raises:
+    ValueError: at trace time, if it runs inside :func:`skip_on_overflow`
+      before :func:`fp16_loss_scale`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(64.0)),
+    ...     fs.clip_by_unscaled_norm(1.0)))
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> grads = jnp.array([3.0, 4.0]) * 64.0  # true norm 5, made at scale 64
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates.round(6))  # norm 5 clipped to 1
+    [0.6 0.8]
+    >>> print(float(fs.scale_metrics(state)["grad_norm"]))
+    5.0
   """
   max_norm = _validate.positive("max_norm", max_norm)
   eps = _validate.non_negative("eps", eps)

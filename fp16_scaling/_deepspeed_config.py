@@ -123,6 +123,22 @@ def from_deepspeed_config(
   Raises:
     ValueError: for values DeepSpeed rejects (with DeepSpeed's field names),
       and for values it accepts but that cannot be a float32 loss scale.
+
+  Examples:
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> ds = fs.from_deepspeed_config({
+    ...     "fp16": {"enabled": True, "initial_scale_power": 12},
+    ...     "gradient_clipping": 1.0,
+    ...     "zero_optimization": {"stage": 2},
+    ... })
+    >>> print(ds.scaler.init_scale, ds.scaler.hysteresis, ds.max_norm)
+    4096.0 2 1.0
+    >>> tx = ds.optimizer(optax.adamw(1e-3))
+
+  References:
+    DeepSpeed 0.19, ``deepspeed/runtime/precision_config.py`` and
+    ``deepspeed/runtime/engine.py``.
   """
   if not isinstance(config, Mapping):
     with open(config) as f:

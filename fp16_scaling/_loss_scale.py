@@ -63,11 +63,10 @@ def fp16_loss_scale(
   In one pass over them it decides overflow (any inf or NaN anywhere) and
   computes the squared norm; it returns the gradients divided by the scale
   they were made with (promoted to at least float32) and steps ``scaler``.
-  It must run inside :func:`skip_on_overflow`, which discards the step when
-  it overflowed; it raises at trace time otherwise.
-
-  Follows the dynamic loss scaling of Micikevicius et al., "Mixed Precision
-  Training" (ICLR 2018), with the scale update of the peer ``scaler`` mimics.
+  It must come first in a chain wrapped by :func:`skip_on_overflow`, which
+  discards the step when it overflowed: ``init`` raises outside the wrapper,
+  and ``update`` raises at trace time when something before it changed the
+  gradients or a second ``fp16_loss_scale`` runs.
 
   Args:
     scaler: a :class:`Scaler` from a preset (``deepspeed_scaler``,
@@ -80,6 +79,32 @@ def fp16_loss_scale(
   Returns:
     An ``optax.GradientTransformation`` whose state is a
     :class:`LossScaleState`.
+
+  Raises:
+    TypeError: if ``scaler`` is not a :class:`Scaler`.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.torch_scaler(init_scale=1024.0)),
+    ...     optax.sgd(1.0)))
+    >>> params = jnp.array([1.0, 2.0])
+    >>> state = tx.init(params)
+    >>> loss = lambda p: jnp.sum(p**2)
+    >>> grads = jax.grad(lambda p: loss(p) * fs.current_scale(state))(params)
+    >>> print(grads)  # made at scale 1024
+    [2048. 4096.]
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates)  # the true gradient, times -1 for sgd(1.0)
+    [-2. -4.]
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018; the scale update is the
+    one of the peer ``scaler`` mimics.
   """
   if not isinstance(scaler, Scaler):
     raise TypeError(

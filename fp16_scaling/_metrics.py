@@ -1,8 +1,11 @@
 """Reading the loss-scale state out of a nested optax state."""
 
+from typing import TypedDict
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fp16_scaling import _lookup
 
@@ -11,7 +14,32 @@ class MinLossScaleError(RuntimeError):
   """An overflow wanted to lower a loss scale already at its minimum."""
 
 
-def current_scale(opt_state) -> jax.Array:
+class ScaleMetrics(TypedDict, total=False):
+  """What :func:`scale_metrics` returns: float32 or int32 scalar arrays.
+
+  ``total=False``: code that reads it should not assume these are the only
+  keys; later versions may add more.
+
+  Attributes:
+    loss_scale: the scale for the next backward pass.
+    prev_loss_scale: the scale the last step's gradients were made with.
+    overflow: bool, whether the last step overflowed (and was skipped).
+    skipped_steps: int32 count of overflowing steps so far.
+    grad_norm: true (unscaled) global norm before clipping; NaN on overflow.
+    expert_grad_norm: the expert leaves' part of ``grad_norm``.
+    shared_grad_norm: the other leaves' part of ``grad_norm``.
+  """
+
+  loss_scale: jax.Array
+  prev_loss_scale: jax.Array
+  overflow: jax.Array
+  skipped_steps: jax.Array
+  grad_norm: jax.Array
+  expert_grad_norm: jax.Array
+  shared_grad_norm: jax.Array
+
+
+def current_scale(opt_state: optax.OptState) -> jax.Array:
   """The float32 scale to multiply the next loss by.
 
   Args:
@@ -20,11 +48,21 @@ def current_scale(opt_state) -> jax.Array:
 
   Returns:
     A float32 scalar array (traceable: use it inside the jitted step).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.torch_scaler()), optax.sgd(0.1)))
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> print(fs.current_scale(state))  # multiply the next loss by this
+    65536.0
   """
   return _lookup.loss_scale_state(opt_state).scaler.loss_scale
 
 
-def scale_metrics(opt_state) -> dict:
+def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
   """Loss-scale and norm metrics of the last step, for logging.
 
   Args:
@@ -32,17 +70,34 @@ def scale_metrics(opt_state) -> dict:
       most one :class:`ClipState`.
 
   Returns:
-    A dict of scalar arrays: ``loss_scale`` (for the next step),
-    ``prev_loss_scale`` (the last step's), ``overflow``, ``skipped_steps``,
-    ``grad_norm`` (true, unscaled, before clipping), ``expert_grad_norm`` and
-    ``shared_grad_norm`` (from ``clip_by_unscaled_norm``; without one, or
-    without an expert mask, every leaf counts as shared).
+    A :class:`ScaleMetrics` dict of scalar arrays: ``loss_scale`` (for the
+    next step), ``prev_loss_scale`` (the last step's), ``overflow``,
+    ``skipped_steps``, ``grad_norm`` (true, unscaled, before clipping),
+    ``expert_grad_norm`` and ``shared_grad_norm`` (from
+    ``clip_by_unscaled_norm``; without one, or without an expert mask, every
+    leaf counts as shared). On an overflow step all three norms are NaN.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(8.0)),
+    ...     fs.clip_by_unscaled_norm(1.0), optax.sgd(0.1)))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.array([0.6, 0.8]) * 8.0}  # made at scale 8
+    >>> _, state = tx.update(grads, state, params)
+    >>> m = fs.scale_metrics(state)
+    >>> print(float(m["grad_norm"]), bool(m["overflow"]))
+    1.0 False
   """
   ls = _lookup.loss_scale_state(opt_state)
   clip = _lookup.clip_state(opt_state)
   if clip is not None:
     expert, shared = clip.expert_grad_norm, clip.shared_grad_norm
-    # On an overflow step the clip state is kept from the last clean step.
+    # On an overflow step the clip measured non-finite gradients: report its
+    # parts as NaN, as grad_norm is, even a part that was finite.
     nan = jnp.float32(jnp.nan)
     expert = jnp.where(ls.overflow, nan, expert)
     shared = jnp.where(ls.overflow, nan, shared)
@@ -59,7 +114,7 @@ def scale_metrics(opt_state) -> dict:
   }
 
 
-def raise_if_min_scale_reached(opt_state) -> None:
+def raise_if_min_scale_reached(opt_state: optax.OptState) -> None:
   """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale``
   would.
 
@@ -74,6 +129,20 @@ def raise_if_min_scale_reached(opt_state) -> None:
   Raises:
     MinLossScaleError: if any overflow hit the floor with
       ``raise_error_at_min_scale=True``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(fs.fp16_loss_scale(
+    ...     fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)))
+    >>> state = tx.init({"w": jnp.ones(1)})
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan])}, state)
+    >>> fs.raise_if_min_scale_reached(state)
+    Traceback (most recent call last):
+    ...
+    fp16_scaling._metrics.MinLossScaleError: Current loss scale already at
+    minimum (1.0) - cannot decrease scale anymore: 1 overflowing step(s) ...
   """
   ls = _lookup.loss_scale_state(opt_state)
   errors = int(np.asarray(jax.device_get(ls.scaler.min_scale_errors)))

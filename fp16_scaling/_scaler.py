@@ -15,7 +15,8 @@ Every dynamic loss scaler in the wild (DeepSpeed's ``DynamicLossScaler``,
 The peers differ only in where the counter restarts (``growth_delay``:
 DeepSpeed tests ``iter - last_overflow_iter - 1``, so its first growth comes one
 clean step later than torch's), in the hysteresis depth, and in the floor.
-See ``shared/peer-semantics.md`` for how each was checked against its code.
+docs/peers.md states each peer's rule and how the tests check it against the
+peer's own code.
 
 The scale is always a normal, finite float32: the floor is at least
 float32's smallest normal number and growth that would overflow is refused.
@@ -71,6 +72,22 @@ class Scaler:
       on growth (DeepSpeed's ``consecutive_hysteresis``).
     raise_at_min_scale: count overflows that would back off below the floor in
       ``ScalerState.min_scale_errors`` (DeepSpeed raises there).
+
+  Examples:
+    >>> import fp16_scaling as fs
+    >>> scaler = fs.torch_scaler(init_scale=8.0, growth_interval=2)
+    >>> state = scaler.init()
+    >>> for overflow in [False, False, True, False]:
+    ...   state = scaler.update(state, overflow)
+    ...   print(float(state.loss_scale))
+    8.0
+    16.0
+    8.0
+    8.0
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (dynamic loss scaling).
   """
 
   init_scale: float
@@ -156,6 +173,13 @@ def static_scaler(scale: float) -> Scaler:
 
   Returns:
     A :class:`Scaler`.
+
+  Examples:
+    >>> import fp16_scaling as fs
+    >>> scaler = fs.static_scaler(128.0)
+    >>> state = scaler.update(scaler.init(), overflow=True)
+    >>> print(float(state.loss_scale))
+    128.0
   """
   return Scaler(init_scale=_validate.scale("scale", scale))
 
@@ -168,6 +192,11 @@ def no_scaler() -> Scaler:
 
   Returns:
     A :class:`Scaler`.
+
+  Examples:
+    >>> import fp16_scaling as fs
+    >>> print(fs.no_scaler().init_scale)
+    1.0
   """
   return Scaler(init_scale=1.0)
 
@@ -210,6 +239,22 @@ def deepspeed_scaler(
 
   Returns:
     A :class:`Scaler`.
+
+  Examples:
+    With a window of 2 the first growth comes on the third clean step:
+
+    >>> import fp16_scaling as fs
+    >>> scaler = fs.deepspeed_scaler(init_scale=8.0, scale_window=2)
+    >>> state = scaler.init()
+    >>> for _ in range(3):
+    ...   state = scaler.update(state, overflow=False)
+    ...   print(float(state.loss_scale))
+    8.0
+    8.0
+    16.0
+
+  References:
+    DeepSpeed 0.19, ``deepspeed/runtime/fp16/loss_scaler.py``.
   """
   init_scale = _validate.scale("init_scale", init_scale)
   return Scaler(
@@ -246,19 +291,33 @@ def torch_scaler(
   Designed difference: the scale is floored at float32's smallest normal
   number, where torch's sinks to 0 under persistent NaN and never recovers.
 
-  Args:
-    init_scale: initial scale.
-    growth_factor: growth multiplier, above 1.
-    backoff_factor: back-off multiplier in (0, 1).
-
   Factors are held in float32. torch multiplies its float32 scale by the
   factor in double precision and rounds the product; for factors that are
   float32 values (2, 0.5, 1.5, any k / 2**n) the two are bit-identical, for
   others (1.1) each growth or back-off can land one float32 ulp apart.
+
+  Args:
+    init_scale: initial scale.
+    growth_factor: growth multiplier, above 1.
+    backoff_factor: back-off multiplier in (0, 1).
     growth_interval: consecutive clean steps between growths.
 
   Returns:
     A :class:`Scaler`.
+
+  Examples:
+    >>> import fp16_scaling as fs
+    >>> scaler = fs.torch_scaler(init_scale=8.0, growth_interval=2)
+    >>> state = scaler.init()
+    >>> for _ in range(2):
+    ...   state = scaler.update(state, overflow=False)
+    >>> print(float(state.loss_scale))
+    16.0
+    >>> print(float(scaler.update(state, overflow=True).loss_scale))
+    8.0
+
+  References:
+    PyTorch 2.13, ``torch.amp.GradScaler`` and ``torch._amp_update_scale_``.
   """
   return Scaler(
     init_scale=_validate.scale("init_scale", init_scale),
@@ -296,6 +355,21 @@ def megatron_scaler(
 
   Returns:
     A :class:`Scaler`.
+
+  Examples:
+    With the default hysteresis of 2, the first overflow is absorbed:
+
+    >>> import fp16_scaling as fs
+    >>> scaler = fs.megatron_scaler(initial_scale=8.0)
+    >>> state = scaler.init()
+    >>> for _ in range(2):
+    ...   state = scaler.update(state, overflow=True)
+    ...   print(float(state.loss_scale))
+    8.0
+    4.0
+
+  References:
+    Megatron-core 0.16, ``megatron/core/optimizer/grad_scaler.py``.
   """
   initial_scale = _validate.scale("initial_scale", initial_scale)
   return Scaler(
@@ -334,6 +408,22 @@ def flax_scaler(
 
   Returns:
     A :class:`Scaler`.
+
+  Examples:
+    With ``growth_interval=2`` Flax grows on the third clean step:
+
+    >>> import fp16_scaling as fs
+    >>> scaler = fs.flax_scaler(growth_interval=2, scale=8.0)
+    >>> state = scaler.init()
+    >>> for _ in range(3):
+    ...   state = scaler.update(state, overflow=False)
+    ...   print(float(state.loss_scale))
+    8.0
+    8.0
+    16.0
+
+  References:
+    Flax 0.12, ``flax.training.dynamic_scale.DynamicScale``.
   """
   scale = _validate.scale("scale", scale)
   return Scaler(

@@ -47,6 +47,34 @@ def skip_on_overflow(
     updates`` is bit-identical to ``params``, signed zeros included) and the
     inner state is unchanged except for :class:`LossScaleState` and
     :class:`ClipState`.
+
+  Raises:
+    ValueError: at ``init``, unless ``inner``'s state holds exactly one
+      :class:`LossScaleState`; when the update is traced, if the chain's
+      order is wrong (see :func:`fp16_loss_scale`).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=1024.0)),
+    ...     fs.clip_by_unscaled_norm(1.0),
+    ...     optax.adam(1e-3)))
+    >>> params = jnp.ones(2)
+    >>> state = tx.init(params)
+    >>> grads = jnp.array([1.0, jnp.inf])  # an overflow: skip the step
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates)
+    [-0. -0.]
+    >>> m = fs.scale_metrics(state)
+    >>> print(bool(m["overflow"]), float(m["loss_scale"]))
+    True 512.0
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018: a step whose gradients
+    overflowed is skipped and the scale lowered.
   """
   inner = optax.with_extra_args_support(inner)
 
