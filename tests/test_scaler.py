@@ -3,7 +3,7 @@ peer's code (deepspeed/runtime/fp16/loss_scaler.py, torch._amp_update_scale_,
 megatron/core/optimizer/grad_scaler.py, flax/training/dynamic_scale.py).
 
 The tables were worked out step by step on paper from those functions; the
-comparison with the peers' running code lives in tests/test_peers_*.py.
+comparison with the peers' running code lives in tests/peers/.
 """
 
 from helpers import TINY
@@ -32,7 +32,7 @@ def trajectory(scaler, overflows):
 
 C, O = False, True
 
-# Window 3, eight clean steps from scale 8 (peer-semantics.md: torch and
+# Window 3, eight clean steps from scale 8 (docs/peers.md: torch and
 # Megatron grow on steps 3 and 6, DeepSpeed on 4 and 7, Flax on 4 and 8).
 GROWTH_TABLE = {
   "torch": (

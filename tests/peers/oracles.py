@@ -2,7 +2,8 @@
 Megatron-core) on CPU.
 
 Tests compare fp16_scaling against these. The drivers run only the peers'
-code; the shared replay helpers at the end (`scan_steps`) run fp16_scaling.
+code; the shared replay helpers (`scan_steps`, `assert_same_steps`) run
+fp16_scaling.
 Peers are imported lazily through `require`, so a test needing a missing peer
 is skipped (a failure under CI).
 

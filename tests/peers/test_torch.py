@@ -40,11 +40,11 @@ SHAPES = [(16, 8), (33,), (4, 3, 5), (7,)]
 STEPS = 300
 MAX_NORM = 0.5  # about the median true norm of the sequence below
 OVERFLOW_RATE = 0.06
-# float32 values, for the reason given in test_peers_deepspeed.py: optax forms
+# float32 values, for the reason given in test_deepspeed.py: optax forms
 # the bias corrections in float32 from float32(beta), torch in double; a beta
 # such as 0.999 makes them drift apart.
 LR, BETAS, EPS, WEIGHT_DECAY = 2.0**-10, (0.875, 1 - 2.0**-10), 1e-8, 2.0**-4
-# Tolerances (see test_peers_deepspeed.py for the argument): float32 operation
+# Tolerances (see test_deepspeed.py for the argument): float32 operation
 # order only. Measured over 6 seeds x 4 runs: parameters within 8.5e-8 *
 # max|param| (Adam, free-running) and 9.9e-8 (AdamW, step by step); norms within
 # 2.7e-7 relative. AdamW is compared step by step (each step from torch's
