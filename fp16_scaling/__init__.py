@@ -17,6 +17,7 @@ from fp16_scaling._deepspeed_config import from_deepspeed_config
 from fp16_scaling._loss_scale import LossScaleState
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import MinLossScaleError
+from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
 from fp16_scaling._metrics import raise_if_min_scale_reached
 from fp16_scaling._metrics import scale_metrics
@@ -37,6 +38,7 @@ __all__ = [
   "DeepSpeedFP16",
   "LossScaleState",
   "MinLossScaleError",
+  "ScaleMetrics",
   "Scaler",
   "ScalerState",
   "clip_by_unscaled_norm",

@@ -115,6 +115,25 @@ def ds_loss_scaler_trajectory(
   return out
 
 
+def _grad_scaler(
+  torch, init_scale, growth_factor, backoff_factor, growth_interval
+):
+  """A CPU ``torch.amp.GradScaler``."""
+  return torch.amp.GradScaler(
+    "cpu",
+    init_scale=init_scale,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+  )
+
+
+def _scale_a_loss(torch, scaler):
+  """What ``scaler.scale(loss).backward()`` does to the scaler: it creates the
+  scale on first use."""
+  scaler.scale(torch.zeros(()))
+
+
 def torch_scaler_trajectory(
   overflows, init_scale, growth_factor, backoff_factor, growth_interval
 ):
@@ -127,19 +146,12 @@ def torch_scaler_trajectory(
   torch = require("torch")
   param = torch.nn.Parameter(torch.zeros(()))
   opt = torch.optim.SGD([param], lr=0.0)
-  scaler = torch.amp.GradScaler(
-    "cpu",
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
+  scaler = _grad_scaler(
+    torch, init_scale, growth_factor, backoff_factor, growth_interval
   )
-  loss = torch.zeros(())
   out = []
   for overflow in overflows:
-    scaler.scale(
-      loss
-    )  # as scaler.scale(loss).backward() would; creates the scale on first use
+    _scale_a_loss(torch, scaler)
     param.grad = torch.full((), math.inf if overflow else 1.0)
     scaler.step(opt)
     scaler.update()
@@ -535,23 +547,16 @@ def run_torch_amp(
     decoupled_weight_decay=decoupled_weight_decay,
     foreach=False,
   )
-  scaler = torch.amp.GradScaler(
-    "cpu",
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
+  scaler = _grad_scaler(
+    torch, init_scale, growth_factor, backoff_factor, growth_interval
   )
-  loss = torch.zeros(())
 
   def adam_steps():
     return float(opt.state[params[0]].get("step", 0))
 
   records = []
   for grads in grad_seq:
-    scaler.scale(
-      loss
-    )  # as scaler.scale(loss).backward() would; creates the scale on first use
+    _scale_a_loss(torch, scaler)
     before = scaler.get_scale()
     grads32 = _present(grads, before, scaled, np.float32)
     for p, g in zip(params, grads32):
