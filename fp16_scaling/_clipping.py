@@ -9,6 +9,7 @@ leaves together, and both parts are reported apart as well.
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -140,12 +141,19 @@ def clip_by_unscaled_norm(
       )
       sources, unscale = leaves, jnp.float32(1)
     norm = norms.norm * unscale
+    # On an overflow step the norm is NaN and the gradients hold an inf; the
+    # result is discarded by skip_on_overflow. Select finite inputs before
+    # the multiply (zero gradients, factor 1), so that differentiating
+    # through the step multiplies its zero cotangents by finite numbers only,
+    # never 0 * inf. The selects are elementwise: no pass of their own.
+    safe_norm = lax.select(norms.overflow, jnp.float32(0), norm)
     factor = jnp.minimum(
-      jnp.float32(1), jnp.float32(max_norm) / (norm + jnp.float32(eps))
+      jnp.float32(1), jnp.float32(max_norm) / (safe_norm + jnp.float32(eps))
     )
     multiplier = unscale * factor
     clipped = [
-      x.astype(out.dtype) * multiplier.astype(out.dtype)
+      _norm.finite_or_zero(norms.overflow, x.astype(out.dtype))
+      * multiplier.astype(out.dtype)
       for x, out in zip(sources, leaves)
     ]
     group_norms = norms.group_norms * unscale
