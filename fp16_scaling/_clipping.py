@@ -9,6 +9,7 @@ leaves together, and both parts are reported apart as well.
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -36,28 +37,44 @@ class ClipState(NamedTuple):
 
 
 def _expert_groups(expert_mask, tree) -> tuple:
-  """Static 0/1 group per leaf from a bool pytree or a callable on the tree."""
+  """Static 0/1 group per leaf from a bool pytree or a callable on the tree.
+
+  As in ``optax.masked``, the mask may be a prefix of the tree: a bool for a
+  whole subtree marks each of its leaves.
+  """
   n = len(jax.tree.leaves(tree))
   if expert_mask is None or n == 0:
     # No leaves (optax.tree_map_params calls init with such a placeholder).
     return (SHARED,) * n
   mask = expert_mask(tree) if callable(expert_mask) else expert_mask
-  treedef = jax.tree.structure(tree)
-  mask_leaves, mask_def = jax.tree.flatten(mask)
-  if mask_def != treedef:
-    raise ValueError(
-      "expert_mask must have the same structure as the gradients, with one "
-      f"bool per leaf; got {mask_def} for gradients {treedef}"
-    )
-  groups = []
-  for m in mask_leaves:
+  for m in jax.tree.leaves(mask):
     if not isinstance(m, (bool, np.bool_)):
       raise TypeError(
         "expert_mask leaves must be Python bools known before tracing, got "
         f"{type(m).__name__}"
       )
-    groups.append(EXPERT if bool(m) else SHARED)
-  return tuple(groups)
+  try:
+    per_subtree = jax.tree.map(
+      lambda m, sub: (
+        [EXPERT if bool(m) else SHARED] * len(jax.tree.leaves(sub))
+      ),
+      mask,
+      tree,
+    )
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      "expert_mask must have the structure of the gradients, or a prefix of "
+      "it, with a bool at each leaf (a bool for a subtree marks all its "
+      f"leaves); got {jax.tree.structure(mask)} for gradients "
+      f"{jax.tree.structure(tree)}: {e}"
+    ) from None
+  return tuple(
+    g
+    for group in jax.tree.leaves(
+      per_subtree, is_leaf=lambda x: isinstance(x, list)
+    )
+    for g in group
+  )
 
 
 def clip_by_unscaled_norm(
@@ -79,8 +96,9 @@ def clip_by_unscaled_norm(
   Args:
     max_norm: the largest global norm let through; positive.
     expert_mask: marks mixture-of-experts leaves, as in ``optax.masked``: a
-      pytree of bools with the gradients' structure, or a callable that maps
-      the gradients to one. The clipping norm includes expert and shared
+      pytree of bools with the gradients' structure or a prefix of it (a
+      bool for a subtree marks all its leaves), or a callable that maps the
+      gradients to one. The clipping norm includes expert and shared
       leaves alike; the state also reports each part.
     eps: added to the norm in the denominator; >= 0.
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
@@ -162,12 +180,19 @@ def clip_by_unscaled_norm(
       )
       sources, unscale = leaves, jnp.float32(1)
     norm = norms.norm * unscale
+    # On an overflow step the norm is NaN and the gradients hold an inf; the
+    # result is discarded by skip_on_overflow. Select finite inputs before
+    # the multiply (zero gradients, factor 1), so that differentiating
+    # through the step multiplies its zero cotangents by finite numbers only,
+    # never 0 * inf. The selects are elementwise: no pass of their own.
+    safe_norm = lax.select(norms.overflow, jnp.float32(0), norm)
     factor = jnp.minimum(
-      jnp.float32(1), jnp.float32(max_norm) / (norm + jnp.float32(eps))
+      jnp.float32(1), jnp.float32(max_norm) / (safe_norm + jnp.float32(eps))
     )
     multiplier = unscale * factor
     clipped = [
-      x.astype(out.dtype) * multiplier.astype(out.dtype)
+      _norm.finite_or_zero(norms.overflow, x.astype(out.dtype))
+      * multiplier.astype(out.dtype)
       for x, out in zip(sources, leaves)
     ]
     group_norms = norms.group_norms * unscale

@@ -56,7 +56,30 @@ def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
 
 def _squares(x: jax.Array) -> jax.Array:
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  return lax.select(lax.is_finite(x), x * x, lax.full_like(x, jnp.nan))
+  finite = lax.is_finite(x)
+  # Square a copy with the non-finite elements zeroed: the same values, but
+  # a derivative that is 0, not 0 * inf, where the element overflowed.
+  safe = lax.select(finite, x, lax.full_like(x, 0))
+  return lax.select(finite, safe * safe, lax.full_like(x, jnp.nan))
+
+
+@jax.custom_jvp
+def _sqrt(x: jax.Array) -> jax.Array:
+  """``jnp.sqrt`` whose derivative is 0 where it is not finite.
+
+  On an overflow step the sum of squares is NaN and the norm's value is
+  discarded; the plain derivative 0.5 / sqrt(NaN) would still turn the zero
+  cotangent of that discarded value into NaN gradients.
+  """
+  return jnp.sqrt(x)
+
+
+@_sqrt.defjvp
+def _sqrt_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  y = jnp.sqrt(x)
+  ok = jnp.isfinite(y) & (y > 0)
+  return y, dx * jnp.where(ok, 0.5 / jnp.where(ok, y, 1), 0)
 
 
 def leaf_sums(leaves: Sequence[jax.Array]) -> list:
@@ -65,6 +88,16 @@ def leaf_sums(leaves: Sequence[jax.Array]) -> list:
   This is the one pass over the gradients; everything else works on scalars.
   """
   return [jnp.sum(_squares(x), dtype=jnp.float32) for x in leaves]
+
+
+def finite_or_zero(overflow: jax.Array, x: jax.Array) -> jax.Array:
+  """``x``, or zeros when ``overflow`` (a step whose result is discarded).
+
+  Selected *before* a multiply, so that the multiply's derivative meets
+  finite values only: 0 * inf would turn the zero cotangent of a discarded
+  update into NaN gradients. Elementwise: XLA fuses it into the consumer.
+  """
+  return lax.select(jnp.broadcast_to(overflow, x.shape), lax.full_like(x, 0), x)
 
 
 def spec_axes(spec) -> AxisNames:
@@ -167,11 +200,11 @@ def reduce_norms(
       )
 
     def keep(_):
-      return jnp.sqrt(total), jnp.sqrt(common)
+      return _sqrt(total), _sqrt(common)
 
     norm, group_norms = lax.cond(jnp.isinf(total), rescue, keep, None)
   else:
-    norm, group_norms = jnp.sqrt(total), jnp.sqrt(common)
+    norm, group_norms = _sqrt(total), _sqrt(common)
   # NaN exactly when ``total`` is (the rescue runs only on +inf). Read off the
   # norm, behind a sqrt that XLA will not duplicate: a cheap function of every
   # leaf's sum is otherwise fused, with all L sums as operands, into each of

@@ -21,6 +21,7 @@ import optax
 from fp16_scaling import _guard
 from fp16_scaling import _inplace
 from fp16_scaling import _lookup
+from fp16_scaling import _validate
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
@@ -33,6 +34,8 @@ def _is_bookkeeping(x) -> bool:
 
 def skip_on_overflow(
   inner: optax.GradientTransformation,
+  *,
+  early_select: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and discards the step exactly when its gradients overflowed.
 
@@ -40,13 +43,21 @@ def skip_on_overflow(
     inner: a chain that contains exactly one :func:`fp16_loss_scale`,
       typically ``optax.chain(fp16_loss_scale(...),
       clip_by_unscaled_norm(...), optimizer)``.
+    early_select: place the state selects inside the traced inner update,
+      so that XLA updates donated state in place (see ``_inplace``; it
+      relies on JAX internals and falls back to ``False``'s behaviour, with
+      one warning, where they fail). ``False`` selects after the inner
+      update with public JAX only: the same values, but on XLA:CPU a copy
+      of every donated optimizer moment per step.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
     state. On an overflow step the updates are ``-0.0`` (so ``params +
     updates`` is bit-identical to ``params``, signed zeros included) and the
     inner state is unchanged except for :class:`LossScaleState` and
-    :class:`ClipState`.
+    :class:`ClipState`. Extra arguments that are not arrays (``optax.lbfgs``'s
+    ``value_fn``) reach ``inner`` as they are, untraced. Gradients taken
+    through an overflow step are finite: zero through the discarded update.
 
   Raises:
     ValueError: at ``init``, unless ``inner``'s state holds exactly one
@@ -76,6 +87,7 @@ def skip_on_overflow(
     <https://arxiv.org/abs/1710.03740>`_, ICLR 2018: a step whose gradients
     overflowed is skipped and the scale lowered.
   """
+  early_select = _validate.flag("early_select", early_select)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -118,7 +130,10 @@ def skip_on_overflow(
 
     _single_loss_scale_state(state)
     return _inplace.call_selecting(
-      run_inner, (updates, state, params, extra_args), labels_and_olds
+      run_inner,
+      (updates, state, params, extra_args),
+      labels_and_olds,
+      early=early_select,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

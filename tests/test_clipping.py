@@ -52,7 +52,11 @@ def test_clip_formula_matches_torch(max_norm):
   [
     EXPERT_MASK,
     lambda g: {"experts": {"w1": True}, "shared": {"w": False, "b": False}},
+    # A prefix of the tree, as optax.masked takes: one bool per subtree.
+    {"experts": True, "shared": False},
+    lambda g: {"experts": True, "shared": False},
   ],
+  ids=["full", "full callable", "prefix", "prefix callable"],
 )
 def test_expert_and_shared_norms_reported_apart_and_clipped_together(mask):
   grads = _grads(1, scale=3.0)
@@ -171,6 +175,17 @@ def test_bad_arguments():
   with pytest.raises(TypeError, match="expert_mask"):
     fs.clip_by_unscaled_norm(1.0, expert_mask={"a": 1})
   tx = fs.clip_by_unscaled_norm(1.0, expert_mask={"experts": True})
+  with pytest.raises(ValueError, match="expert_mask.*prefix"):
+    tx.init(_grads())
+  # Deeper than the gradients: a bool where the gradients have a leaf holds
+  # a subtree.
+  tx = fs.clip_by_unscaled_norm(
+    1.0,
+    expert_mask={
+      "experts": {"w1": {"a": True}},
+      "shared": {"w": False, "b": False},
+    },
+  )
   with pytest.raises(ValueError, match="expert_mask"):
     tx.init(_grads())
   with pytest.raises(TypeError, match="floating point"):
