@@ -37,8 +37,17 @@ def scale_metrics(opt_state) -> dict:
     ``grad_norm`` (true, unscaled, before clipping), ``expert_grad_norm`` and
     ``shared_grad_norm`` (from ``clip_by_unscaled_norm``; without one, or
     without an expert mask, every leaf counts as shared).
+
+    Under :func:`accumulate_gradients` the step is the window: the norms,
+    ``overflow`` and ``skipped_steps`` are those of windows, and the dict
+    adds ``microbatches``, ``applied_steps``, ``dropped_microbatches`` and
+    ``window_ended`` (this call ended a window). On a call that did not end
+    one, ``overflow`` is False and ``prev_loss_scale`` equals ``loss_scale``
+    (the scale this microbatch was made with); the norms are the last
+    window's.
   """
   ls = _lookup.loss_scale_state(opt_state)
+  acc = _lookup.accumulation_state(opt_state)
   clip = _lookup.clip_state(opt_state)
   if clip is not None:
     expert, shared = clip.expert_grad_norm, clip.shared_grad_norm
@@ -48,7 +57,7 @@ def scale_metrics(opt_state) -> dict:
     shared = jnp.where(ls.overflow, nan, shared)
   else:
     expert, shared = jnp.zeros([], jnp.float32), ls.grad_norm
-  return {
+  metrics = {
     "loss_scale": ls.scaler.loss_scale,
     "prev_loss_scale": ls.prev_loss_scale,
     "overflow": ls.overflow,
@@ -57,6 +66,20 @@ def scale_metrics(opt_state) -> dict:
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
   }
+  if acc is not None:
+    ended = acc.window_ended
+    metrics.update(
+      # Between windows the last window's flag is not news.
+      overflow=ls.overflow & ended,
+      prev_loss_scale=jnp.where(
+        ended, ls.prev_loss_scale, ls.scaler.loss_scale
+      ),
+      microbatches=acc.microbatches,
+      applied_steps=acc.applied_steps,
+      dropped_microbatches=acc.dropped_microbatches,
+      window_ended=ended,
+    )
+  return metrics
 
 
 def raise_if_min_scale_reached(opt_state) -> None:
