@@ -187,26 +187,29 @@ def accumulate_gradients(
       )
       return [a * factor for a in acc]
 
-    def run_inner(acc, grads, inner_state, params):
-      mean = jax.tree.unflatten(acc_def, mean_of(accumulated(acc, grads)))
+    # Outside the cond, so that XLA writes it into the donated accumulator in
+    # place; the cond then reads it (last microbatch) or passes it through.
+    summed = accumulated(acc_leaves, leaves)
+
+    def run_inner(acc, inner_state, params):
+      mean = jax.tree.unflatten(acc_def, mean_of(acc))
       return tx.update(mean, inner_state, params, **extra_args)
 
-    out_shape, _ = jax.eval_shape(
-      run_inner, acc_leaves, leaves, state.inner_state, params
-    )
+    out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
 
-    def final(acc, grads, inner_state, params):
-      new_updates, new_inner = run_inner(acc, grads, inner_state, params)
-      fresh = [jnp.zeros_like(a) for a in acc]
-      return new_updates, new_inner, fresh
+    def final(acc, inner_state, params):
+      new_updates, new_inner = run_inner(acc, inner_state, params)
+      # The reset replaces the sum (a select, in effect): a NaN in it is
+      # dropped, never multiplied by 0, which would keep it.
+      return new_updates, new_inner, [jnp.zeros_like(a) for a in acc]
 
-    def middle(acc, grads, inner_state, params):
+    def middle(acc, inner_state, params):
       del params
       skip = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), out_shape)
-      return skip, inner_state, accumulated(acc, grads)
+      return skip, inner_state, acc
 
     new_updates, inner_state, acc = lax.cond(
-      ends, final, middle, acc_leaves, leaves, state.inner_state, params
+      ends, final, middle, summed, state.inner_state, params
     )
     overflow = _lookup.loss_scale_state(inner_state).overflow
     return new_updates, AccumulationState(
