@@ -8,6 +8,7 @@ backs off, and so on.
 
     pip install -e ".[examples]"   # from the repository root
     python examples/train_mlp.py --preset torch --window 50 --plot /tmp/mlp.png
+    python examples/train_mlp.py --accumulate 4   # 4 microbatches per step
 """
 
 import argparse
@@ -69,6 +70,12 @@ def main(argv=None):
     "--window", type=int, default=100, help="clean steps between growths"
   )
   p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument(
+    "--accumulate",
+    type=int,
+    default=1,
+    help="microbatches per optimizer step (--steps counts microbatches)",
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--plot", default="examples/train_mlp.png")
   args = p.parse_args(argv)
@@ -94,6 +101,8 @@ def main(argv=None):
       optax.adamw(1e-3, weight_decay=1e-4),
     )
   )
+  if args.accumulate > 1:  # one guarded step per window of microbatches
+    tx = fs.accumulate_gradients(tx, args.accumulate)
   opt_state = tx.init(params)
 
   def loss_fn(params, xb, yb):
@@ -137,6 +146,9 @@ def main(argv=None):
         scale=fmt_scale(float(m["loss_scale"])), loss=f"{float(m['loss']):.3f}"
       )
   h = {k: np.stack([m[k] for m in jax.device_get(history)]) for k in history[0]}
+  if args.accumulate > 1:  # from here on, a step is an optimizer step
+    h = {k: v[h["window_ended"]] for k, v in h.items()}
+  num_steps = len(h["overflow"])
 
   # Scale trajectory: each step whose outcome moved the scale, and the new
   # scale.
@@ -152,10 +164,10 @@ def main(argv=None):
   print(f"  {np.sum(nxt < used)} back-offs, {np.sum(nxt > used)} growths")
   skipped = int(h["skipped_steps"][-1])
   leading = (
-    int(np.argmin(h["overflow"])) if not h["overflow"].all() else args.steps
+    int(np.argmin(h["overflow"])) if not h["overflow"].all() else num_steps
   )
   print(
-    f"skipped steps: {skipped}/{args.steps}, of which the first {leading} in "
+    f"skipped steps: {skipped}/{num_steps}, of which the first {leading} in "
     f"a row"
   )
   # The norm is NaN on a skipped step: nanmean over the clean ones.
@@ -171,7 +183,7 @@ def main(argv=None):
 
   # Plot: the loss scale each step used (overflows marked) and the true grad
   # norm.
-  steps = np.arange(args.steps)
+  steps = np.arange(num_steps)
   fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(8, 5.5))
   ax1.step(steps, used, where="post", label="loss scale used")
   ovf = h["overflow"]

@@ -10,6 +10,8 @@ Usage::
     # in the step: grads of loss * fp16_scaling.current_scale(opt_state)
 """
 
+from fp16_scaling._accumulate import accumulate_gradients
+from fp16_scaling._accumulation_state import AccumulationState
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._deepspeed_config import DeepSpeedFP16
@@ -34,6 +36,7 @@ from fp16_scaling._skip import skip_on_overflow
 __version__ = "0.1.0"
 
 __all__ = [
+  "AccumulationState",
   "ClipState",
   "DeepSpeedFP16",
   "LossScaleState",
@@ -41,6 +44,7 @@ __all__ = [
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
+  "accumulate_gradients",
   "clip_by_unscaled_norm",
   "current_scale",
   "deepspeed_scaler",

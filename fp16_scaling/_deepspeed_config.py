@@ -17,17 +17,29 @@ Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does
   overflow hits ``min_loss_scale``. The path is read from
   ``zero_optimization.stage``;
 * ``gradient_clipping`` (default 1.0 in DeepSpeed 0.19; 0 or less disables it)
-  is the fp16 optimizers' ``clip_grad``.
+  is the fp16 optimizers' ``clip_grad``;
+* ``gradient_accumulation_steps`` is derived from and checked against
+  ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` as
+  ``DeepSpeedConfig._set_batch_related_parameters`` and ``_batch_assertion``
+  do; above 1, ``.optimizer(...)`` wraps the chain in
+  :func:`accumulate_gradients`.
+
+Fields that change training but are not modelled here (``optimizer``,
+``scheduler``, the rest of ``zero_optimization``, ...) get one warning that
+names them. Hugging Face's ``"auto"`` values are refused: they are resolved by
+the Trainer, not by DeepSpeed.
 """
 
 import json
 import math
 import os
 from typing import Any, Mapping, NamedTuple, Optional, Union
+import warnings
 
 import optax
 
 from fp16_scaling import _validate
+from fp16_scaling._accumulate import accumulate_gradients
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._scaler import Scaler
@@ -56,11 +68,13 @@ class DeepSpeedFP16(NamedTuple):
     scaler: the :class:`Scaler` DeepSpeed's engine would run.
     max_norm: ``gradient_clipping``, or None when it is 0 (off).
     zero_stage: the ZeRO stage read from the config (selects the path).
+    gradient_accumulation_steps: microbatches per optimizer step.
   """
 
   scaler: Scaler
   max_norm: Optional[float]
   zero_stage: int
+  gradient_accumulation_steps: int = 1
 
   def optimizer(
     self,
@@ -69,7 +83,9 @@ class DeepSpeedFP16(NamedTuple):
     expert_mask=None,
     partition_specs=None,
   ) -> optax.GradientTransformationExtraArgs:
-    """``skip_on_overflow(chain(fp16_loss_scale, [clip], inner))``."""
+    """``skip_on_overflow(chain(fp16_loss_scale, [clip], inner))``, inside
+    ``accumulate_gradients(..., gradient_accumulation_steps)`` when that is
+    above 1."""
     parts = [fp16_loss_scale(self.scaler, partition_specs=partition_specs)]
     if self.max_norm is not None:
       parts.append(
@@ -80,7 +96,10 @@ class DeepSpeedFP16(NamedTuple):
         )
       )
     parts.append(inner)
-    return skip_on_overflow(optax.chain(*parts))
+    tx = skip_on_overflow(optax.chain(*parts))
+    if self.gradient_accumulation_steps > 1:
+      tx = accumulate_gradients(tx, self.gradient_accumulation_steps)
+    return tx
 
 
 def _number(field: str, value) -> float:
@@ -108,21 +127,113 @@ def _flag(field: str, value) -> bool:
   return value
 
 
+# Read here; everything else at the top level is named in a warning.
+_MODELLED = {
+  "fp16",
+  "bf16",
+  "bfloat16",
+  "zero_optimization",
+  "gradient_clipping",
+  "gradient_accumulation_steps",
+  "train_batch_size",
+  "train_micro_batch_size_per_gpu",
+}
+_BATCH_FIELDS = (
+  "train_batch_size",
+  "train_micro_batch_size_per_gpu",
+  "gradient_accumulation_steps",
+)
+
+
+def _refuse_auto(config, path=()) -> list:
+  """The dotted paths of every ``"auto"`` value in ``config``."""
+  found = []
+  for key, value in config.items():
+    here = path + (str(key),)
+    if isinstance(value, Mapping):
+      found += _refuse_auto(value, here)
+    elif isinstance(value, str) and value == "auto":
+      found.append(".".join(here))
+  return found
+
+
+def _warn_unmodelled(config) -> None:
+  unmodelled = sorted(set(map(str, config)) - _MODELLED)
+  zero = config.get("zero_optimization", {})
+  if isinstance(zero, Mapping):
+    unmodelled += sorted(
+      f"zero_optimization.{k}" for k in map(str, zero) if k != "stage"
+    )
+  if unmodelled:
+    warnings.warn(
+      "from_deepspeed_config models the loss scaling, gradient clipping and "
+      "gradient accumulation only; these fields are not read and have no "
+      f"effect here: {', '.join(unmodelled)}. Build the matching optax "
+      "optimizer and schedule yourself and pass it to .optimizer(...).",
+      stacklevel=3,
+    )
+
+
+def _accumulation_steps(config, world_size: int) -> int:
+  """``gradient_accumulation_steps`` as DeepSpeed 0.19 derives and checks it
+  (``DeepSpeedConfig._set_batch_related_parameters``, ``_batch_assertion``).
+
+  With neither batch size given DeepSpeed refuses the config; the scaler
+  needs no batch size, so this takes ``gradient_accumulation_steps``
+  (default 1) as it is.
+  """
+  train, micro, steps = (
+    None if config.get(f) is None else _integer(f, config[f])
+    for f in _BATCH_FIELDS
+  )
+  if train is None and micro is None:
+    steps = 1 if steps is None else steps
+  elif train is not None and micro is not None and steps is None:
+    steps = train // micro // world_size
+  elif train is not None and steps is not None and micro is None:
+    micro = train // world_size // max(steps, 1)
+  elif micro is not None and steps is not None and train is None:
+    train = micro * steps * world_size
+  elif train is not None and micro is None:
+    steps, micro = 1, train // world_size
+  elif micro is not None and train is None:
+    steps, train = 1, micro * world_size
+  for field, value in zip(_BATCH_FIELDS, (train, micro, steps)):
+    if value is not None and value <= 0:
+      raise ValueError(f"{field} must be > 0, got {value}")
+  if train is not None and train != micro * steps * world_size:
+    raise ValueError(
+      "train_batch_size must equal train_micro_batch_size_per_gpu * "
+      f"gradient_accumulation_steps * world_size: {train} != {micro} * "
+      f"{steps} * {world_size}"
+    )
+  return steps
+
+
 def from_deepspeed_config(
   config: Union[Mapping[str, Any], str, os.PathLike],
+  *,
+  world_size: int = 1,
 ) -> DeepSpeedFP16:
   """Builds the loss scaler and clip that a DeepSpeed config describes.
 
   Args:
     config: a DeepSpeed config dict, or the path of its JSON file.
+    world_size: the data-parallel world size DeepSpeed would check the batch
+      sizes against (``train_batch_size = train_micro_batch_size_per_gpu *
+      gradient_accumulation_steps * world_size``).
 
   Returns:
     A :class:`DeepSpeedFP16`; ``.optimizer(optax.adamw(...))`` builds the
-    guarded chain.
+    guarded chain (accumulating when ``gradient_accumulation_steps`` > 1).
 
   Raises:
     ValueError: for values DeepSpeed rejects (with DeepSpeed's field names),
-      and for values it accepts but that cannot be a float32 loss scale.
+      for values it accepts but that cannot be a float32 loss scale, and for
+      ``"auto"`` values.
+
+  Warns:
+    UserWarning: once, naming the fields that are not modelled.
 
   Examples:
     >>> import optax
@@ -137,12 +248,22 @@ def from_deepspeed_config(
     >>> tx = ds.optimizer(optax.adamw(1e-3))
 
   References:
-    DeepSpeed 0.19, ``deepspeed/runtime/precision_config.py`` and
-    ``deepspeed/runtime/engine.py``.
+    DeepSpeed 0.19, ``deepspeed/runtime/precision_config.py``,
+    ``deepspeed/runtime/config.py`` and ``deepspeed/runtime/engine.py``.
   """
+  world_size = _validate.count("world_size", world_size)
   if not isinstance(config, Mapping):
     with open(config) as f:
       config = json.load(f)
+  auto = _refuse_auto(config)
+  if auto:
+    raise ValueError(
+      f'"auto" values in {", ".join(auto)}: "auto" is resolved by the '
+      "Hugging Face Trainer, not by DeepSpeed. Resolve them first: use the "
+      "config the Trainer resolved, or write the values in."
+    )
+  _warn_unmodelled(config)
+  accumulation = _accumulation_steps(config, world_size)
   fp16 = config.get("fp16", {})
   if not isinstance(fp16, Mapping):
     raise ValueError(f"fp16 must be a JSON object, got {fp16!r}")
@@ -167,7 +288,7 @@ def from_deepspeed_config(
   )
 
   if not _flag("fp16.enabled", fp16.get("enabled", False)):
-    return DeepSpeedFP16(no_scaler(), max_norm, stage)
+    return DeepSpeedFP16(no_scaler(), max_norm, stage, accumulation)
 
   loss_scale = _number("fp16.loss_scale", fp16.get("loss_scale", 0))
   if loss_scale < 0:
@@ -175,7 +296,9 @@ def from_deepspeed_config(
       "fp16.loss_scale must be >= 0 (0 enables dynamic loss scaling)"
     )
   if loss_scale > 0:
-    return DeepSpeedFP16(static_scaler(loss_scale), max_norm, stage)
+    return DeepSpeedFP16(
+      static_scaler(loss_scale), max_norm, stage, accumulation
+    )
 
   power = _integer(
     "fp16.initial_scale_power", fp16.get("initial_scale_power", 16)
@@ -224,4 +347,4 @@ def from_deepspeed_config(
       f"fp16: {e} (min_scale is fp16.min_loss_scale, "
       "init_scale is 2**fp16.initial_scale_power)"
     ) from None
-  return DeepSpeedFP16(scaler, max_norm, stage)
+  return DeepSpeedFP16(scaler, max_norm, stage, accumulation)

@@ -1,8 +1,9 @@
 """The one way to find fp16_scaling's states inside a nested optax state.
 
-Every host helper (``current_scale``, ``scale_metrics``, ...) and
-``skip_on_overflow`` itself find the :class:`LossScaleState` and the
-:class:`ClipState` through these functions, so a state that has lost its
+Every host helper (``current_scale``, ``scale_metrics``, ...),
+``skip_on_overflow`` and ``accumulate_gradients`` find the
+:class:`LossScaleState`, the :class:`ClipState` and the
+:class:`AccumulationState` through these functions, so a state that has lost its
 types, or holds the wrong number of them, gets the same message everywhere.
 """
 
@@ -11,6 +12,7 @@ from typing import Any, Optional
 import jax
 import optax
 
+from fp16_scaling._accumulation_state import AccumulationState
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
@@ -78,6 +80,22 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
 def clip_state(opt_state: Any) -> Optional[ClipState]:
   """The first :class:`ClipState` in ``opt_state``, or None."""
   found = all_with_path(opt_state, ClipState)
+  return found[0][1] if found else None
+
+
+def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
+  """The one :class:`AccumulationState` in ``opt_state``, or None.
+
+  Raises:
+    ValueError: ``opt_state`` holds more than one (nested accumulation).
+  """
+  found = all_with_path(opt_state, AccumulationState)
+  if len(found) > 1:
+    paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
+    raise ValueError(
+      f"opt_state holds {len(found)} accumulate_gradients states ({paths}); "
+      "expected at most one"
+    )
   return found[0][1] if found else None
 
 

@@ -28,6 +28,12 @@ class ScaleMetrics(TypedDict, total=False):
     grad_norm: true (unscaled) global norm before clipping; NaN on overflow.
     expert_grad_norm: the expert leaves' part of ``grad_norm``.
     shared_grad_norm: the other leaves' part of ``grad_norm``.
+    microbatches: under :func:`accumulate_gradients`, int32 microbatches so
+      far (likewise the three below).
+    applied_steps: int32 windows whose step was applied.
+    dropped_microbatches: int32 microbatches dropped by
+      ``on_microbatch_overflow="drop_microbatch"``.
+    window_ended: bool, whether this call ended a window.
   """
 
   loss_scale: jax.Array
@@ -37,6 +43,10 @@ class ScaleMetrics(TypedDict, total=False):
   grad_norm: jax.Array
   expert_grad_norm: jax.Array
   shared_grad_norm: jax.Array
+  microbatches: jax.Array
+  applied_steps: jax.Array
+  dropped_microbatches: jax.Array
+  window_ended: jax.Array
 
 
 def current_scale(opt_state: optax.OptState) -> jax.Array:
@@ -77,6 +87,14 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     ``clip_by_unscaled_norm``; without one, or without an expert mask, every
     leaf counts as shared). On an overflow step all three norms are NaN.
 
+    Under :func:`accumulate_gradients` the step is the window: the norms,
+    ``overflow`` and ``skipped_steps`` are those of windows, and the dict
+    adds ``microbatches``, ``applied_steps``, ``dropped_microbatches`` and
+    ``window_ended`` (this call ended a window). On a call that did not end
+    one, ``overflow`` is False and ``prev_loss_scale`` equals ``loss_scale``
+    (the scale this microbatch was made with); the norms are the last
+    window's.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax
@@ -93,6 +111,7 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     1.0 False
   """
   ls = _lookup.loss_scale_state(opt_state)
+  acc = _lookup.accumulation_state(opt_state)
   clip = _lookup.clip_state(opt_state)
   if clip is not None:
     expert, shared = clip.expert_grad_norm, clip.shared_grad_norm
@@ -103,7 +122,7 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     shared = jnp.where(ls.overflow, nan, shared)
   else:
     expert, shared = jnp.zeros([], jnp.float32), ls.grad_norm
-  return {
+  metrics = {
     "loss_scale": ls.scaler.loss_scale,
     "prev_loss_scale": ls.prev_loss_scale,
     "overflow": ls.overflow,
@@ -112,6 +131,20 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
   }
+  if acc is not None:
+    ended = acc.window_ended
+    metrics.update(
+      # Between windows the last window's flag is not news.
+      overflow=ls.overflow & ended,
+      prev_loss_scale=jnp.where(
+        ended, ls.prev_loss_scale, ls.scaler.loss_scale
+      ),
+      microbatches=acc.microbatches,
+      applied_steps=acc.applied_steps,
+      dropped_microbatches=acc.dropped_microbatches,
+      window_ended=ended,
+    )
+  return metrics
 
 
 def raise_if_min_scale_reached(opt_state: optax.OptState) -> None:

@@ -13,7 +13,18 @@ skip adds no pass over memory and no host round-trip, and an overflow step
 costs no more than a clean one. The selects are placed by ``_inplace``, early
 enough that the optimizer's update reads the selected state: XLA can then
 write every donated state buffer in place, as it does for plain optax.
+
+``optax.MultiSteps`` around the guarded chain is refused at ``init``.
+MultiSteps (optax 0.2.8) resets its accumulator by multiplying it by 0, so
+one inf or NaN microbatch leaves NaN in it for good: every later window
+overflows, the scale halves every window and the parameters never move
+again. Nothing inside the wrapped chain can repair the wrapper's state, so
+``init`` looks at its Python callers (once, at ``init``; never in a step)
+and raises when one is ``MultiSteps.init``, naming ``accumulate_gradients``,
+which accumulates the way the peers do.
 """
+
+import sys
 
 import jax
 import optax
@@ -91,6 +102,7 @@ def skip_on_overflow(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    _refuse_multisteps()
     with _guard.guarded():
       state = inner.init(params)
     _single_loss_scale_state(state)
@@ -148,3 +160,27 @@ def _single_loss_scale_state(state) -> None:
       "skip_on_overflow(optax.chain(fp16_loss_scale(...), "
       "clip_by_unscaled_norm(...), optimizer))."
     )
+
+
+_MULTISTEPS = (
+  "skip_on_overflow cannot run inside optax.MultiSteps: MultiSteps resets "
+  "its accumulator by multiplying it by 0, so one inf or NaN microbatch "
+  "poisons every later window (NaN * 0 is NaN), the scale halves every "
+  "window and training stops. Use fp16_scaling.accumulate_gradients(tx, "
+  "every_k_schedule) in its place: microbatches at one scale, one overflow "
+  "decision and one exact skip per window."
+)
+
+
+def _refuse_multisteps() -> None:
+  """Raises when an ``optax.MultiSteps.init`` is among the Python callers."""
+  getframe = getattr(sys, "_getframe", None)
+  if getframe is None:  # not CPython: no call stack to read, no check
+    return
+  frame = getframe(2)
+  while frame is not None:
+    if frame.f_code.co_name == "init" and isinstance(
+      frame.f_locals.get("self"), optax.MultiSteps
+    ):
+      raise ValueError(_MULTISTEPS)
+    frame = frame.f_back

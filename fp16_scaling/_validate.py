@@ -94,3 +94,13 @@ def flag(name: str, value) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool, got {_describe(value)}")
   return bool(value)
+
+
+def choice(name: str, value, allowed) -> str:
+  """One of the strings in ``allowed``."""
+  if not isinstance(value, str) or value not in allowed:
+    raise ValueError(
+      f"{name} must be one of {', '.join(map(repr, allowed))}, got "
+      f"{_describe(value)}"
+    )
+  return value

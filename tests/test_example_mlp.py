@@ -72,3 +72,20 @@ def test_learns_and_writes_plot(run):
   assert result["accuracy"] > 0.7  # chance is 0.1
   assert plot.exists() and plot.stat().st_size > 10_000
   assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accumulate_runs_one_step_per_window(tmp_path):
+  main = runpy.run_path(str(EXAMPLE))["main"]
+  result = main(
+    ["--steps", "80", "--accumulate", "4", "--window", "5"]
+    + ["--plot", str(tmp_path / "mlp.png")]
+  )
+  overflow, scales = result["overflow"], result["scale_history"]
+  assert len(overflow) == 20  # 80 microbatches, 20 optimizer steps
+  # 2**24 overflows: the first windows are skipped, one back-off each.
+  assert overflow[0] and result["skipped_steps"] == int(overflow.sum())
+  leading = int(np.argmin(overflow))
+  np.testing.assert_array_equal(
+    scales[: leading + 1], 2.0**24 / 2.0 ** np.arange(leading + 1)
+  )
+  assert result["accuracy"] > 0.3  # chance is 0.1

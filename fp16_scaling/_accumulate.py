@@ -1,0 +1,227 @@
+"""``accumulate_gradients``: microbatches at one scale, one step per window.
+
+What DeepSpeed (``gradient_accumulation_steps``) and torch
+(``scaler.scale(loss / k).backward()`` k times, then one ``scaler.step``) do:
+
+* every microbatch of a window is made at the same loss scale, because the
+  scale only moves when the guarded chain runs, once per window;
+* the microbatch gradients are summed in float32, each divided by the
+  window's length ``k``, so the sum is their mean;
+* at the window's last microbatch the guarded chain runs once on the mean:
+  one overflow decision, one clip, one scaler step, one optimizer step or one
+  exact skip. The other calls return ``-0.0`` updates, as ``optax.MultiSteps``
+  returns zeros, so ``params + updates`` leaves the parameters bit for bit.
+
+An inf or NaN in any microbatch makes the window's sum inf or NaN (IEEE
+addition keeps a non-finite term non-finite), so the guarded chain's one
+pass over the mean sees the overflow: the window is skipped exactly and the
+scale backs off once. The accumulator is then reset by *replacing* it with
+zeros (a select in a ``lax.cond``), never by multiplying it by 0, which
+would keep a NaN forever.
+
+A window's last microbatch and the others are the two branches of one
+``lax.cond``: the other microbatches cost one pass that reads the gradient
+and the accumulator and writes the accumulator; the optimizer does not run.
+"""
+
+import numbers
+from typing import Any, Callable, Optional, Union
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import optax
+
+from fp16_scaling import _lookup
+from fp16_scaling import _norm
+from fp16_scaling import _validate
+from fp16_scaling._accumulation_state import AccumulationState
+
+POLICIES = ("skip_step", "drop_microbatch")
+
+
+def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
+  if callable(every_k_schedule):
+    try:
+      first = every_k_schedule(0)
+    except Exception:  # a schedule that only takes arrays: checked in update
+      first = None
+    if isinstance(first, numbers.Number) and not isinstance(first, bool):
+      if first < 1:
+        raise ValueError(
+          f"every_k_schedule must return an integer >= 1, got {first!r} for "
+          "window 0"
+        )
+    return every_k_schedule
+  k = _validate.count("every_k_schedule", every_k_schedule)
+  return lambda _: k
+
+
+def accumulate_gradients(
+  tx: optax.GradientTransformation,
+  every_k_schedule: Union[int, Callable[[jax.Array], Any]],
+  *,
+  on_microbatch_overflow: str = "skip_step",
+  partition_specs: Optional[Any] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates microbatch gradients and runs the guarded chain once a window.
+
+  Use it where ``optax.MultiSteps`` would go, around the guarded chain. Every
+  call receives one microbatch's gradients of ``loss * current_scale(state)``
+  (the scale does not change inside a window). The call that completes a
+  window passes the float32 mean of the window's gradients to ``tx`` once and
+  returns its updates; every other call returns ``-0.0`` updates.
+
+  Memory: one float32 accumulator per parameter, as ``optax.MultiSteps``.
+
+  Args:
+    tx: the guarded chain, ``skip_on_overflow(optax.chain(fp16_loss_scale(
+      ...), clip_by_unscaled_norm(...), optimizer))``.
+    every_k_schedule: microbatches per window: an int >= 1, or a function of
+      the number of windows ended so far returning one (a value below 1 is
+      taken as 1).
+    on_microbatch_overflow: ``"skip_step"`` (default, as DeepSpeed and torch):
+      an inf or NaN in any microbatch skips the window's step and backs the
+      scale off once. ``"drop_microbatch"``: the bad microbatches are left
+      out and the clean ones averaged; the scale backs off only when no
+      microbatch of the window is clean (the window is then skipped).
+    partition_specs: under ``shard_map`` with ``"drop_microbatch"``, the
+      gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`),
+      so that every device drops the same microbatches.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulationState`. Extra arguments (``value=...``) are passed to
+    ``tx`` on the calls that end a window.
+
+  Raises:
+    ValueError: ``every_k_schedule`` below 1; an unknown
+      ``on_microbatch_overflow``; at ``init``, ``tx``'s state holds no (or
+      more than one) ``fp16_loss_scale``; at ``update``, gradients whose tree
+      or shapes differ from the params.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
+    >>> tx = fs.accumulate_gradients(fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))), 2)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> u, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, params)
+    >>> u["w"], bool(fs.scale_metrics(state)["window_ended"])
+    (Array([-0., -0.], dtype=float32), False)
+    >>> u, state = tx.update({"w": jnp.array([12.0, 8.0])}, state, params)
+    >>> u["w"], bool(fs.scale_metrics(state)["window_ended"])
+    (Array([-2., -2.], dtype=float32), True)
+
+  References:
+    Micikevicius et al., "Mixed Precision Training" (ICLR 2018);
+    PyTorch, "Automatic Mixed Precision examples: gradient accumulation".
+  """
+  schedule = _checked_schedule(every_k_schedule)
+  drop = (
+    _validate.choice("on_microbatch_overflow", on_microbatch_overflow, POLICIES)
+    == "drop_microbatch"
+  )
+  tx = optax.with_extra_args_support(tx)
+  zero = lambda dtype: jnp.zeros([], dtype)
+
+  def init_fn(params):
+    _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
+    inner_state = tx.init(params)
+    _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
+    return AccumulationState(
+      mini_step=zero(jnp.int32),
+      windows=zero(jnp.int32),
+      acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+      clean_in_window=zero(jnp.int32),
+      inner_state=inner_state,
+      microbatches=zero(jnp.int32),
+      applied_steps=zero(jnp.int32),
+      dropped_microbatches=zero(jnp.int32),
+      window_ended=jnp.bool_(False),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    leaves, treedef = jax.tree.flatten(updates)
+    acc_leaves, acc_def = jax.tree.flatten(state.acc_grads)
+    if treedef != acc_def or any(
+      jnp.shape(g) != a.shape for g, a in zip(leaves, acc_leaves)
+    ):
+      raise ValueError(
+        "accumulate_gradients: the microbatch gradients must have the tree "
+        f"structure and leaf shapes of the params; got {treedef} with shapes "
+        f"{[jnp.shape(g) for g in leaves]}, params {acc_def} with shapes "
+        f"{[a.shape for a in acc_leaves]}"
+      )
+    _norm.check_float_leaves(leaves, "accumulate_gradients gradients")
+    k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
+    inv_k = 1.0 / k.astype(jnp.float32)
+    ends = state.mini_step + 1 >= k
+    if drop:
+      # The one pass of _norm decides whether this microbatch is clean.
+      leaf_axes = _norm.leaf_axes_from_specs(
+        partition_specs, updates, "accumulate_gradients"
+      )
+      bad = _norm.reduce_norms(
+        _norm.leaf_sums(leaves), leaves, leaf_axes=leaf_axes
+      ).overflow
+    else:
+      bad = jnp.bool_(False)
+    clean = state.clean_in_window + (~bad).astype(jnp.int32)
+
+    def accumulated(acc, grads):
+      def add(a, g):
+        new = a + g.astype(jnp.float32) * inv_k
+        # A select, never a multiply: a dropped NaN must not reach the sum.
+        return jnp.where(bad, a, new) if drop else new
+
+      return [add(a, g) for a, g in zip(acc, grads)]
+
+    def mean_of(acc):
+      if not drop:
+        return acc
+      # Sum over the clean microbatches of g / k, times k / clean; with no
+      # clean microbatch a NaN, so the guarded chain skips the window.
+      factor = jnp.where(
+        clean > 0, k.astype(jnp.float32) / clean, jnp.float32(jnp.nan)
+      )
+      return [a * factor for a in acc]
+
+    # Outside the cond, so that XLA writes it into the donated accumulator in
+    # place; the cond then reads it (last microbatch) or passes it through.
+    summed = accumulated(acc_leaves, leaves)
+
+    def run_inner(acc, inner_state, params):
+      mean = jax.tree.unflatten(acc_def, mean_of(acc))
+      return tx.update(mean, inner_state, params, **extra_args)
+
+    out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
+
+    def final(acc, inner_state, params):
+      new_updates, new_inner = run_inner(acc, inner_state, params)
+      # The reset replaces the sum (a select, in effect): a NaN in it is
+      # dropped, never multiplied by 0, which would keep it.
+      return new_updates, new_inner, [jnp.zeros_like(a) for a in acc]
+
+    def middle(acc, inner_state, params):
+      del params
+      skip = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), out_shape)
+      return skip, inner_state, acc
+
+    new_updates, inner_state, acc = lax.cond(
+      ends, final, middle, summed, state.inner_state, params
+    )
+    overflow = _lookup.loss_scale_state(inner_state).overflow
+    return new_updates, AccumulationState(
+      mini_step=jnp.where(ends, 0, state.mini_step + 1),
+      windows=state.windows + ends.astype(jnp.int32),
+      acc_grads=jax.tree.unflatten(acc_def, acc),
+      clean_in_window=jnp.where(ends, 0, clean),
+      inner_state=inner_state,
+      microbatches=state.microbatches + 1,
+      applied_steps=state.applied_steps + (ends & ~overflow).astype(jnp.int32),
+      dropped_microbatches=state.dropped_microbatches + bad.astype(jnp.int32),
+      window_ended=ends,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

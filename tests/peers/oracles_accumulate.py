@@ -1,0 +1,184 @@
+"""Oracle drivers for gradient accumulation: the peers' own recipes, run by
+the peers.
+
+Each window of ``k`` microbatches goes through the peer's accumulation
+recipe, with autograd doing the accumulation:
+
+* torch.amp: ``scaler.scale(loss / k).backward()`` k times over float32
+  parameters, then ``scaler.unscale_``, ``clip_grad_norm_``,
+  ``scaler.step``, ``scaler.update`` and ``zero_grad``;
+* DeepSpeed's fp16 optimizers: ``optimizer.backward(loss / k)`` k times over
+  float16 parameters (what the engine's ``backward`` does with
+  ``gradient_accumulation_steps = k``), then ``step`` and ``zero_grad``
+  (what the engine does at the accumulation boundary).
+
+Microbatch ``i`` presents the float16 gradient ``h_i = fp16(g_i * s)`` of
+``loss * s`` at the peer's current scale ``s`` (a cast past 65504 is an inf,
+as in training), through the loss ``sum(p * C_i)`` with the constant
+``C_i = float32(h_i) / s``: the peer's backward of ``loss / k`` at scale
+``s`` then contributes ``(s / k) * C_i = h_i / k`` to ``.grad``, exactly
+when ``s`` and ``k`` are powers of two. Each record keeps the presented
+``h_i`` (``Step.grads``: one list of arrays per microbatch), so
+fp16_scaling can be fed the very same microbatch gradients.
+"""
+
+from typing import Sequence
+
+import numpy as np
+import oracles
+
+
+def _coefficients(torch, grads, scale):
+  """``(h, C)``: the float16 gradients of ``loss * scale`` and the float32
+  loss coefficients whose backward at ``scale`` reproduces them."""
+  h = oracles._present(grads, scale, False, np.float16)
+  with np.errstate(invalid="ignore"):
+    c = [torch.tensor(x.astype(np.float32) / np.float32(scale)) for x in h]
+  return h, c
+
+
+def run_torch_amp_accumulate(
+  params0: Sequence[np.ndarray],
+  windows: Sequence[Sequence[Sequence[np.ndarray]]],
+  *,
+  lr,
+  max_norm,
+  init_scale,
+  growth_factor,
+  backoff_factor,
+  growth_interval,
+  betas,
+  eps,
+):
+  """torch Adam on float32 parameters with torch.amp.GradScaler, each window
+  accumulated over its microbatches by autograd. ``Step.norm`` is what
+  ``clip_grad_norm_`` returns; ``skipped`` is read from Adam's step count.
+  """
+  torch = oracles.require("torch")
+  params = [
+    torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32))) for p in params0
+  ]
+  opt = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, foreach=False)
+  scaler = torch.amp.GradScaler(
+    "cpu",
+    init_scale=init_scale,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+  )
+
+  def adam_steps():
+    return float(opt.state[params[0]].get("step", 0))
+
+  records = []
+  for window in windows:
+    k = len(window)
+    scaler.scale(torch.zeros(()))  # creates the scale on first use
+    before = scaler.get_scale()
+    presented = []
+    for grads in window:
+      h, c = _coefficients(torch, grads, before)
+      presented.append(h)
+      loss = sum((p * ci).sum() for p, ci in zip(params, c))
+      scaler.scale(loss / k).backward()
+    steps = adam_steps()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    records.append(
+      oracles.Step(
+        adam_steps() == steps,
+        before,
+        scaler.get_scale(),
+        float(norm),
+        presented,
+        [p.detach().numpy().copy() for p in params],
+      )
+    )
+  return records
+
+
+def run_ds_fp16_optimizer_accumulate(
+  params0: Sequence[np.ndarray],
+  windows: Sequence[Sequence[Sequence[np.ndarray]]],
+  *,
+  optimizer,
+  lr,
+  clip_grad,
+  init_scale,
+  scale_window,
+  min_scale,
+  fused,
+  momentum,
+  betas,
+  eps,
+):
+  """DeepSpeed's ``FP16_Optimizer`` (``fused``) or ``FP16_UnfusedOptimizer``
+  with the upstream fix (``oracles._scale_after_step``), over float16
+  parameters, each window accumulated by ``optimizer.backward(loss / k)``.
+  The inner optimizer and the record are those of
+  ``oracles.run_ds_fp16_optimizer``; ``Step.norm`` is the unscaled norm
+  (inf on an overflow window).
+  """
+  torch = oracles.require("torch")
+  oracles.init_deepspeed()
+  from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+  from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+  from torch._utils import _unflatten_dense_tensors
+
+  cls = oracles._scale_after_step(
+    FP16_Optimizer if fused else FP16_UnfusedOptimizer,
+    unscale_reported_norm=not fused,
+  )
+  model = [
+    torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32)).half())
+    for p in params0
+  ]
+  if optimizer == "sgd_momentum":
+    inner = torch.optim.SGD(model, lr=lr, momentum=momentum, foreach=False)
+  else:
+    inner = torch.optim.Adam(model, lr=lr, betas=betas, eps=eps, foreach=False)
+  opt = cls(
+    inner,
+    clip_grad=clip_grad,
+    verbose=False,
+    dynamic_loss_scale=True,
+    dynamic_loss_args=dict(
+      init_scale=init_scale, scale_window=scale_window, min_scale=min_scale
+    ),
+  )
+
+  def masters():
+    if fused:
+      tensors = _unflatten_dense_tensors(
+        opt.fp32_groups_flat[0], opt.fp16_groups[0]
+      )
+    else:
+      tensors = opt.fp32_groups[0]
+    return [t.detach().numpy().copy() for t in tensors]
+
+  records = []
+  for window in windows:
+    k = len(window)
+    before = float(opt.loss_scale_config.cur_scale)
+    presented = []
+    for grads in window:
+      h, c = _coefficients(torch, grads, before)
+      presented.append(h)
+      loss = sum((p.float() * ci).sum() for p, ci in zip(model, c))
+      opt.backward(loss / k)  # the engine's backward divides by k
+    overflow = opt.step()
+    opt.zero_grad()  # the engine's step at the accumulation boundary
+    records.append(
+      oracles.Step(
+        bool(overflow),
+        before,
+        float(opt.loss_scale_config.cur_scale),
+        float(opt._global_grad_norm),
+        presented,
+        masters(),
+      )
+    )
+  return records

@@ -1,0 +1,261 @@
+"""Gradient accumulation against the peers' own accumulation recipes.
+
+Windows of K float16 microbatch gradients go through torch's recipe
+(``scaler.scale(loss / K).backward()`` K times, then ``unscale_``,
+``clip_grad_norm_``, ``step``, ``update``) and DeepSpeed's fp16 optimizers
+(``backward(loss / K)`` K times, then ``step``, with the upstream fix of
+``test_deepspeed.py``), run by the peers (``oracles_accumulate``), and the
+very same microbatch gradients go to::
+
+    accumulate_gradients(skip_on_overflow(chain(fp16_loss_scale(...),
+                         clip_by_unscaled_norm(...), <the same optimizer>)), K)
+
+in one ``lax.scan``. Window by window: the same skipped windows, the same
+scale before and after, the same reported norm and the same master
+parameters, within the whole-step tests' tolerances.
+
+torch sums ``h_i / K`` into float32 ``.grad`` in the same order as
+fp16_scaling's float32 accumulator, so its windows' gradients are the same
+bits. DeepSpeed sums into float16 ``.grad``; its microbatch gradients are
+drawn on a grid where every float16 partial sum is exact (``_grid_windows``),
+so that the comparison measures the recipe, not float16 rounding.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import oracles
+import oracles_accumulate
+import pytest
+
+import fp16_scaling as fs
+
+oracles.require("torch")
+oracles.init_deepspeed()
+
+import test_deepspeed  # noqa: E402  (the whole-step tests' settings)
+import test_torch  # noqa: E402
+
+K = 4
+WINDOWS = 200
+
+
+def _windows(seq):
+  return [seq[w * K : (w + 1) * K] for w in range(len(seq) // K)]
+
+
+def _replay(tx, params, state, records):
+  """Every microbatch through ``tx`` in one scan; the windows' last calls."""
+  grads = [
+    jnp.asarray(np.stack([mb[i] for r in records for mb in r.grads]))
+    for i in range(len(params))
+  ]
+  assert all(g.dtype == jnp.float16 for g in grads)
+  out = oracles.scan_steps(tx, params, state, grads)
+  ends = slice(K - 1, None, K)
+  return ([p[ends] for p in out[0]],) + tuple(x[ends] for x in out[1:])
+
+
+def _assert_same_windows(records, ours, shapes, norm_rtol, param_rtol):
+  params, before, prev, after, overflow, norm = ours
+  skipped = oracles.assert_same_skips_and_scales(
+    records, overflow, before, prev, after
+  )
+  peer_norm = np.array([r.norm for r in records])
+  assert not np.isfinite(peer_norm[skipped]).any()
+  assert np.isnan(norm[skipped]).all()
+  np.testing.assert_allclose(
+    norm[~skipped], peer_norm[~skipped], rtol=norm_rtol, err_msg="norm"
+  )
+  scale = max(
+    float(np.abs(r.params[i]).max())
+    for r in records
+    for i in range(len(shapes))
+  )
+  for i in range(len(shapes)):
+    np.testing.assert_allclose(
+      params[i],
+      np.stack([r.params[i] for r in records]),
+      rtol=0,
+      atol=param_rtol * scale,
+      err_msg=f"master parameter {i}",
+    )
+  return skipped, peer_norm
+
+
+# ------------------------------------------------------------------------------
+# torch.amp
+
+
+TORCH_MAX_NORM = 0.5
+TORCH_SCALER = test_torch.SCALERS["powers_of_two"]
+
+
+def test_accumulation_matches_torch_amp_recipe(seed):
+  rng = np.random.default_rng([seed, 9])
+  shapes = test_torch.SHAPES
+  params0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+  # Unscaled magnitudes such that g * 2**16 spans float16, from flushing to
+  # zero to overflowing in the cast; NaN, +inf or -inf in 2% of microbatches.
+  seq, bad = oracles.random_gradient_sequence(
+    rng,
+    shapes,
+    WINDOWS * K,
+    log10_range=(-9, -0.5),
+    bad_rate=0.02,
+    bad_values=[np.nan, np.inf, -np.inf],
+  )
+  lr, betas, eps = test_torch.LR, test_torch.BETAS, test_torch.EPS
+  records = oracles_accumulate.run_torch_amp_accumulate(
+    params0,
+    _windows(seq),
+    lr=lr,
+    max_norm=TORCH_MAX_NORM,
+    betas=betas,
+    eps=eps,
+    **TORCH_SCALER,
+  )
+  tx = fs.accumulate_gradients(
+    fs.skip_on_overflow(
+      optax.chain(
+        fs.fp16_loss_scale(fs.torch_scaler(**TORCH_SCALER)),
+        fs.clip_by_unscaled_norm(TORCH_MAX_NORM),
+        optax.adam(lr, b1=betas[0], b2=betas[1], eps=eps),
+      )
+    ),
+    K,
+  )
+  params = [jnp.asarray(p) for p in params0]
+  ours = _replay(tx, params, tx.init(params), records)
+  skipped, peer_norm = _assert_same_windows(
+    records,
+    ours,
+    shapes,
+    test_torch.NORM_RTOL,
+    test_torch.PARAM_RTOL_OF_MAX,
+  )
+  injected = sorted({t // K for t in bad})
+  assert skipped[injected].all()
+  binds = TORCH_MAX_NORM / (peer_norm + 1e-6) < 1
+  counts = dict(
+    skipped=int(skipped.sum()),
+    cast_overflows=int(skipped.sum()) - len(injected),
+    clip_binds=int((binds & ~skipped).sum()),
+    clip_free=int((~binds & ~skipped).sum()),
+    growths=int(sum(r.scale_after > r.scale_before for r in records)),
+  )
+  print(f"\ntorch.amp, {WINDOWS} windows of {K}: {counts}")
+  assert len(injected) >= 5 and counts["cast_overflows"] >= 5
+  assert counts["clip_binds"] >= 20 and counts["clip_free"] >= 20
+  assert counts["growths"] >= 5
+
+
+# ------------------------------------------------------------------------------
+# DeepSpeed
+
+
+DS_INIT, DS_WINDOW, DS_FLOOR = 2.0**14, 4, 2.0**11
+DS_CLIP = 3.0
+
+
+def _grid_windows(rng, shapes):
+  """Unscaled microbatch gradients ``n * 2**f``, ``|n| < 2**9``, with one
+  exponent ``f`` per element: at a scale ``2**j``, ``j`` in [11, 15], the
+  float16 gradient ``n * 2**(f + j)`` and every partial sum of ``h_i / 4``
+  are exact in float16. ``f`` spans [-33, -10] (float16 values from 2**-22
+  to 2**14); a few hot elements have ``f = -7``, which overflows the cast
+  at 2**15 for ``|n| >= 256``. NaN in 2% of the microbatches."""
+  exps = []
+  for s in shapes:
+    e = rng.integers(-33, -9, size=s)
+    e.reshape(-1)[rng.choice(e.size, 2, replace=False)] = -7
+    exps.append(e)
+  seq, bad = [], []
+  for t in range(WINDOWS * K):
+    grads = [
+      (rng.integers(-511, 512, size=s) * 2.0**e).astype(np.float32)
+      for s, e in zip(shapes, exps)
+    ]
+    if rng.random() < 0.02:
+      leaf = grads[rng.integers(len(grads))]
+      leaf.reshape(-1)[rng.integers(leaf.size)] = np.nan
+      bad.append(t)
+    seq.append(grads)
+  return seq, bad
+
+
+@pytest.mark.parametrize(
+  "fused,optimizer",
+  [(True, "sgd_momentum"), (False, "adam")],
+  ids=["fused-sgd_momentum", "unfused-adam"],
+)
+def test_accumulation_matches_deepspeed_fp16_optimizer(seed, fused, optimizer):
+  rng = np.random.default_rng([seed, 9, fused])
+  shapes = test_deepspeed.SHAPES
+  params0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+  seq, bad = _grid_windows(rng, shapes)
+  lr = test_deepspeed.LR[optimizer]
+  records = oracles_accumulate.run_ds_fp16_optimizer_accumulate(
+    params0,
+    _windows(seq),
+    optimizer=optimizer,
+    lr=lr,
+    clip_grad=DS_CLIP,
+    init_scale=DS_INIT,
+    scale_window=DS_WINDOW,
+    min_scale=DS_FLOOR,
+    fused=fused,
+    momentum=test_deepspeed.MOMENTUM,
+    betas=test_deepspeed.BETAS,
+    eps=test_deepspeed.EPS,
+  )
+  inner = test_deepspeed._optax_optimizer(optimizer)
+  scaler = fs.deepspeed_scaler(
+    init_scale=DS_INIT,
+    scale_window=DS_WINDOW,
+    min_scale=DS_FLOOR,
+    delayed_shift=1,
+    raise_error_at_min_scale=False,
+  )
+  tx = fs.accumulate_gradients(
+    fs.skip_on_overflow(
+      optax.chain(
+        fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(DS_CLIP), inner
+      )
+    ),
+    K,
+  )
+  params = [
+    jnp.asarray(p.astype(np.float16).astype(np.float32)) for p in params0
+  ]  # DeepSpeed's masters
+  state = tx.init(params)
+  if optimizer == "adam":
+    # DeepSpeed's optimizers run one inner step on zero gradients when built
+    # (see test_deepspeed.replay): Adam's count starts at 1.
+    adam = inner.init(params)
+    _, adam = inner.update(jax.tree.map(jnp.zeros_like, params), adam, params)
+    ls, clip, _ = state.inner_state
+    state = state._replace(inner_state=(ls, clip, adam))
+  ours = _replay(tx, params, state, records)
+  skipped, peer_norm = _assert_same_windows(
+    records,
+    ours,
+    shapes,
+    test_deepspeed.NORM_RTOL,
+    test_deepspeed.PARAM_RTOL_OF_MAX,
+  )
+  injected = sorted({t // K for t in bad})
+  assert skipped[injected].all()
+  binds = (peer_norm + 1e-6) / DS_CLIP > 1
+  counts = dict(
+    skipped=int(skipped.sum()),
+    cast_overflows=int(skipped.sum()) - len(injected),
+    clip_binds=int((binds & ~skipped).sum()),
+    clip_free=int((~binds & ~skipped).sum()),
+    growths=int(sum(r.scale_after > r.scale_before for r in records)),
+  )
+  print(f"\nDeepSpeed {fused=} {optimizer}, {WINDOWS} windows of {K}: {counts}")
+  assert len(injected) >= 5 and counts["cast_overflows"] >= 5
+  assert counts["clip_binds"] >= 20 and counts["clip_free"] >= 20
+  assert counts["growths"] >= 5

@@ -1,0 +1,301 @@
+"""accumulate_gradients: one guarded step per window on the float32 mean of
+its microbatches; a bad microbatch skips its window exactly and backs the
+scale off once; the next window starts clean."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+K = 4
+
+
+def _params():
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  return {
+    "dense": {
+      "kernel": jax.random.normal(k1, (4, 3)),
+      "bias": jnp.array([0.0, -0.0, 1.0]),
+    },
+    "out": jax.random.normal(k2, (3,)),
+  }
+
+
+def _guarded(scaler=None, inner=None):
+  scaler = scaler or fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3)
+  return fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(scaler),
+      fs.clip_by_unscaled_norm(2.0),
+      inner or optax.adamw(1e-2, weight_decay=0.1),
+    )
+  )
+
+
+def _true_grads(t):
+  key = jax.random.PRNGKey(100 + t)
+  return jax.tree.map(
+    lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape),
+    _params(),
+  )
+
+
+def _microbatch(t, scale, bad):
+  """float16 gradients of ``loss * scale``; ``bad`` puts an inf in one."""
+  grads = jax.tree.map(
+    lambda g: (g * scale).astype(jnp.float16), _true_grads(t)
+  )
+  grads["out"] = grads["out"].at[1].multiply(jnp.where(bad, jnp.inf, 1.0))
+  return grads
+
+
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _run(tx, bad, calls):
+  """Runs ``calls`` microbatches eagerly-jitted; returns per-call records."""
+  params = _params()
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, t, is_bad):
+    grads = _microbatch(t, fs.current_scale(state), is_bad)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return grads, params, state, fs.scale_metrics(state)
+
+  records = []
+  for t in range(calls):
+    records.append(step(params, state, t, t in bad))
+    _, params, state, _ = records[-1]
+  return records
+
+
+def test_one_bad_microbatch_skips_its_window_exactly():
+  w = 1  # the window with the bad microbatch (call 6 of 0..11)
+  records = _run(fs.accumulate_gradients(_guarded(), K), {w * K + 2}, 3 * K)
+  end = lambda i: records[i * K + K - 1]
+  # Window w: parameters and the inner optimizer state bit for bit as after
+  # window w - 1, at every call of the window.
+  for t in range(w * K, (w + 1) * K):
+    assert _bits(records[t][1]) == _bits(end(w - 1)[1])
+  adam = lambda s: s.inner_state[2]
+  assert _bits(adam(end(w)[2])) == _bits(adam(end(w - 1)[2]))
+  # The scale backed off exactly once, at the window's end, and not inside.
+  scales = [float(r[3]["loss_scale"]) for r in records]
+  assert scales[: (w + 1) * K - 1] == [2.0**10] * ((w + 1) * K - 1)
+  assert scales[(w + 1) * K - 1 :] == [2.0**9] * (K + 1)
+  m = end(w)[3]
+  assert bool(m["overflow"]) and bool(m["window_ended"])
+  assert int(m["skipped_steps"]) == 1 and int(m["applied_steps"]) == 1
+  # Window w + 1 trains: the parameters move.
+  assert _bits(end(w + 1)[1]) != _bits(end(w)[1])
+  m = end(w + 1)[3]
+  assert not bool(m["overflow"]) and int(m["applied_steps"]) == 2
+  assert np.isfinite(float(m["grad_norm"]))
+  for leaf in jax.tree.leaves(end(w + 1)[2].acc_grads):
+    np.testing.assert_array_equal(leaf, 0.0)
+
+
+def test_window_step_is_the_guarded_chain_on_the_float32_mean():
+  """Against the guarded chain alone fed each window's mean, summed in
+  float32 by numpy in the same order: the same parameters, bit for bit."""
+  bad = {5}
+  records = _run(fs.accumulate_gradients(_guarded(), K), bad, 3 * K)
+  tx = _guarded()
+  params = _params()
+  state = tx.init(params)
+  for w in range(3):
+    acc = None
+    for t in range(w * K, (w + 1) * K):
+      part = jax.tree.map(
+        lambda g: np.asarray(g, np.float32) / np.float32(K), records[t][0]
+      )
+      with np.errstate(invalid="ignore"):
+        acc = part if acc is None else jax.tree.map(np.add, acc, part)
+    updates, state = jax.jit(tx.update)(acc, state, params)
+    params = optax.apply_updates(params, updates)
+    assert _bits(params) == _bits(records[(w + 1) * K - 1][1])
+    assert float(fs.current_scale(state)) == float(
+      records[(w + 1) * K - 1][3]["loss_scale"]
+    )
+
+
+def test_metrics_between_windows_are_not_news():
+  records = _run(fs.accumulate_gradients(_guarded(), K), {1}, 2 * K)
+  ended = [bool(r[3]["window_ended"]) for r in records]
+  assert ended == [False, False, False, True] * 2
+  overflow = [bool(r[3]["overflow"]) for r in records]
+  assert overflow == [False, False, False, True] + [False] * K
+  assert [int(r[3]["microbatches"]) for r in records] == list(range(1, 9))
+  # Between windows, the scale the microbatch was made with is the current.
+  for r in records[K : 2 * K - 1]:
+    assert float(r[3]["prev_loss_scale"]) == float(r[3]["loss_scale"])
+  assert int(records[-1][3]["dropped_microbatches"]) == 0
+
+
+def test_thousand_windows_with_a_fifth_of_microbatches_bad_never_stall():
+  windows, k = 1000, K
+  n = windows * k
+  bad = np.random.default_rng(0).random(n) < 0.2
+  tx = fs.accumulate_gradients(
+    _guarded(fs.deepspeed_scaler(init_scale=2.0**12, scale_window=2)), k
+  )
+  params = _params()
+
+  @jax.jit
+  def run(params, state, bad):
+    def step(carry, xs):
+      params, state = carry
+      t, is_bad = xs
+      scale = fs.current_scale(state)
+      grads = jax.tree.map(
+        lambda g: (g * scale * (1 + t % 7)).astype(jnp.float16),
+        _true_grads(0),
+      )
+      grads["out"] = grads["out"].at[1].set(jnp.where(is_bad, jnp.nan, 1.0))
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      m = fs.scale_metrics(state)
+      out = (m["window_ended"], m["overflow"], m["loss_scale"], scale)
+      return (params, state), out
+
+    return jax.lax.scan(step, (params, state), (jnp.arange(n), bad))
+
+  (params, state), (ended, overflow, after, before) = jax.tree.map(
+    np.asarray, run(params, tx.init(params), jnp.asarray(bad))
+  )
+  window_bad = bad.reshape(windows, k).any(axis=1)
+  np.testing.assert_array_equal(ended, np.tile([0, 0, 0, 1], windows))
+  np.testing.assert_array_equal(overflow[ended], window_bad)
+  assert not overflow[~ended].any()
+  # The scale moves only where a window ends.
+  assert (after[~ended] == before[~ended]).all()
+  m = fs.scale_metrics(state)
+  assert int(m["skipped_steps"]) == window_bad.sum()
+  assert int(m["applied_steps"]) == windows - window_bad.sum() >= 300
+  # Clean windows in the last hundred still train, the state stays finite.
+  assert (~window_bad[-100:]).sum() >= 20
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.acc_grads))
+
+
+def test_drop_microbatch_averages_the_clean_ones():
+  tx = fs.accumulate_gradients(
+    _guarded(inner=optax.sgd(1.0)), K, on_microbatch_overflow="drop_microbatch"
+  )
+  # Window 0: microbatch 2 bad, dropped. Window 1: all bad, skipped.
+  bad = {2, 4, 5, 6, 7}
+  records = _run(tx, bad, 2 * K)
+  clean = [
+    jax.tree.map(lambda g: np.asarray(g, np.float32), records[t][0])
+    for t in (0, 1, 3)
+  ]
+  mean = jax.tree.map(lambda *g: (g[0] + g[1] + g[2]) / 3 / 2.0**10, *clean)
+  norm = np.sqrt(
+    sum(np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(mean))
+  )
+  coef = min(1.0, 2.0 / (norm + 1e-6))
+  m = records[K - 1][3]
+  assert not bool(m["overflow"]) and int(m["dropped_microbatches"]) == 1
+  assert int(m["applied_steps"]) == 1
+  np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=1e-6)
+  for p0, p1, g in zip(
+    jax.tree.leaves(_params()),
+    jax.tree.leaves(records[K - 1][1]),
+    jax.tree.leaves(mean),
+  ):
+    np.testing.assert_allclose(p1, p0 - coef * g, rtol=1e-5, atol=1e-6)
+  assert float(m["loss_scale"]) == 2.0**10  # a dropped microbatch: no back-off
+  m = records[-1][3]
+  assert bool(m["overflow"]) and int(m["dropped_microbatches"]) == 5
+  assert int(m["skipped_steps"]) == 1 and float(m["loss_scale"]) == 2.0**9
+  assert _bits(records[-1][1]) == _bits(records[K - 1][1])
+
+
+def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
+  def scaled_by_value():
+    return optax.GradientTransformationExtraArgs(
+      lambda p: optax.EmptyState(),
+      lambda u, s, p=None, *, value: (
+        jax.tree.map(lambda x: x * value, u),
+        s,
+      ),
+    )
+
+  inner = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.static_scaler(1.0)),
+      scaled_by_value(),
+      optax.sgd(1.0),
+    )
+  )
+  tx = fs.accumulate_gradients(inner, lambda w: jnp.where(w < 1, 2, 3))
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  step = jax.jit(
+    lambda s: tx.update({"w": jnp.full(2, 6.0)}, s, params, value=0.5)
+  )
+  ends = []
+  for _ in range(8):
+    updates, state = step(state)
+    ends.append(bool(state.window_ended))
+    if ends[-1]:
+      np.testing.assert_array_equal(updates["w"], [-3.0, -3.0])
+    else:
+      assert np.signbit(updates["w"]).all() and not updates["w"].any()
+  assert ends == [False, True, False, False, True, False, False, True]
+
+
+def test_optax_multisteps_around_a_guarded_chain_is_refused():
+  params = _params()
+  for ms in (
+    optax.MultiSteps(_guarded(), K),
+    optax.MultiSteps(
+      _guarded(), K, should_skip_update_fn=optax.skip_not_finite
+    ),
+    optax.MultiSteps(optax.chain(_guarded()), K).gradient_transformation(),
+  ):
+    with pytest.raises(ValueError, match="accumulate_gradients"):
+      ms.init(params)
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_every_k_schedule_below_one(k):
+  with pytest.raises(ValueError, match="every_k_schedule"):
+    fs.accumulate_gradients(_guarded(), k)
+  with pytest.raises(ValueError, match="every_k_schedule"):
+    fs.accumulate_gradients(_guarded(), lambda w: k)
+
+
+@pytest.mark.parametrize("k", [True, 2.5, "4"])
+def test_every_k_schedule_not_an_integer(k):
+  with pytest.raises(TypeError, match="every_k_schedule"):
+    fs.accumulate_gradients(_guarded(), k)
+
+
+def test_unknown_policy():
+  with pytest.raises(ValueError, match="on_microbatch_overflow"):
+    fs.accumulate_gradients(_guarded(), 2, on_microbatch_overflow="drop")
+
+
+def test_gradients_whose_tree_differs_from_the_params():
+  tx = fs.accumulate_gradients(_guarded(), 2)
+  params = _params()
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  with pytest.raises(ValueError, match="tree structure"):
+    tx.update({"dense": grads["dense"]}, state, params)
+  grads["out"] = jnp.ones(4)
+  with pytest.raises(ValueError, match="leaf shapes"):
+    tx.update(grads, state, params)
+
+
+def test_tx_without_a_loss_scale():
+  tx = fs.accumulate_gradients(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match="fp16_loss_scale"):
+    tx.init(_params())
