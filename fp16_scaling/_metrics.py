@@ -47,7 +47,7 @@ def scale_metrics(opt_state) -> dict:
     expert = jnp.where(ls.overflow, nan, expert)
     shared = jnp.where(ls.overflow, nan, shared)
   else:
-    expert, shared = jnp.zeros([], jnp.float32), ls.grad_norm
+    expert, shared = jnp.zeros_like(ls.grad_norm), ls.grad_norm
   return {
     "loss_scale": ls.scaler.loss_scale,
     "prev_loss_scale": ls.prev_loss_scale,
@@ -76,11 +76,12 @@ def raise_if_min_scale_reached(opt_state) -> None:
       ``raise_error_at_min_scale=True``.
   """
   ls = _lookup.loss_scale_state(opt_state)
-  errors = int(np.asarray(jax.device_get(ls.scaler.min_scale_errors)))
+  # Summed, so that a batched (vmapped) state raises if any member would.
+  errors = int(np.sum(jax.device_get(ls.scaler.min_scale_errors)))
   if errors:
     raise MinLossScaleError(
       f"Current loss scale already at minimum "
-      f"({float(jax.device_get(ls.scaler.loss_scale))}) - cannot decrease "
-      f"scale anymore: {errors} overflowing step(s) hit the floor "
+      f"({float(np.min(jax.device_get(ls.scaler.loss_scale)))}) - cannot "
+      f"decrease scale anymore: {errors} overflowing step(s) hit the floor "
       f"(DeepSpeed raises here; raise_error_at_min_scale=True)."
     )
