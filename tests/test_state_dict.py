@@ -345,3 +345,41 @@ def test_set_loss_scale():
   }
   with pytest.raises(TypeError, match="scale must be a real number"):
     fs.set_loss_scale(state, "1024")
+
+
+# ------------------------------------------- DeepSpeed after 0.19.8, stage 0
+
+
+def test_from_deepspeed_config_stage0_hysteresis():
+  config = {
+    "fp16": {
+      "enabled": True,
+      "hysteresis": 2,
+      "initial_scale_power": 4,
+      "consecutive_hysteresis": True,
+    }
+  }
+  old = fs.from_deepspeed_config(config).scaler
+  new = fs.from_deepspeed_config(config, stage0_hysteresis=True).scaler
+  assert (old.hysteresis, old.consecutive_hysteresis) == (1, False)
+  assert (new.hysteresis, new.consecutive_hysteresis) == (2, True)
+  assert not new.raise_at_min_scale  # the fp16 optimizers never raise
+  # By hand, from 16: 0.19.8 halves on every overflow; after 0.19.8 the
+  # first of two overflows in a row is absorbed, and with consecutive
+  # hysteresis a clean step between them refills it.
+  flags = [O, C, O, O]
+  _, s_old = run(make(old), jnp.zeros(2), make(old).init(jnp.zeros(2)), flags)
+  _, s_new = run(make(new), jnp.zeros(2), make(new).init(jnp.zeros(2)), flags)
+  assert float(fs.current_scale(s_old)) == 2.0
+  assert float(fs.current_scale(s_new)) == 8.0
+  with pytest.raises(TypeError, match="stage0_hysteresis must be a bool"):
+    fs.from_deepspeed_config(config, stage0_hysteresis=1)
+  # A checkpoint of the newer optimizer carries cur_hysteresis; a 0.19.8
+  # one does not and loads with hysteresis full, as DeepSpeed loads it.
+  sd = fs.to_peer_state_dict(s_new, "deepspeed", new)
+  assert sd["cur_hysteresis"] == 1
+  back = fs.load_scaler_state_dict(make(new).init(jnp.zeros(2)), sd, new)
+  assert fs.scaler_state_dict(back)["hysteresis_left"] == 0
+  del sd["cur_hysteresis"]
+  back = fs.load_scaler_state_dict(make(new).init(jnp.zeros(2)), sd, new)
+  assert fs.scaler_state_dict(back)["hysteresis_left"] == 1
