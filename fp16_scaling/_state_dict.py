@@ -162,6 +162,13 @@ def _source(state_dict: Any) -> tuple:
     return "torch", state_dict
   if _MEGATRON <= keys:
     return "megatron", state_dict
+  if {"scaler", "prev_loss_scale", "skipped_steps"} <= keys:
+    raise ValueError(
+      "state_dict is an fp16_scaling optimizer state that lost its types "
+      "(restored without a target), not a scaler state_dict: restore the "
+      "optimizer state with target=tx.init(params), or save "
+      "fs.scaler_state_dict(opt_state) instead"
+    )
   if not keys:
     raise ValueError(
       "state_dict is empty; torch's GradScaler saves {} when it is disabled "
@@ -393,6 +400,7 @@ def load_scaler_state_dict(
       the optimizer with ``scaler_from_state_dict(state_dict)``).
   """
   scaler = _scaler_arg(scaler)
+  old = _lookup.loss_scale_state(opt_state)
   source, d = _source(state_dict)
   values = _peer_values(source, d, scaler)
   if source == "fp16_scaling":
@@ -402,7 +410,6 @@ def load_scaler_state_dict(
   else:
     values["prev_loss_scale"] = values["loss_scale"]
     values["min_scale_errors"] = 0
-  old = _lookup.loss_scale_state(opt_state)
 
   def put(x, v):
     return jnp.broadcast_to(jnp.asarray(v, x.dtype), x.shape)
