@@ -32,6 +32,11 @@ from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
 from fp16_scaling._skip import skip_on_overflow
+from fp16_scaling._state_dict import load_scaler_state_dict
+from fp16_scaling._state_dict import scaler_from_state_dict
+from fp16_scaling._state_dict import scaler_state_dict
+from fp16_scaling._state_dict import set_loss_scale
+from fp16_scaling._state_dict import to_peer_state_dict
 
 __version__ = "0.1.0"
 
@@ -49,13 +54,18 @@ __all__ = [
   "current_scale",
   "deepspeed_scaler",
   "flax_scaler",
+  "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",
   "megatron_scaler",
   "no_scaler",
   "raise_if_min_scale_reached",
   "scale_metrics",
+  "scaler_from_state_dict",
+  "scaler_state_dict",
+  "set_loss_scale",
   "skip_on_overflow",
   "static_scaler",
+  "to_peer_state_dict",
   "torch_scaler",
 ]

@@ -15,7 +15,9 @@ Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does
   Under ZeRO stages 1-3, ``DynamicLossScaler`` uses ``hysteresis`` (default 2)
   as ``delayed_shift``, honours ``consecutive_hysteresis`` and raises when an
   overflow hits ``min_loss_scale``. The path is read from
-  ``zero_optimization.stage``;
+  ``zero_optimization.stage``. DeepSpeed's main branch after 0.19.8 makes the
+  fp16 optimizers honour ``hysteresis`` and ``consecutive_hysteresis`` too
+  (still without raising at the floor); ``stage0_hysteresis=True`` follows it;
 * ``gradient_clipping`` (default 1.0 in DeepSpeed 0.19; 0 or less disables it)
   is the fp16 optimizers' ``clip_grad``;
 * ``gradient_accumulation_steps`` is derived from and checked against
@@ -214,6 +216,7 @@ def from_deepspeed_config(
   config: Union[Mapping[str, Any], str, os.PathLike],
   *,
   world_size: int = 1,
+  stage0_hysteresis: bool = False,
 ) -> DeepSpeedFP16:
   """Builds the loss scaler and clip that a DeepSpeed config describes.
 
@@ -222,6 +225,10 @@ def from_deepspeed_config(
     world_size: the data-parallel world size DeepSpeed would check the batch
       sizes against (``train_batch_size = train_micro_batch_size_per_gpu *
       gradient_accumulation_steps * world_size``).
+    stage0_hysteresis: without ZeRO (stage 0), honour ``fp16.hysteresis``
+      and ``fp16.consecutive_hysteresis`` as DeepSpeed's fp16 optimizers do
+      after 0.19.8 (their ``state_dict`` then holds ``cur_hysteresis``). The
+      default, False, is 0.19.8's behaviour: no hysteresis at stage 0.
 
   Returns:
     A :class:`DeepSpeedFP16`; ``.optimizer(optax.adamw(...))`` builds the
@@ -252,6 +259,7 @@ def from_deepspeed_config(
     ``deepspeed/runtime/config.py`` and ``deepspeed/runtime/engine.py``.
   """
   world_size = _validate.count("world_size", world_size)
+  stage0_hysteresis = _validate.flag("stage0_hysteresis", stage0_hysteresis)
   if not isinstance(config, Mapping):
     with open(config) as f:
       config = json.load(f)
@@ -326,9 +334,14 @@ def from_deepspeed_config(
   consecutive = _flag(
     "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
   )
-  if stage == 0:
+  if stage == 0 and not stage0_hysteresis:
     # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
     hysteresis, consecutive, raise_at_min = 1, False, False
+  elif stage == 0:
+    # The same optimizers after 0.19.8: hysteresis, still never raise.
+    if hysteresis < 1:
+      raise ValueError(f"fp16.hysteresis must be >= 1, got {hysteresis}")
+    raise_at_min = False
   else:
     if hysteresis < 1:
       raise ValueError(f"fp16.hysteresis must be >= 1, got {hysteresis}")

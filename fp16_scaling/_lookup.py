@@ -5,6 +5,11 @@ Every host helper (``current_scale``, ``scale_metrics``, ...),
 :class:`LossScaleState`, the :class:`ClipState` and the
 :class:`AccumulationState` through these functions, so a state that has lost its
 types, or holds the wrong number of them, gets the same message everywhere.
+
+``nnx.Optimizer`` holds every array of its optax state in an nnx ``Variable``;
+the states found here come back with plain arrays (:func:`unwrap`), and
+:func:`replace_loss_scale_state` writes new values back into Variables of the
+same kind.
 """
 
 from typing import Any, Optional
@@ -17,6 +22,20 @@ from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
 _UNTYPED_KEYS = frozenset({"scaler", "prev_loss_scale", "skipped_steps"})
+
+
+def _is_wrapped(x: Any) -> bool:
+  """Whether ``x`` is an nnx ``Variable`` (checked without importing flax)."""
+  return type(x).__module__.startswith("flax.") and hasattr(x, "get_value")
+
+
+def unwrap(tree: Any) -> Any:
+  """``tree`` with every nnx ``Variable`` replaced by the array it holds."""
+  return jax.tree.map(
+    lambda x: x.get_value() if _is_wrapped(x) else x,
+    tree,
+    is_leaf=_is_wrapped,
+  )
 
 
 def all_with_path(tree: Any, cls: type) -> list:
@@ -56,7 +75,7 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   """
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
-    return found[0][1]
+    return unwrap(found[0][1])
   if not found:
     if _looks_untyped(opt_state):
       raise ValueError(
@@ -80,7 +99,7 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
 def clip_state(opt_state: Any) -> Optional[ClipState]:
   """The first :class:`ClipState` in ``opt_state``, or None."""
   found = all_with_path(opt_state, ClipState)
-  return found[0][1] if found else None
+  return unwrap(found[0][1]) if found else None
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
@@ -100,10 +119,23 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``."""
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``.
+
+  Where the old state's arrays sit in nnx ``Variable`` s, the new arrays are
+  put in Variables of the same kind (``Variable.replace``).
+  """
   loss_scale_state(opt_state)
+
+  def rewrap(old: LossScaleState) -> LossScaleState:
+    return jax.tree.map(
+      lambda o, n: o.replace(value=n) if _is_wrapped(o) else n,
+      old,
+      new,
+      is_leaf=_is_wrapped,
+    )
+
   return jax.tree.map(
-    lambda x: new if isinstance(x, LossScaleState) else x,
+    lambda x: rewrap(x) if isinstance(x, LossScaleState) else x,
     opt_state,
     is_leaf=lambda x: isinstance(x, LossScaleState),
   )

@@ -121,7 +121,7 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     expert = jnp.where(ls.overflow, nan, expert)
     shared = jnp.where(ls.overflow, nan, shared)
   else:
-    expert, shared = jnp.zeros([], jnp.float32), ls.grad_norm
+    expert, shared = jnp.zeros_like(ls.grad_norm), ls.grad_norm
   metrics = {
     "loss_scale": ls.scaler.loss_scale,
     "prev_loss_scale": ls.prev_loss_scale,
@@ -178,11 +178,12 @@ def raise_if_min_scale_reached(opt_state: optax.OptState) -> None:
     minimum (1.0) - cannot decrease scale anymore: 1 overflowing step(s) ...
   """
   ls = _lookup.loss_scale_state(opt_state)
-  errors = int(np.asarray(jax.device_get(ls.scaler.min_scale_errors)))
+  # Summed, so that a batched (vmapped) state raises if any member would.
+  errors = int(np.sum(jax.device_get(ls.scaler.min_scale_errors)))
   if errors:
     raise MinLossScaleError(
       f"Current loss scale already at minimum "
-      f"({float(jax.device_get(ls.scaler.loss_scale))}) - cannot decrease "
-      f"scale anymore: {errors} overflowing step(s) hit the floor "
+      f"({float(np.min(jax.device_get(ls.scaler.loss_scale)))}) - cannot "
+      f"decrease scale anymore: {errors} overflowing step(s) hit the floor "
       f"(DeepSpeed raises here; raise_error_at_min_scale=True)."
     )

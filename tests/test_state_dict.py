@@ -1,0 +1,385 @@
+"""Plain-value scaler state: round trips, peer formats read by hand, errors,
+batched and nnx-wrapped states, restores that lost their types.
+
+The peers' own code is run against these functions in
+tests/peers/test_state_dict.py; here the peer dicts are written out by hand
+from each peer's ``state_dict()`` (see fp16_scaling/_state_dict.py).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+O, C = True, False
+
+
+_MADE = {}
+
+
+def make(scaler):
+  """One transformation per scaler, so each jitted step compiles once."""
+  if scaler not in _MADE:
+    _MADE[scaler] = fs.skip_on_overflow(
+      optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(0.1))
+    )
+  return _MADE[scaler]
+
+
+_STEPS = {}
+
+
+def stepper(tx):
+  if id(tx) not in _STEPS:
+    _STEPS[id(tx)] = _step(tx)
+  return _STEPS[id(tx)]
+
+
+def _step(tx):
+  @jax.jit
+  def step(params, state, overflow):
+    scale = fs.current_scale(state)
+    grads = jnp.where(overflow, jnp.inf, 1.0) * scale * jnp.ones_like(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def run(tx, params, state, overflows):
+  step = stepper(tx)
+  for o in overflows:
+    params, state = step(params, state, jnp.bool_(o))
+  return params, state
+
+
+def leaves_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+SEQ = [C, O, O, C, C, C, O, C, C, C, C, C, O, O, O, C, C]
+SCALERS = {
+  "deepspeed": fs.deepspeed_scaler(
+    init_scale=2.0**10, scale_window=3, delayed_shift=2
+  ),
+  "torch": fs.torch_scaler(init_scale=2.0**10, growth_interval=3),
+  "megatron": fs.megatron_scaler(
+    initial_scale=2.0**10, growth_interval=3, hysteresis=3
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALERS))
+@pytest.mark.parametrize("cut", [1, 2, 6, 13])
+def test_own_round_trip_continues_identically(name, cut):
+  scaler = SCALERS[name]
+  tx = make(scaler)
+  params = jnp.zeros(3)
+  p_mid, s_mid = run(tx, params, tx.init(params), SEQ[:cut])
+  d = fs.scaler_state_dict(s_mid, scaler)
+  assert all(
+    type(v) in (int, float, bool)
+    for k, v in d.items()
+    if k not in ("format", "config")
+  )
+  loaded = fs.load_scaler_state_dict(tx.init(params), d, scaler)
+  a = run(tx, p_mid, s_mid, SEQ[cut:])
+  b = run(tx, p_mid, loaded, SEQ[cut:])
+  leaves_equal(a, b)
+
+
+def test_state_dict_values_by_hand():
+  # DeepSpeed, window 3, hysteresis 2, from 1024: C, O (absorbed), O (backs
+  # off to 512): tracker restarts at -1, hysteresis spent.
+  scaler = SCALERS["deepspeed"]
+  tx = make(scaler)
+  _, state = run(tx, jnp.zeros(3), tx.init(jnp.zeros(3)), [C, O, O])
+  d = fs.scaler_state_dict(state)
+  assert d["loss_scale"] == 512.0 and d["prev_loss_scale"] == 1024.0
+  assert d["growth_tracker"] == -1 and d["hysteresis_left"] == 0
+  assert d["skipped_steps"] == 2 and d["overflow"] is True
+  assert math.isnan(d["grad_norm"]) and "config" not in d
+
+
+# Hand-written peer dicts: each is what the peer's state_dict() returns after
+# the stated history, and the expected ScalerState values follow the mapping.
+def test_torch_dict_loads():
+  scaler = fs.torch_scaler(growth_interval=5)
+  tx = make(scaler)
+  sd = dict(
+    scale=256.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=5,
+    _growth_tracker=3,
+  )
+  state = fs.load_scaler_state_dict(tx.init(jnp.zeros(2)), sd, scaler)
+  d = fs.scaler_state_dict(state)
+  assert (d["loss_scale"], d["growth_tracker"], d["hysteresis_left"]) == (
+    256.0,
+    3,
+    0,
+  )
+  # Two more clean steps: torch grows on the 5th clean step.
+  _, state = run(tx, jnp.zeros(2), state, [C, C])
+  assert float(fs.current_scale(state)) == 512.0
+  assert fs.to_peer_state_dict(state, "torch", scaler)["_growth_tracker"] == 0
+
+
+def test_deepspeed_optimizer_dict_with_and_without_cur_hysteresis():
+  # 10 steps, last overflow at iteration 6: k = 10 - 6 - 1 = 3 clean steps.
+  base = dict(
+    dynamic_loss_scale=True,
+    cur_scale=128.0,
+    cur_iter=10,
+    last_overflow_iter=6,
+    scale_factor=2.0,
+    scale_window=3,
+  )
+  scaler = fs.deepspeed_scaler(scale_window=3, delayed_shift=3)
+  tx = make(scaler)
+  init = tx.init(jnp.zeros(2))
+  old = fs.scaler_state_dict(fs.load_scaler_state_dict(init, base, scaler))
+  # k=3 -> tracker (3-1) % 3 = 2; 0.19.8 has no hysteresis: loaded full.
+  assert (old["growth_tracker"], old["hysteresis_left"]) == (2, 2)
+  new = fs.scaler_state_dict(
+    fs.load_scaler_state_dict(init, {**base, "cur_hysteresis": 1}, scaler)
+  )
+  assert (new["growth_tracker"], new["hysteresis_left"]) == (2, 0)
+  # k = 3 is a multiple of the window: DeepSpeed grows on the next clean step.
+  state = fs.load_scaler_state_dict(init, base, scaler)
+  _, state = run(tx, jnp.zeros(2), state, [C])
+  assert float(fs.current_scale(state)) == 256.0
+
+
+def test_deepspeed_zero_loss_scaler_attributes():
+  attrs = dict(
+    cur_scale=64.0,
+    cur_iter=4,
+    last_overflow_iter=3,
+    scale_factor=2.0,
+    scale_window=1000,
+    min_scale=1,
+    delayed_shift=2,
+    cur_hysteresis=1,
+    consecutive_hysteresis=False,
+    raise_error_at_min_scale=True,
+    dynamic=True,
+  )
+  scaler = fs.deepspeed_scaler(delayed_shift=2)
+  tx = make(scaler)
+  for sd in (attrs, {"loss_scaler": attrs, "other": 1}):
+    d = fs.scaler_state_dict(
+      fs.load_scaler_state_dict(tx.init(jnp.zeros(2)), sd, scaler)
+    )
+    assert (d["loss_scale"], d["growth_tracker"], d["hysteresis_left"]) == (
+      64.0,
+      -1,
+      0,
+    )
+  with pytest.raises(ValueError, match="consecutive_hysteresis"):
+    fs.load_scaler_state_dict(
+      tx.init(jnp.zeros(2)), {**attrs, "consecutive_hysteresis": True}, scaler
+    )
+  assert fs.scaler_from_state_dict(attrs) == fs.deepspeed_scaler(
+    init_scale=64.0, delayed_shift=2
+  )
+
+
+def test_megatron_dict_negative_hysteresis_tracker():
+  # Megatron's tracker falls below 1 while it keeps backing off.
+  scaler = fs.megatron_scaler(growth_interval=4, hysteresis=2)
+  tx = make(scaler)
+  sd = dict(scale=np.float32([8.0]), growth_tracker=0, hysteresis_tracker=-3)
+  state = fs.load_scaler_state_dict(tx.init(jnp.zeros(2)), sd, scaler)
+  _, state = run(tx, jnp.zeros(2), state, [O])
+  assert float(fs.current_scale(state)) == 4.0
+
+
+def test_scaler_from_state_dict_takes_the_peer_config():
+  sd = dict(
+    scale=8.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=7,
+    _growth_tracker=1,
+  )
+  scaler = fs.scaler_from_state_dict(sd)
+  assert scaler == fs.torch_scaler(init_scale=8.0, growth_interval=7)
+  tx = make(scaler)
+  fs.load_scaler_state_dict(tx.init(jnp.zeros(2)), sd, scaler)
+  ds = fs.scaler_from_state_dict(
+    dict(
+      dynamic_loss_scale=True,
+      cur_scale=4.0,
+      cur_iter=0,
+      last_overflow_iter=-1,
+      scale_factor=2.0,
+      scale_window=9,
+    ),
+    delayed_shift=2,
+  )
+  assert ds == fs.deepspeed_scaler(
+    init_scale=4.0,
+    scale_window=9,
+    delayed_shift=2,
+    raise_error_at_min_scale=False,
+  )
+  with pytest.raises(ValueError, match="megatron_scaler"):
+    fs.scaler_from_state_dict(
+      dict(scale=1.0, growth_tracker=0, hysteresis_tracker=1)
+    )
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_config_mismatch_names_the_field():
+  torch_sd = fs.to_peer_state_dict(
+    make(SCALERS["torch"]).init(jnp.zeros(2)), "torch", SCALERS["torch"]
+  )
+  ds = fs.deepspeed_scaler()
+  with pytest.raises(ValueError, match="growth_interval: the state implies 3"):
+    fs.load_scaler_state_dict(make(ds).init(jnp.zeros(2)), torch_sd, ds)
+  same_interval = fs.deepspeed_scaler(scale_window=3)
+  with pytest.raises(ValueError, match="growth_delay"):
+    fs.load_scaler_state_dict(
+      make(same_interval).init(jnp.zeros(2)), torch_sd, same_interval
+    )
+  own = fs.scaler_state_dict(make(ds).init(jnp.zeros(2)), ds)
+  other = fs.deepspeed_scaler(min_scale=4.0)
+  with pytest.raises(ValueError, match="on min_scale"):
+    fs.load_scaler_state_dict(make(other).init(jnp.zeros(2)), own, other)
+
+
+@pytest.mark.parametrize(
+  "sd, match",
+  [
+    ({"foo": 1}, "not a known scaler state"),
+    ({}, "empty"),
+    ([1, 2], "must be a dict"),
+  ],
+)
+def test_unknown_source(sd, match):
+  scaler = fs.torch_scaler()
+  with pytest.raises((ValueError, TypeError), match=match):
+    fs.load_scaler_state_dict(make(scaler).init(jnp.zeros(2)), sd, scaler)
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, math.inf, math.nan, 1e-45])
+def test_bad_scale(bad):
+  scaler = fs.torch_scaler()
+  state = make(scaler).init(jnp.zeros(2))
+  sd = fs.to_peer_state_dict(state, "torch", scaler)
+  with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be"):
+    fs.load_scaler_state_dict(state, {**sd, "scale": bad}, scaler)
+  with pytest.raises(ValueError, match="scale must be a positive"):
+    fs.set_loss_scale(state, bad)
+  own = fs.scaler_state_dict(state)
+  with pytest.raises(ValueError, match="loss_scale"):
+    fs.load_scaler_state_dict(state, {**own, "loss_scale": bad}, scaler)
+
+
+def test_counters_out_of_range():
+  scaler = fs.torch_scaler(growth_interval=3)
+  state = make(scaler).init(jnp.zeros(2))
+  sd = fs.to_peer_state_dict(state, "torch", scaler)
+  with pytest.raises(ValueError, match=r"_growth_tracker'\] must lie"):
+    fs.load_scaler_state_dict(state, {**sd, "_growth_tracker": 3}, scaler)
+  ds = fs.deepspeed_scaler(delayed_shift=2)
+  sd = fs.to_peer_state_dict(make(ds).init(jnp.zeros(2)), "deepspeed", ds)
+  with pytest.raises(ValueError, match="cur_hysteresis"):
+    fs.load_scaler_state_dict(
+      make(ds).init(jnp.zeros(2)), {**sd, "cur_hysteresis": 3}, ds
+    )
+
+
+def test_to_peer_errors():
+  ds = SCALERS["deepspeed"]
+  state = make(ds).init(jnp.zeros(2))
+  with pytest.raises(ValueError, match="peer must be one of"):
+    fs.to_peer_state_dict(state, "jax", ds)
+  with pytest.raises(ValueError, match="growth_delay=0"):
+    fs.to_peer_state_dict(state, "torch", ds)
+  meg = SCALERS["megatron"]
+  with pytest.raises(ValueError, match="hysteresis=1"):
+    fs.to_peer_state_dict(make(meg).init(jnp.zeros(2)), "torch", meg)
+  with pytest.raises(ValueError, match="growth_delay=1"):
+    fs.to_peer_state_dict(make(meg).init(jnp.zeros(2)), "deepspeed", meg)
+  with pytest.raises(TypeError, match="scaler must be"):
+    fs.to_peer_state_dict(state, "torch", None)
+
+
+@pytest.mark.parametrize("name", sorted(SCALERS))
+@pytest.mark.parametrize("cut", [2, 3, 7])
+def test_to_peer_and_back_continues_identically(name, cut):
+  scaler = SCALERS[name]
+  tx = make(scaler)
+  params = jnp.zeros(3)
+  p_mid, s_mid = run(tx, params, tx.init(params), SEQ[:cut])
+  sd = fs.to_peer_state_dict(s_mid, name, scaler)
+  back = fs.load_scaler_state_dict(s_mid, sd, scaler)
+  a = run(tx, p_mid, s_mid, SEQ[cut:])
+  b = run(tx, p_mid, back, SEQ[cut:])
+  # The peers keep no previous scale: it is equal again after one step.
+  leaves_equal(a, b)
+
+
+def test_set_loss_scale():
+  scaler = SCALERS["deepspeed"]
+  tx = make(scaler)
+  _, state = run(tx, jnp.zeros(3), tx.init(jnp.zeros(3)), [C, O, C])
+  new = fs.set_loss_scale(state, 2.0**20)
+  assert float(fs.current_scale(new)) == 2.0**20
+  a, b = fs.scaler_state_dict(state), fs.scaler_state_dict(new)
+  assert {k: v for k, v in a.items() if k != "loss_scale"} == {
+    k: v for k, v in b.items() if k != "loss_scale"
+  }
+  with pytest.raises(TypeError, match="scale must be a real number"):
+    fs.set_loss_scale(state, "1024")
+
+
+# ------------------------------------------- DeepSpeed after 0.19.8, stage 0
+
+
+def test_from_deepspeed_config_stage0_hysteresis():
+  config = {
+    "fp16": {
+      "enabled": True,
+      "hysteresis": 2,
+      "initial_scale_power": 4,
+      "consecutive_hysteresis": True,
+    }
+  }
+  old = fs.from_deepspeed_config(config).scaler
+  new = fs.from_deepspeed_config(config, stage0_hysteresis=True).scaler
+  assert (old.hysteresis, old.consecutive_hysteresis) == (1, False)
+  assert (new.hysteresis, new.consecutive_hysteresis) == (2, True)
+  assert not new.raise_at_min_scale  # the fp16 optimizers never raise
+  # By hand, from 16: 0.19.8 halves on every overflow; after 0.19.8 the
+  # first of two overflows in a row is absorbed, and with consecutive
+  # hysteresis a clean step between them refills it.
+  flags = [O, C, O, O]
+  _, s_old = run(make(old), jnp.zeros(2), make(old).init(jnp.zeros(2)), flags)
+  _, s_new = run(make(new), jnp.zeros(2), make(new).init(jnp.zeros(2)), flags)
+  assert float(fs.current_scale(s_old)) == 2.0
+  assert float(fs.current_scale(s_new)) == 8.0
+  with pytest.raises(TypeError, match="stage0_hysteresis must be a bool"):
+    fs.from_deepspeed_config(config, stage0_hysteresis=1)
+  # A checkpoint of the newer optimizer carries cur_hysteresis; a 0.19.8
+  # one does not and loads with hysteresis full, as DeepSpeed loads it.
+  sd = fs.to_peer_state_dict(s_new, "deepspeed", new)
+  assert sd["cur_hysteresis"] == 1
+  back = fs.load_scaler_state_dict(make(new).init(jnp.zeros(2)), sd, new)
+  assert fs.scaler_state_dict(back)["hysteresis_left"] == 0
+  del sd["cur_hysteresis"]
+  back = fs.load_scaler_state_dict(make(new).init(jnp.zeros(2)), sd, new)
+  assert fs.scaler_state_dict(back)["hysteresis_left"] == 1
