@@ -125,17 +125,19 @@ def test_missing_wrapper_is_refused_at_init():
 
 
 def test_wrappers_around_the_guard_keep_the_check_quiet():
-  # MultiSteps traces the guarded update inside a lax.cond: the gradients
+  # A wrapper that traces the guarded update inside a lax.cond (as
+  # optax.MultiSteps and optax.apply_if_finite do): the gradients
   # fp16_loss_scale receives are still the ones the guard received.
-  tx = optax.MultiSteps(
-    fs.skip_on_overflow(
-      optax.chain(fs.fp16_loss_scale(_scaler()), optax.sgd(1.0))
-    ),
-    every_k_schedule=2,
+  guarded = fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(_scaler()), optax.sgd(1.0))
   )
+
+  def update_fn(updates, state, params=None):
+    run = lambda: guarded.update(updates, state, params)
+    return jax.lax.cond(jnp.bool_(True), run, run)
+
+  tx = optax.GradientTransformation(guarded.init, update_fn)
   state = tx.init(GRADS)
   scaled = jax.tree.map(lambda g: g * SCALE, GRADS)
-  update = jax.jit(tx.update)
-  _, state = update(scaled, state, GRADS)
-  updates, state = update(scaled, state, GRADS)
+  updates, state = jax.jit(tx.update)(scaled, state, GRADS)
   np.testing.assert_allclose(updates["b"], [-0.32], rtol=1e-6)
