@@ -82,6 +82,10 @@ def fp16_loss_scale(
 
   Raises:
     TypeError: if ``scaler`` is not a :class:`Scaler`.
+    RuntimeError: from ``init`` or ``update`` outside
+      :func:`skip_on_overflow`.
+    ValueError: when the update is traced, if a transformation before it
+      changed the gradients, or a second ``fp16_loss_scale`` runs.
 
   Examples:
     >>> import jax

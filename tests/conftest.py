@@ -8,9 +8,29 @@ a rootless conftest's folder there), so test modules can ``import helpers``.
 """
 
 import os
+import pathlib
 
 import helpers
 
 os.environ["XLA_FLAGS"] = helpers.with_eight_devices(
   os.environ.get("XLA_FLAGS", "")
 )
+
+_PEERS = pathlib.Path(__file__).resolve().parent / "peers"
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Leave tests/peers/ unimported when ``-m`` deselects every peers test, so
+  that ``pytest -m "not peers"`` needs no PyTorch and does not pay for
+  importing DeepSpeed."""
+  if collection_path.resolve() != _PEERS or not config.option.markexpr:
+    return None
+  try:  # pytest's own evaluator is private: on any change, collect as usual
+    from _pytest.mark.expression import Expression
+
+    selected = Expression.compile(config.option.markexpr).evaluate(
+      lambda name, **kwargs: name == "peers" and not kwargs
+    )
+  except Exception:
+    return None
+  return True if not selected else None
