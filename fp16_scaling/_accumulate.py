@@ -40,6 +40,17 @@ from fp16_scaling._accumulation_state import AccumulationState
 POLICIES = ("skip_step", "drop_microbatch")
 
 
+def _skip_like(s) -> jax.Array:
+  """``-0.0`` of ``s``'s shape and dtype, varying over the same ``shard_map``
+  axes as the updates of a window's last microbatch (``lax.cond`` wants the
+  same type from both branches)."""
+  x = jnp.full(s.shape, -0.0, s.dtype)
+  mat = getattr(s, "manual_axis_type", None)  # jax >= 0.9
+  axes = getattr(mat, "varying", None) if mat is not None else None
+  axes = tuple(sorted(axes if axes is not None else getattr(s, "vma", ())))
+  return lax.pcast(x, axes, to="varying") if axes else x
+
+
 def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
   if callable(every_k_schedule):
     try:
@@ -205,7 +216,7 @@ def accumulate_gradients(
 
     def middle(acc, inner_state, params):
       del params
-      skip = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), out_shape)
+      skip = jax.tree.map(_skip_like, out_shape)
       return skip, inner_state, acc
 
     new_updates, inner_state, acc = lax.cond(

@@ -299,3 +299,21 @@ def test_tx_without_a_loss_scale():
   tx = fs.accumulate_gradients(optax.sgd(1.0), 2)
   with pytest.raises(ValueError, match="fp16_loss_scale"):
     tx.init(_params())
+
+
+def test_why_multisteps_is_refused():
+  """optax.MultiSteps alone (no loss scaling): one NaN microbatch stays in
+  its accumulator for good; with skip_not_finite it vanishes uncounted."""
+  params = {"w": jnp.zeros(2)}
+  nan, one = {"w": jnp.array([jnp.nan, 1.0])}, {"w": jnp.ones(2)}
+  ms = optax.MultiSteps(optax.sgd(1.0), 2)
+  state = ms.init(params)
+  for g in [nan, one] + [one] * 6:  # one bad window, then three clean ones
+    updates, state = ms.update(g, state, params)
+  assert np.isnan(state.acc_grads["w"][0]) and np.isnan(updates["w"][0])
+  ms = optax.MultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+  )
+  state = ms.init(params)
+  _, state = ms.update(nan, state, params)
+  assert int(state.mini_step) == 0 and not np.any(state.acc_grads["w"])
