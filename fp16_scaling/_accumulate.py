@@ -24,6 +24,7 @@ A window's last microbatch and the others are the two branches of one
 and the accumulator and writes the accumulator; the optimizer does not run.
 """
 
+import contextlib
 import numbers
 from typing import Any, Callable, Optional, Union
 
@@ -202,9 +203,14 @@ def accumulate_gradients(
     # place; the cond then reads it (last microbatch) or passes it through.
     summed = accumulated(acc_leaves, leaves)
 
+    # A float32 mean of float16 gradients stays within float16's range: the
+    # norm's float32 rescue (for squares that overflow) is never needed.
+    in_range = all(jnp.result_type(g) == jnp.float16 for g in leaves)
+
     def run_inner(acc, inner_state, params):
       mean = jax.tree.unflatten(acc_def, mean_of(acc))
-      return tx.update(mean, inner_state, params, **extra_args)
+      with _norm.float16_range() if in_range else contextlib.nullcontext():
+        return tx.update(mean, inner_state, params, **extra_args)
 
     out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
 

@@ -317,3 +317,19 @@ def test_why_multisteps_is_refused():
   state = ms.init(params)
   _, state = ms.update(nan, state, params)
   assert int(state.mini_step) == 0 and not np.any(state.acc_grads["w"])
+
+
+def test_float32_microbatches_keep_the_norm_rescue():
+  """float32 microbatch gradients may hold values beyond float16's range:
+  squares that overflow float32 are no overflow, and the norm is right."""
+  tx = fs.accumulate_gradients(
+    _guarded(fs.static_scaler(1.0), optax.sgd(0.0)), 2
+  )
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for _ in range(2):
+    _, state = step({"w": jnp.full(4, 1e30, jnp.float32)}, state, params)
+  m = fs.scale_metrics(state)
+  assert not bool(m["overflow"]) and int(m["applied_steps"]) == 1
+  np.testing.assert_allclose(float(m["grad_norm"]), 2e30, rtol=1e-6)
