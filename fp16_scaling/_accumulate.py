@@ -24,6 +24,7 @@ A window's last microbatch and the others are the two branches of one
 and the accumulator and writes the accumulator; the optimizer does not run.
 """
 
+import contextlib
 import numbers
 from typing import Any, Callable, Optional, Union
 
@@ -38,6 +39,17 @@ from fp16_scaling import _validate
 from fp16_scaling._accumulation_state import AccumulationState
 
 POLICIES = ("skip_step", "drop_microbatch")
+
+
+def _skip_like(s) -> jax.Array:
+  """``-0.0`` of ``s``'s shape and dtype, varying over the same ``shard_map``
+  axes as the updates of a window's last microbatch (``lax.cond`` wants the
+  same type from both branches)."""
+  x = jnp.full(s.shape, -0.0, s.dtype)
+  mat = getattr(s, "manual_axis_type", None)  # jax >= 0.9
+  axes = getattr(mat, "varying", None) if mat is not None else None
+  axes = tuple(sorted(axes if axes is not None else getattr(s, "vma", ())))
+  return lax.pcast(x, axes, to="varying") if axes else x
 
 
 def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
@@ -191,9 +203,14 @@ def accumulate_gradients(
     # place; the cond then reads it (last microbatch) or passes it through.
     summed = accumulated(acc_leaves, leaves)
 
+    # A float32 mean of float16 gradients stays within float16's range: the
+    # norm's float32 rescue (for squares that overflow) is never needed.
+    in_range = all(jnp.result_type(g) == jnp.float16 for g in leaves)
+
     def run_inner(acc, inner_state, params):
       mean = jax.tree.unflatten(acc_def, mean_of(acc))
-      return tx.update(mean, inner_state, params, **extra_args)
+      with _norm.float16_range() if in_range else contextlib.nullcontext():
+        return tx.update(mean, inner_state, params, **extra_args)
 
     out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
 
@@ -205,7 +222,7 @@ def accumulate_gradients(
 
     def middle(acc, inner_state, params):
       del params
-      skip = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), out_shape)
+      skip = jax.tree.map(_skip_like, out_shape)
       return skip, inner_state, acc
 
     new_updates, inner_state, acc = lax.cond(

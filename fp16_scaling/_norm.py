@@ -20,6 +20,8 @@ branch holds collectives). Under plain ``jit`` the arrays are global and the
 specs call for no collective.
 """
 
+import contextlib
+import contextvars
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -41,6 +43,24 @@ class Norms(NamedTuple):
   norm: jax.Array
   group_norms: jax.Array
   overflow: jax.Array
+
+
+_FLOAT16_RANGE: contextvars.ContextVar = contextvars.ContextVar(
+  "fp16_scaling_float16_range", default=False
+)
+
+
+@contextlib.contextmanager
+def float16_range():
+  """Trace-time promise, while open: every leaf given to :func:`reduce_norms`
+  holds values within float16's range (a float32 mean of float16 gradients,
+  as ``accumulate_gradients`` makes), so no finite square can overflow a
+  float32 sum and the rescue is not traced."""
+  token = _FLOAT16_RANGE.set(True)
+  try:
+    yield
+  finally:
+    _FLOAT16_RANGE.reset(token)
 
 
 def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
@@ -168,10 +188,13 @@ def reduce_norms(
   common = group_sums(sums)
   total = jnp.sum(common)
 
-  needs_rescue = any(jnp.result_type(x) != jnp.float16 for x in leaves)
+  needs_rescue = not _FLOAT16_RANGE.get() and any(
+    jnp.result_type(x) != jnp.float16 for x in leaves
+  )
   if needs_rescue:
     # float16 squares cannot overflow a float32 sum (65504**2 * 2**63 < max),
-    # so the rescue is only traced when some leaf is wider than float16.
+    # so the rescue is only traced when some leaf is wider than float16 (and
+    # may hold values beyond its range).
     def rescue(_):
       # Each group relative to its own largest magnitude: relative to the
       # global one, a small group's squares would underflow float32.

@@ -11,6 +11,15 @@ import pytest
 import fp16_scaling as fs
 
 K = 4
+_DEFAULT = None
+
+
+def _default_tx():
+  """One accumulating chain for the tests that share it (one compile)."""
+  global _DEFAULT
+  if _DEFAULT is None:
+    _DEFAULT = fs.accumulate_gradients(_guarded(), K)
+  return _DEFAULT
 
 
 def _params():
@@ -56,18 +65,23 @@ def _bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
+_STEPS = {}
+
+
 def _run(tx, bad, calls):
-  """Runs ``calls`` microbatches eagerly-jitted; returns per-call records."""
+  """Runs ``calls`` microbatches, one jitted call each (compiled once per
+  ``tx``); returns per-call records (grads, params, state, metrics)."""
   params = _params()
   state = tx.init(params)
 
-  @jax.jit
   def step(params, state, t, is_bad):
     grads = _microbatch(t, fs.current_scale(state), is_bad)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     return grads, params, state, fs.scale_metrics(state)
 
+  # Keyed by identity; the entry keeps ``tx`` alive, so no id is reused.
+  _, step = _STEPS.setdefault(id(tx), (tx, jax.jit(step)))
   records = []
   for t in range(calls):
     records.append(step(params, state, t, t in bad))
@@ -77,7 +91,7 @@ def _run(tx, bad, calls):
 
 def test_one_bad_microbatch_skips_its_window_exactly():
   w = 1  # the window with the bad microbatch (call 6 of 0..11)
-  records = _run(fs.accumulate_gradients(_guarded(), K), {w * K + 2}, 3 * K)
+  records = _run(_default_tx(), {w * K + 2}, 3 * K)
   end = lambda i: records[i * K + K - 1]
   # Window w: parameters and the inner optimizer state bit for bit as after
   # window w - 1, at every call of the window.
@@ -105,10 +119,11 @@ def test_window_step_is_the_guarded_chain_on_the_float32_mean():
   """Against the guarded chain alone fed each window's mean, summed in
   float32 by numpy in the same order: the same parameters, bit for bit."""
   bad = {5}
-  records = _run(fs.accumulate_gradients(_guarded(), K), bad, 3 * K)
+  records = _run(_default_tx(), bad, 3 * K)
   tx = _guarded()
   params = _params()
   state = tx.init(params)
+  update = jax.jit(tx.update)
   for w in range(3):
     acc = None
     for t in range(w * K, (w + 1) * K):
@@ -117,7 +132,7 @@ def test_window_step_is_the_guarded_chain_on_the_float32_mean():
       )
       with np.errstate(invalid="ignore"):
         acc = part if acc is None else jax.tree.map(np.add, acc, part)
-    updates, state = jax.jit(tx.update)(acc, state, params)
+    updates, state = update(acc, state, params)
     params = optax.apply_updates(params, updates)
     assert _bits(params) == _bits(records[(w + 1) * K - 1][1])
     assert float(fs.current_scale(state)) == float(
@@ -126,7 +141,7 @@ def test_window_step_is_the_guarded_chain_on_the_float32_mean():
 
 
 def test_metrics_between_windows_are_not_news():
-  records = _run(fs.accumulate_gradients(_guarded(), K), {1}, 2 * K)
+  records = _run(_default_tx(), {1}, 2 * K)
   ended = [bool(r[3]["window_ended"]) for r in records]
   assert ended == [False, False, False, True] * 2
   overflow = [bool(r[3]["overflow"]) for r in records]
@@ -299,3 +314,38 @@ def test_tx_without_a_loss_scale():
   tx = fs.accumulate_gradients(optax.sgd(1.0), 2)
   with pytest.raises(ValueError, match="fp16_loss_scale"):
     tx.init(_params())
+
+
+def test_why_multisteps_is_refused():
+  """optax.MultiSteps alone (no loss scaling): one NaN microbatch stays in
+  its accumulator for good; with skip_not_finite it vanishes uncounted."""
+  params = {"w": jnp.zeros(2)}
+  nan, one = {"w": jnp.array([jnp.nan, 1.0])}, {"w": jnp.ones(2)}
+  ms = optax.MultiSteps(optax.sgd(1.0), 2)
+  state = ms.init(params)
+  update = jax.jit(ms.update)
+  for g in [nan, one] + [one] * 6:  # one bad window, then three clean ones
+    updates, state = update(g, state, params)
+  assert np.isnan(state.acc_grads["w"][0]) and np.isnan(updates["w"][0])
+  ms = optax.MultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+  )
+  state = ms.init(params)
+  _, state = jax.jit(ms.update)(nan, state, params)
+  assert int(state.mini_step) == 0 and not np.any(state.acc_grads["w"])
+
+
+def test_float32_microbatches_keep_the_norm_rescue():
+  """float32 microbatch gradients may hold values beyond float16's range:
+  squares that overflow float32 are no overflow, and the norm is right."""
+  tx = fs.accumulate_gradients(
+    _guarded(fs.static_scaler(1.0), optax.sgd(0.0)), 2
+  )
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for _ in range(2):
+    _, state = step({"w": jnp.full(4, 1e30, jnp.float32)}, state, params)
+  m = fs.scale_metrics(state)
+  assert not bool(m["overflow"]) and int(m["applied_steps"]) == 1
+  np.testing.assert_allclose(float(m["grad_norm"]), 2e30, rtol=1e-6)
