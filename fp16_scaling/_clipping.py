@@ -54,10 +54,8 @@ def _expert_groups(expert_mask, tree) -> tuple:
         f"{type(m).__name__}"
       )
   try:
-    per_subtree = jax.tree.map(
-      lambda m, sub: (
-        [EXPERT if bool(m) else SHARED] * len(jax.tree.leaves(sub))
-      ),
+    return _norm.broadcast_prefix(
+      [EXPERT if bool(m) else SHARED for m in jax.tree.leaves(mask)],
       mask,
       tree,
     )
@@ -68,13 +66,6 @@ def _expert_groups(expert_mask, tree) -> tuple:
       f"leaves); got {jax.tree.structure(mask)} for gradients "
       f"{jax.tree.structure(tree)}: {e}"
     ) from None
-  return tuple(
-    g
-    for group in jax.tree.leaves(
-      per_subtree, is_leaf=lambda x: isinstance(x, list)
-    )
-    for g in group
-  )
 
 
 def clip_by_unscaled_norm(

@@ -259,11 +259,13 @@ def _leaf_specs(partition_specs, tree, what: str) -> list:
         f"None at each leaf, got {spec!r} ({type(spec).__name__})"
       )
   try:
-    per_subtree = jax.tree.map(
-      lambda spec, sub: [spec] * len(jax.tree.leaves(sub)),
-      partition_specs,
-      tree,
-      is_leaf=_is_spec,
+    return list(
+      broadcast_prefix(
+        jax.tree.leaves(partition_specs, is_leaf=_is_spec),
+        partition_specs,
+        tree,
+        is_leaf=_is_spec,
+      )
     )
   except (ValueError, TypeError) as e:
     raise ValueError(
@@ -271,13 +273,39 @@ def _leaf_specs(partition_specs, tree, what: str) -> list:
       f"(or a prefix of it), with a PartitionSpec or None at each leaf: "
       f"{e}"
     ) from None
-  return [
-    s
-    for group in jax.tree.leaves(
-      per_subtree, is_leaf=lambda x: isinstance(x, list)
+
+
+class _Repeated:
+  """``value`` for each of ``count`` leaves; a pytree leaf itself."""
+
+  def __init__(self, value, count):
+    self.value, self.count = value, count
+
+
+def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
+  """One of ``values`` (given per leaf of ``prefix``) per leaf of ``tree``.
+
+  ``prefix`` has the structure of ``tree`` or a prefix of it, as
+  ``optax.masked``'s mask: a leaf of ``prefix`` stands for every leaf of the
+  subtree of ``tree`` at its place.
+
+  Raises:
+    ValueError: ``prefix`` is not a prefix of ``tree``'s structure.
+  """
+  it = iter(values)
+  repeated = jax.tree.map(
+    lambda _, sub: _Repeated(next(it), len(jax.tree.leaves(sub))),
+    prefix,
+    tree,
+    is_leaf=is_leaf,
+  )
+  return tuple(
+    r.value
+    for r in jax.tree.leaves(
+      repeated, is_leaf=lambda x: isinstance(x, _Repeated)
     )
-    for s in group
-  ]
+    for _ in range(r.count)
+  )
 
 
 def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:

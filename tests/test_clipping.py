@@ -73,6 +73,14 @@ def test_expert_and_shared_norms_reported_apart_and_clipped_together(mask):
   assert _np_norm(jax.tree.leaves(updates)) == pytest.approx(1.0, rel=1e-5)
 
 
+def test_expert_mask_over_a_list_of_leaves():
+  grads = [jnp.full((2,), 3.0), jnp.full((3,), 4.0), jnp.full((1,), 12.0)]
+  tx = fs.clip_by_unscaled_norm(1e9, expert_mask=[True, False, True])
+  _, state = jax.jit(tx.update)(grads, tx.init(grads))
+  assert float(state.expert_grad_norm) == pytest.approx(np.sqrt(18 + 144))
+  assert float(state.shared_grad_norm) == pytest.approx(np.sqrt(48))
+
+
 def test_inside_the_chain_norms_are_of_unscaled_gradients():
   true = _grads(2)
   tx = fs.skip_on_overflow(
