@@ -321,6 +321,8 @@ def test_to_peer_errors():
 @pytest.mark.parametrize("name", sorted(SCALERS))
 @pytest.mark.parametrize("cut", [2, 3, 7])
 def test_to_peer_and_back_continues_identically(name, cut):
+  if name == "megatron":  # Megatron's scale is a torch tensor
+    pytest.importorskip("torch")
   scaler = SCALERS[name]
   tx = make(scaler)
   params = jnp.zeros(3)
