@@ -447,7 +447,7 @@ def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
       :func:`megatron_scaler` with the run's arguments).
     **overrides: keyword arguments of the preset for what the state does not
       hold: DeepSpeed's optimizer states lack ``min_scale`` (the engine's
-      ``min_loss_scale``, 1 by default) and, before DeepSpeed 0.19.9,
+      ``min_loss_scale``, 1 by default) and, as saved by DeepSpeed 0.19.8,
       hysteresis; torch's lacks nothing.
 
   Returns:

@@ -2,7 +2,7 @@
 batched and nnx-wrapped states, restores that lost their types.
 
 The peers' own code is run against these functions in
-tests/peers/test_state_dict.py; here the peer dicts are written out by hand
+tests/peers/test_peer_state_dict.py; here the peer dicts are written out by hand
 from each peer's ``state_dict()`` (see fp16_scaling/_state_dict.py).
 """
 
@@ -321,6 +321,8 @@ def test_to_peer_errors():
 @pytest.mark.parametrize("name", sorted(SCALERS))
 @pytest.mark.parametrize("cut", [2, 3, 7])
 def test_to_peer_and_back_continues_identically(name, cut):
+  if name == "megatron":  # Megatron's scale is a torch tensor
+    pytest.importorskip("torch")
   scaler = SCALERS[name]
   tx = make(scaler)
   params = jnp.zeros(3)
