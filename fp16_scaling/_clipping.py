@@ -172,20 +172,20 @@ def clip_by_unscaled_norm(
       sources, unscale = leaves, jnp.float32(1)
     norm = norms.norm * unscale
     # On an overflow step the norm is NaN and the gradients hold an inf; the
-    # result is discarded by skip_on_overflow. Select finite inputs before
-    # the multiply (zero gradients, factor 1), so that differentiating
-    # through the step multiplies its zero cotangents by finite numbers only,
-    # never 0 * inf. The selects are elementwise: no pass of their own.
+    # result is discarded by skip_on_overflow. A finite norm for the factor
+    # (a scalar select) and, when differentiated, zeros for the gradients
+    # (discard_if) keep gradients taken through the step finite: the
+    # backward pass multiplies zero cotangents by finite numbers only.
     safe_norm = lax.select(norms.overflow, jnp.float32(0), norm)
     factor = jnp.minimum(
       jnp.float32(1), jnp.float32(max_norm) / (safe_norm + jnp.float32(eps))
     )
     multiplier = unscale * factor
-    clipped = [
-      _norm.finite_or_zero(norms.overflow, x.astype(out.dtype))
-      * multiplier.astype(out.dtype)
-      for x, out in zip(sources, leaves)
-    ]
+    safe = _norm.discard_if(
+      norms.overflow,
+      [x.astype(out.dtype) for x, out in zip(sources, leaves)],
+    )
+    clipped = [x * multiplier.astype(x.dtype) for x in safe]
     group_norms = norms.group_norms * unscale
     new_state = ClipState(
       grad_norm=norm,

@@ -48,13 +48,14 @@ there is no donated buffer to reuse. ``early=False`` always selects after.
 
 Why a rewrite and not an interpreter: binding every equation of the inner
 jaxpr one by one into the caller's trace, with ``where(flag, old, new)``
-substituted for later readers, gives the same dataflow (0 copies, the same
-bytes) and builds fewer internals (no ``Var``, no new equations, no
-re-bound ``jit``), but it still needs ``eqn.primitive.bind`` with
-``get_bind_params`` for every higher-order primitive (``pjit``,
-``custom_jvp_call``, ``custom_vjp_call``, ``cond``, ...), and it costs one
-Python ``bind`` per equation: about +0.5 s of trace at 200 leaves, where
-the rewrite adds one ``bind`` in all.
+substituted for later readers, gives the same dataflow and builds no
+``Var``, no new equation and no re-bound ``jit``. Measured against this
+module at jax 0.10.2 (a prototype, not kept): the same 0 copies of array
+buffers and the same bytes accessed (754,297 for 4 leaves of 4096), the
+same bits on clean and overflow steps, but trace + lower of a 200-leaf step
+took 3.5 s against the rewrite's 2.6 s (median of 3, select-after 2.2 s),
+and it needs ``Primitive.get_bind_params`` for every higher-order equation,
+whose return value has itself changed between JAX releases.
 """
 
 from typing import Any, Callable, Sequence

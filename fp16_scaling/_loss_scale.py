@@ -145,16 +145,13 @@ def fp16_loss_scale(
     inv_scale = 1.0 / scale
     sums = _norm.leaf_sums(leaves)
     norms = _norm.reduce_norms(sums, leaves, leaf_axes=leaf_axes)
-    # Zeros instead of inf on an overflow step (whose result is discarded),
-    # selected before the multiply: gradients taken through the step then
-    # meet finite values only, and the optimizer runs on finite numbers.
-    outputs = tuple(
-      _norm.finite_or_zero(
-        norms.overflow, x.astype(jnp.promote_types(x.dtype, jnp.float32))
-      )
-      * inv_scale
-      for x in leaves
+    # Differentiated, an overflow step's gradients are zeros before the
+    # multiply: gradients through the discarded step stay finite.
+    safe = _norm.discard_if(
+      norms.overflow,
+      [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves],
     )
+    outputs = tuple(x * inv_scale for x in safe)
     guard.record(
       _guard.UnscaledGrads(outputs, tuple(leaves), inv_scale, tuple(sums))
     )

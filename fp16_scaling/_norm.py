@@ -76,11 +76,7 @@ def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
 
 def _squares(x: jax.Array) -> jax.Array:
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  finite = lax.is_finite(x)
-  # Square a copy with the non-finite elements zeroed: the same values, but
-  # a derivative that is 0, not 0 * inf, where the element overflowed.
-  safe = lax.select(finite, x, lax.full_like(x, 0))
-  return lax.select(finite, safe * safe, lax.full_like(x, jnp.nan))
+  return lax.select(lax.is_finite(x), x * x, lax.full_like(x, jnp.nan))
 
 
 @jax.custom_jvp
@@ -106,18 +102,42 @@ def leaf_sums(leaves: Sequence[jax.Array]) -> list:
   """Per-leaf local sums of squares, NaN for a leaf with a non-finite element.
 
   This is the one pass over the gradients; everything else works on scalars.
+  Its derivative treats a non-finite element as 0 (see :func:`discard_if`).
   """
-  return [jnp.sum(_squares(x), dtype=jnp.float32) for x in leaves]
+  return list(_leaf_sums(tuple(leaves)))
 
 
-def finite_or_zero(overflow: jax.Array, x: jax.Array) -> jax.Array:
-  """``x``, or zeros when ``overflow`` (a step whose result is discarded).
+@jax.custom_jvp
+def _leaf_sums(leaves):
+  return tuple(jnp.sum(_squares(x), dtype=jnp.float32) for x in leaves)
 
-  Selected *before* a multiply, so that the multiply's derivative meets
-  finite values only: 0 * inf would turn the zero cotangent of a discarded
-  update into NaN gradients. Elementwise: XLA fuses it into the consumer.
+
+@_leaf_sums.defjvp
+def _leaf_sums_jvp(primals, tangents):
+  (leaves,), (dleaves,) = primals, tangents
+  out = []
+  for x, dx in zip(leaves, dleaves):
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    x, dx = x.astype(wide), dx.astype(wide)
+    safe = lax.select(lax.is_finite(x), x, lax.full_like(x, 0))
+    out.append(jnp.sum(2 * safe * dx, dtype=jnp.float32))
+  return _leaf_sums(leaves), tuple(out)
+
+
+def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
+  """``leaves``, or zeros when ``overflow`` (a step whose result is discarded).
+
+  On an overflow step the gradients hold an inf, and everything computed
+  from them is discarded by ``skip_on_overflow``. A derivative taken through
+  the step (with respect to the parameters, or to a learning rate the update
+  closes over) still multiplies the discarded values' zero cotangents by
+  those infs: 0 * inf = NaN. Selected *before* the multiply, the optimizer
+  sees zeros instead, and gradients through an overflow step are finite:
+  zero through the discarded update. Elementwise, with the scalar flag: XLA
+  fuses it into the optimizer's own pass.
   """
-  return lax.select(jnp.broadcast_to(overflow, x.shape), lax.full_like(x, 0), x)
+  # select_n takes the scalar flag as is; full_like keeps x's sharding.
+  return tuple(lax.select_n(overflow, x, lax.full_like(x, 0)) for x in leaves)
 
 
 def spec_axes(spec) -> AxisNames:
