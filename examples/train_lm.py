@@ -29,6 +29,7 @@ float16, which flush to zero; in float32 it is close to 0).
 
 import argparse
 import dataclasses
+import functools
 import math
 import pathlib
 import sysconfig
@@ -279,7 +280,15 @@ def make_eval(cfg: Config):
   """Validation loss of the float32 masters, computed in float32 for every
   run so that runs compare on what they learned.
   """
-  model = make_model(cfg, jnp.float32)
+  shape = (cfg.layers, cfg.d_model, cfg.heads, cfg.seq_len, cfg.init_std)
+  return _eval_fn(*shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _eval_fn(*shape):
+  # One jitted function per model shape: runs that differ only in precision
+  # or scaler share its compilation.
+  model = Transformer(*shape, dtype=jnp.float32)
   return jax.jit(lambda params, x, y: loss_fn(model, params, x, y))
 
 
