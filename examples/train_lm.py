@@ -52,7 +52,7 @@ VAL_MOD = 10  # a file is validation when crc32(name) % VAL_MOD == 0
 # Model and batch sizes. "small" is the default: about 5 minutes on 2 CPUs.
 SIZES = {
   "tiny": dict(layers=2, d_model=32, heads=2, seq_len=32, batch=16, steps=100),
-  "small": dict(layers=4, d_model=64, heads=4, seq_len=64, batch=32, steps=600),
+  "small": dict(layers=4, d_model=64, heads=4, seq_len=64, batch=32, steps=300),
   "medium": dict(
     layers=6, d_model=128, heads=4, seq_len=128, batch=32, steps=2000
   ),
@@ -88,7 +88,7 @@ class Config:
   heads: int = 4
   seq_len: int = 64
   batch: int = 32
-  steps: int = 600
+  steps: int = 300
   lr: float = 1e-3
   init_std: float = 0.02  # normal init of every weight matrix and embedding
   max_norm: float = 1.0
