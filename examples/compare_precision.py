@@ -50,6 +50,7 @@ SETTINGS = {
   "small-init": {"init_std": 1e-5},
 }
 
+STYLES = {"torch": "--"}  # torch and deepspeed often coincide
 COLORS = {
   "fp32 none": "black",
   "fp16 none": "tab:red",
@@ -97,32 +98,37 @@ def plot(results, path):
       c = r["config"]
       name, color = label(c), COLORS.get(label(c))
       steps = np.arange(1, c.steps + 1)
-      ax[0].plot(r["eval_steps"], r["val_loss"], "-", color=color, label=name)
-      ax[1].step(steps, r["loss_scale"], where="post", color=color, label=name)
-      ax[2].plot(steps, np.cumsum(r["overflow"]), color=color, label=name)
-      # Smoothed over 20 steps so that the runs stay readable.
-      k = min(20, c.steps)
-      smooth = np.convolve(r["zero_frac"], np.ones(k) / k, mode="valid")
-      ax[3].plot(steps[k - 1 :], 100 * smooth, color=color, label=name)
-    what = (
-      f"{c0.layers} layers, d={c0.d_model}, init std {c0.init_std:g}, "
-      f"lr {c0.lr:g}"
-    )
+      ls = STYLES.get(c.scaler, "-")
+      ax[0].plot(
+        r["eval_steps"], r["val_loss"], ls, color=color, label=name, marker="."
+      )
+      ax[1].step(
+        steps, r["loss_scale"], ls, where="post", color=color, label=name
+      )
+      ax[2].plot(steps, np.cumsum(r["overflow"]), ls, color=color, label=name)
+      # Per step, on a log axis; a step with no zero at all is drawn at 1e-4 %.
+      ax[3].plot(
+        steps,
+        np.maximum(100 * r["zero_frac"], 1e-4),
+        ls,
+        color=color,
+        label=name,
+        lw=0.8,
+      )
     ax[0].set(
-      title=f"{setting}: validation loss ({what})",
+      title=f"{setting} (init std {c0.init_std:g}): validation loss",
       xlabel="step",
-      ylabel="val loss (nats/char)",
+      ylabel="nats/char",
     )
     ax[0].legend(fontsize=8)
-    ax[1].set(
-      title="loss scale used", xlabel="step", yscale="log", ylabel="scale"
-    )
+    ax[1].set(title="loss scale used", xlabel="step", ylabel="scale")
     ax[1].set_yscale("log", base=2)
     ax[2].set(title="skipped (overflow) steps", xlabel="step", ylabel="total")
     ax[3].set(
-      title="gradient elements that are exactly zero",
+      title="gradient elements exactly zero",
       xlabel="step",
-      ylabel="% of elements (20-step mean)",
+      ylabel="% of elements",
+      yscale="log",
     )
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

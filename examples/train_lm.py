@@ -94,7 +94,9 @@ class Config:
   max_norm: float = 1.0
   precision: str = "fp16"  # "fp16" or "fp32"
   scaler: str = "deepspeed"  # a key of SCALERS
-  init_scale: float = 2.0**16  # dynamic scalers' initial scale
+  # Dynamic scalers start high (as DeepSpeed's own default, 2**32, does) and
+  # back off on the first, overflowing, steps.
+  init_scale: float = 2.0**24
   window: int = 200  # dynamic scalers' clean steps between growths
   static_scale: float = 2.0**12  # static_scaler's scale
   eval_every: int = 50
