@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Cost of fp16_scaling in a whole train step, against plain optax.
+
+The model is examples/train_lm.py's transformer (float32 masters, float16
+forward and backward). Both steps are jitted with parameters and optimizer
+state donated, and take the same batch:
+
+  fp16_scaling  grads of ``loss * current_scale(opt_state)`` in float16, then
+                ``skip_on_overflow(chain(fp16_loss_scale(deepspeed_scaler(
+                init_scale=2**16)), clip_by_unscaled_norm(1.0), adamw))`` and
+                the scale metrics, as train_lm.py runs it (minus its
+                zero-gradient count).
+  plain optax   grads of ``loss`` in float16, cast to float32, then
+                ``chain(clip_by_global_norm(1.0), adamw)``: no scaling, no
+                overflow check, no skip.
+
+Rounds alternate the order (fp16_scaling first on even rounds, plain first on
+odd ones); each round times ``--inner`` steps of each, blocked on the result,
+and the ratio fp16_scaling / plain is taken within the round. It prints the
+median and quartiles of those paired ratios, for wall time and for the
+process's CPU time (all its threads), which other load on a shared machine
+moves less.
+
+  python benchmarks/train_step_cost.py                 # train_lm's default size
+  python benchmarks/train_step_cost.py --size medium --rounds 20
+  python benchmarks/train_step_cost.py --size tiny --rounds 3   # smoke
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "examples")):
+  if path not in sys.path:
+    sys.path.insert(0, path)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import train_lm  # noqa: E402
+
+
+def plain_step(cfg):
+  """The same model's step with plain optax and no loss scaling."""
+  model = train_lm.make_model(cfg)
+  tx = optax.chain(
+    optax.clip_by_global_norm(cfg.max_norm),
+    optax.adamw(cfg.lr, weight_decay=1e-4),
+  )
+
+  def step(params, opt_state, x, y):
+    half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
+    loss, grads = jax.value_and_grad(
+      lambda p: train_lm.loss_fn(model, p, x, y)
+    )(half)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def scaled_step(cfg):
+  tx = train_lm.make_optimizer(cfg)
+  return tx, train_lm.make_train_step(cfg, tx, measure_zeros=False)
+
+
+def quartiles(xs):
+  q = np.percentile(xs, [25, 50, 75])
+  return q[1], q[0], q[2]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--size", choices=sorted(train_lm.SIZES), default="small")
+  p.add_argument("--rounds", type=int, default=30)
+  p.add_argument("--inner", type=int, default=5, help="steps per sample")
+  p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
+  args = p.parse_args(argv)
+  if min(args.rounds, args.inner) < 1 or args.warmup < 0:
+    p.error("--rounds and --inner must be >= 1, --warmup >= 0")
+
+  cfg = train_lm.Config(
+    **train_lm.SIZES[args.size],
+    precision="fp16",
+    scaler="deepspeed",
+    init_scale=2.0**16,
+  )
+  tokens, _ = train_lm.load_corpus(max_chars=200_000)
+  x, y = train_lm.batches(tokens, cfg, np.random.default_rng(0))
+  x, y = jax.device_put(x), jax.device_put(y)
+
+  runs = {}
+  for name, build in (
+    ("fp16_scaling", scaled_step),
+    ("plain optax", plain_step),
+  ):
+    tx, step = build(cfg)
+    params = train_lm.init_params(cfg)
+    runs[name] = {
+      "step": step,
+      "state": (params, tx.init(params)),
+      "t": [],
+      "cpu": [],
+    }
+  n_params = sum(v.size for v in jax.tree.leaves(train_lm.init_params(cfg)))
+  n_leaves = len(jax.tree.leaves(train_lm.init_params(cfg)))
+
+  def sample(run):
+    params, opt_state = run["state"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(args.inner):
+      params, opt_state, m = run["step"](params, opt_state, x, y)
+    jax.block_until_ready((params, opt_state))
+    run["state"] = (params, opt_state)
+    run["last"] = m
+    wall = (time.perf_counter() - t0) / args.inner
+    return wall, (time.process_time() - c0) / args.inner
+
+  order = list(runs)
+  ratios, cpu_ratios = [], []
+  for r in range(args.warmup + args.rounds):
+    t = {}
+    for name in order if r % 2 == 0 else order[::-1]:
+      t[name] = sample(runs[name])
+    if r >= args.warmup:
+      for name in runs:
+        runs[name]["t"].append(t[name][0])
+        runs[name]["cpu"].append(t[name][1])
+      ratios.append(t["fp16_scaling"][0] / t["plain optax"][0])
+      cpu_ratios.append(t["fp16_scaling"][1] / t["plain optax"][1])
+
+  skipped = int(runs["fp16_scaling"]["last"]["skipped_steps"])
+  print(
+    f"train step of examples/train_lm.py --size {args.size}: "
+    f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.batch}x{cfg.seq_len} "
+    f"tokens, {n_params:,} params in {n_leaves} leaves; float16 compute, "
+    f"float32 masters, donated"
+  )
+  print(
+    f"{args.rounds} rounds x {args.inner} steps, order alternating; jax "
+    f"{jax.__version__}, {platform.machine()}, "
+    f"{os.cpu_count()} CPUs, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+  )
+  for name, run in runs.items():
+    med, lo, hi = quartiles(run["t"])
+    cpu = np.median(run["cpu"])
+    print(
+      f"  {name:<13} {1e3 * med:9.2f} ms/step [{1e3 * lo:.2f}, {1e3 * hi:.2f}]"
+      f"; process CPU time {1e3 * cpu:.2f} ms/step"
+    )
+  med, lo, hi = quartiles(ratios)
+  print(
+    f"fp16_scaling / plain optax, per round: {med:.3f}x [{lo:.3f}x, "
+    f"{hi:.3f}x] (median [quartiles]); min {min(ratios):.3f}x, max "
+    f"{max(ratios):.3f}x, mean {statistics.fmean(ratios):.3f}x; "
+    f"fp16_scaling skipped {skipped} of its steps"
+  )
+  med, lo, hi = quartiles(cpu_ratios)
+  print(
+    f"process CPU time, per round: {med:.3f}x [{lo:.3f}x, {hi:.3f}x] (less "
+    f"moved by other load on the machine than wall time)"
+  )
+  return {
+    "ratios": ratios,
+    "cpu_ratios": cpu_ratios,
+    "times": {k: v["t"] for k, v in runs.items()},
+  }
+
+
+if __name__ == "__main__":
+  main()

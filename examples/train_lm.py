@@ -1,0 +1,424 @@
+"""Float16 training of a small decoder-only transformer, a character-level LM.
+
+The corpus is the Python standard library's own top-level source files (found
+with ``sysconfig``; every Python install has them, no download), split by file
+into train and validation: a file goes to validation when the CRC-32 of its
+name is 0 mod 10. Characters are ASCII codes; every non-ASCII character is one
+extra token.
+
+Master parameters are float32. Each step casts them to float16, runs the
+forward and backward pass in float16 (the gradients come out in float16, as
+in DeepSpeed's or Apex's fp16 training) and hands those gradients to
+
+    skip_on_overflow(chain(fp16_loss_scale(scaler),
+                           clip_by_unscaled_norm(1.0), adamw))
+
+which unscales them by the scale they were made with, skips the step on an
+overflow and updates the float32 masters. ``--precision fp32`` runs the same
+model, data and optimizer in float32 (with ``no_scaler()``) as the reference.
+
+Besides the loss, every step records the fraction of gradient elements that
+are exactly zero (in float16 that is mostly underflow: products too small for
+float16, which flush to zero; in float32 it is close to 0).
+
+    pip install -e ".[examples]"   # from the repository root
+    python examples/train_lm.py                       # default size, ~5 min
+    python examples/train_lm.py --size tiny --steps 100
+    python examples/train_lm.py --scaler none         # fp16 without scaling
+"""
+
+import argparse
+import dataclasses
+import functools
+import math
+import pathlib
+import sysconfig
+import time
+from typing import Optional
+import zlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import fp16_scaling as fs
+
+VOCAB = 129  # ASCII 0..127, and 128 for every other character
+VAL_MOD = 10  # a file is validation when crc32(name) % VAL_MOD == 0
+
+# Model and batch sizes. "small" is the default: about 5 minutes on 2 CPUs.
+SIZES = {
+  "tiny": dict(layers=2, d_model=32, heads=2, seq_len=32, batch=16, steps=100),
+  "small": dict(layers=4, d_model=64, heads=4, seq_len=64, batch=32, steps=300),
+  "medium": dict(
+    layers=6, d_model=128, heads=4, seq_len=128, batch=32, steps=2000
+  ),
+}
+
+# Scalers by name. Each takes the run's Config. A new preset (for instance a
+# headroom scaler) is one more entry here, and it joins --compare runs by
+# adding its name to compare_precision.DYNAMIC.
+SCALERS = {
+  "none": lambda c: fs.no_scaler(),
+  "static": lambda c: fs.static_scaler(c.static_scale),
+  "deepspeed": lambda c: fs.deepspeed_scaler(
+    init_scale=c.init_scale, scale_window=c.window
+  ),
+  "torch": lambda c: fs.torch_scaler(
+    init_scale=c.init_scale, growth_interval=c.window
+  ),
+  "megatron": lambda c: fs.megatron_scaler(
+    initial_scale=c.init_scale, growth_interval=c.window
+  ),
+  "flax": lambda c: fs.flax_scaler(
+    scale=c.init_scale, growth_interval=c.window
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One run: model size, optimizer, precision and scaler."""
+
+  layers: int = 4
+  d_model: int = 64
+  heads: int = 4
+  seq_len: int = 64
+  batch: int = 32
+  steps: int = 300
+  lr: float = 1e-3
+  init_std: float = 0.02  # normal init of every weight matrix and embedding
+  max_norm: float = 1.0
+  precision: str = "fp16"  # "fp16" or "fp32"
+  scaler: str = "deepspeed"  # a key of SCALERS
+  # Dynamic scalers start high (as DeepSpeed's own default, 2**32, does) and
+  # back off on the first, overflowing, steps.
+  init_scale: float = 2.0**24
+  window: int = 200  # dynamic scalers' clean steps between growths
+  static_scale: float = 2.0**12  # static_scaler's scale
+  eval_every: int = 50
+  eval_batches: int = 8
+  seed: int = 0
+
+  @property
+  def dtype(self):
+    return jnp.float16 if self.precision == "fp16" else jnp.float32
+
+
+# --------------------------------------------------------------------------
+# Data
+
+
+def encode(text: str) -> np.ndarray:
+  codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+  return np.minimum(codes, VOCAB - 1).astype(np.uint8)
+
+
+def load_corpus(max_chars: Optional[int] = None):
+  """(train, validation) token arrays from the stdlib's top-level .py files.
+
+  Files are read in sorted order and split by the CRC-32 of their name, so the
+  split is the same on every run and machine with the same Python.
+  ``max_chars`` truncates each part (for quick runs).
+  """
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  parts = {True: [], False: []}
+  for path in sorted(root.glob("*.py")):
+    text = path.read_text(encoding="utf-8", errors="replace")
+    parts[zlib.crc32(path.name.encode()) % VAL_MOD == 0].append(text)
+  train, val = ("\n".join(parts[v]) for v in (False, True))
+  if max_chars is not None:
+    train, val = train[:max_chars], val[:max_chars]
+  if not train or not val:
+    raise RuntimeError(f"no standard library sources under {root}")
+  return encode(train), encode(val)
+
+
+def batches(tokens, cfg: Config, rng: np.random.Generator):
+  """Random windows of seq_len + 1 tokens: inputs and next-token targets."""
+  starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, cfg.batch)
+  idx = starts[:, None] + np.arange(cfg.seq_len + 1)
+  win = tokens[idx].astype(np.int32)
+  return win[:, :-1], win[:, 1:]
+
+
+def val_set(tokens, cfg: Config):
+  """Fixed validation windows, evenly spaced over the validation text."""
+  n = cfg.eval_batches * cfg.batch
+  starts = np.linspace(0, len(tokens) - cfg.seq_len - 1, n).astype(np.int64)
+  win = tokens[starts[:, None] + np.arange(cfg.seq_len + 1)].astype(np.int32)
+  return win[:, :-1], win[:, 1:]
+
+
+# --------------------------------------------------------------------------
+# Model
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm transformer block: causal self-attention, then an MLP."""
+
+  heads: int
+  init_std: float
+  out_std: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    kw = dict(dtype=self.dtype, param_dtype=jnp.float32)
+    h = nn.LayerNorm(**kw)(x)
+    x = x + nn.MultiHeadDotProductAttention(
+      self.heads,
+      kernel_init=nn.initializers.normal(self.init_std),
+      out_kernel_init=nn.initializers.normal(self.out_std),
+      force_fp32_for_softmax=True,
+      **kw,
+    )(h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2], bool)))
+    h = nn.LayerNorm(**kw)(x)
+    h = nn.Dense(
+      4 * d, kernel_init=nn.initializers.normal(self.init_std), **kw
+    )(h)
+    h = nn.Dense(d, kernel_init=nn.initializers.normal(self.out_std), **kw)(
+      nn.gelu(h)
+    )
+    return x + h
+
+
+class Transformer(nn.Module):
+  """Decoder-only LM; the token embedding is tied to the output head."""
+
+  layers: int
+  d_model: int
+  heads: int
+  seq_len: int
+  init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float16
+
+  @nn.compact
+  def __call__(self, tokens):
+    init = nn.initializers.normal(self.init_std)
+    embed = nn.Embed(VOCAB, self.d_model, embedding_init=init, dtype=self.dtype)
+    pos = self.param("pos", init, (self.seq_len, self.d_model))
+    x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
+    # GPT-2's scaling of the residual projections: 1 / sqrt(2 * layers).
+    out_std = self.init_std / math.sqrt(2 * self.layers)
+    for _ in range(self.layers):
+      x = Block(self.heads, self.init_std, out_std, self.dtype)(x)
+    x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32)(x)
+    return embed.attend(x)  # logits, in the compute dtype
+
+
+def make_model(cfg: Config, dtype=None) -> Transformer:
+  return Transformer(
+    cfg.layers,
+    cfg.d_model,
+    cfg.heads,
+    cfg.seq_len,
+    cfg.init_std,
+    cfg.dtype if dtype is None else dtype,
+  )
+
+
+def init_params(cfg: Config):
+  """float32 master parameters."""
+  tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+  return make_model(cfg).init(jax.random.key(cfg.seed), tokens)["params"]
+
+
+def loss_fn(model, params, x, y):
+  """Mean next-character cross-entropy; softmax in float32."""
+  logits = model.apply({"params": params}, x).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+# --------------------------------------------------------------------------
+# Training
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+  scaler = SCALERS[cfg.scaler](cfg)
+  return fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(scaler),
+      fs.clip_by_unscaled_norm(cfg.max_norm),  # by the *unscaled* norm
+      optax.adamw(cfg.lr, weight_decay=1e-4),
+    )
+  )
+
+
+def make_train_step(cfg: Config, tx, *, measure_zeros: bool = True):
+  """The jitted, donated step: (params, opt_state, x, y) -> (params,
+  opt_state, metrics).
+
+  With ``measure_zeros`` the metrics include ``zero_frac``, the fraction of
+  gradient elements (in the compute dtype) that are exactly zero; it costs one
+  extra pass over the gradients, so benchmarks turn it off.
+  """
+  model = make_model(cfg)
+
+  def step(params, opt_state, x, y):
+    scale = fs.current_scale(opt_state)
+    # The compute-dtype copy of the model: gradients come out in that dtype.
+    half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
+    scaled_loss, grads = jax.value_and_grad(
+      lambda p: loss_fn(model, p, x, y) * scale
+    )(half)
+    metrics = {"loss": scaled_loss / scale}
+    if measure_zeros:
+      leaves = jax.tree.leaves(grads)
+      zeros = sum(jnp.sum(g == 0) for g in leaves)
+      metrics["zero_frac"] = zeros / sum(g.size for g in leaves)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, dict(fs.scale_metrics(opt_state), **metrics)
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval(cfg: Config):
+  """Validation loss of the float32 masters, computed in float32 for every
+  run so that runs compare on what they learned.
+  """
+  shape = (cfg.layers, cfg.d_model, cfg.heads, cfg.seq_len, cfg.init_std)
+  return _eval_fn(*shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _eval_fn(*shape):
+  # One jitted function per model shape: runs that differ only in precision
+  # or scaler share its compilation.
+  model = Transformer(*shape, dtype=jnp.float32)
+  return jax.jit(lambda params, x, y: loss_fn(model, params, x, y))
+
+
+def train(cfg: Config, data, *, desc: Optional[str] = None, bar=True):
+  """Trains one run; returns its history as numpy arrays.
+
+  Returns:
+    A dict: ``eval_steps`` and ``val_loss`` (validation loss after that many
+    steps, from step 0), per step ``loss``, ``loss_scale`` (the scale the
+    step's gradients were made with), ``overflow``, ``zero_frac``, and
+    ``skipped_steps``, ``step_time`` (median seconds per step, compile
+    excluded) and ``config``.
+  """
+  train_tokens, val_tokens = data
+  vx, vy = val_set(val_tokens, cfg)
+  vx = vx.reshape(cfg.eval_batches, cfg.batch, -1)
+  vy = vy.reshape(cfg.eval_batches, cfg.batch, -1)
+  params = init_params(cfg)
+  tx = make_optimizer(cfg)
+  opt_state = tx.init(params)
+  step = make_train_step(cfg, tx)
+  evaluate = make_eval(cfg)
+  rng = np.random.default_rng(cfg.seed)  # the same batches in every run
+
+  def val_loss(params):
+    return float(np.mean([evaluate(params, a, b) for a, b in zip(vx, vy)]))
+
+  eval_steps, val_losses, history, seg_times = [0], [val_loss(params)], [], []
+  pbar = tqdm(
+    total=cfg.steps,
+    desc=desc or f"{cfg.precision} {cfg.scaler}",
+    disable=not bar,
+    leave=False,
+  )
+  i = 0
+  while i < cfg.steps:
+    n = min(cfg.eval_every, cfg.steps - i)
+    t0 = time.perf_counter()
+    for _ in range(n):
+      x, y = batches(train_tokens, cfg, rng)
+      params, opt_state, m = step(params, opt_state, x, y)
+      history.append(m)
+    jax.block_until_ready(params)
+    if i > 0:  # the first segment includes the compile
+      seg_times.append((time.perf_counter() - t0) / n)
+    i += n
+    eval_steps.append(i)
+    val_losses.append(val_loss(params))
+    pbar.update(n)
+    pbar.set_postfix(
+      val=f"{val_losses[-1]:.3f}",
+      scale=f"{float(m['loss_scale']):g}",
+      zero=f"{float(m['zero_frac']):.3f}",
+    )
+  pbar.close()
+  h = {k: np.stack([m[k] for m in jax.device_get(history)]) for k in history[0]}
+  return {
+    "config": cfg,
+    "eval_steps": np.array(eval_steps),
+    "val_loss": np.array(val_losses),
+    "loss": h["loss"],
+    "loss_scale": h["prev_loss_scale"],
+    "overflow": h["overflow"],
+    "zero_frac": h["zero_frac"],
+    "skipped_steps": int(h["skipped_steps"][-1]),
+    "step_time": float(np.median(seg_times)) if seg_times else float("nan"),
+  }
+
+
+def summary(r) -> str:
+  c = r["config"]
+  finite = r["val_loss"][np.isfinite(r["val_loss"])]
+  return (
+    f"{c.precision} {c.scaler}: val loss {r['val_loss'][0]:.3f} -> "
+    f"{r['val_loss'][-1]:.3f} (best {finite.min() if finite.size else 0:.3f})"
+    f", skipped {r['skipped_steps']}/{c.steps}, zero grads "
+    f"{np.mean(r['zero_frac'][-50:]):.2%} (last 50 steps), "
+    f"{1e3 * r['step_time']:.0f} ms/step"
+  )
+
+
+def add_config_args(p: argparse.ArgumentParser):
+  """The flags that make a Config; --size picks the defaults they override."""
+  p.add_argument("--size", choices=sorted(SIZES), default="small")
+  for f in dataclasses.fields(Config):
+    if f.name in ("precision", "scaler"):
+      continue
+    p.add_argument(
+      "--" + f.name.replace("_", "-"),
+      type=type(f.default),
+      default=None,
+      help=f"default {f.default} (or the --size's)",
+    )
+  p.add_argument(
+    "--max-chars",
+    type=int,
+    default=None,
+    help="truncate train and validation text (quick runs)",
+  )
+
+
+def config_from_args(args, **overrides) -> Config:
+  kw = dict(SIZES[args.size])
+  for f in dataclasses.fields(Config):
+    v = getattr(args, f.name, None)
+    if v is not None:
+      kw[f.name] = v
+  kw.update(overrides)
+  return Config(**kw)
+
+
+def main(argv=None):
+  """Trains one run and prints its summary; returns its history."""
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+  p.add_argument("--scaler", choices=sorted(SCALERS), default="deepspeed")
+  add_config_args(p)
+  args = p.parse_args(argv)
+  scaler = "none" if args.precision == "fp32" else args.scaler
+  cfg = config_from_args(args, precision=args.precision, scaler=scaler)
+  data = load_corpus(args.max_chars)
+  print(
+    f"corpus: {len(data[0]):,} train / {len(data[1]):,} validation chars; {cfg}"
+  )
+  r = train(cfg, data)
+  print(summary(r))
+  return r
+
+
+if __name__ == "__main__":
+  main()
