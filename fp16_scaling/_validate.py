@@ -94,3 +94,11 @@ def flag(name: str, value) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool, got {_describe(value)}")
   return bool(value)
+
+
+def in_range(name: str, value, low: float, high: float) -> float:
+  """A real number in the closed interval ``[low, high]``."""
+  v = real(name, value)
+  if not (math.isfinite(v) and low <= v <= high):
+    raise ValueError(f"{name} must lie in [{low:g}, {high:g}], got {value!r}")
+  return v
