@@ -194,13 +194,11 @@ def reduce_norms(
   )
   total = jnp.sum(common)
 
-  def signed_root(v):
-    # sqrt(|v|) with v's sign: -inf for a sum that met a non-finite leaf,
-    # where sqrt(v) would make a NaN.
-    return jnp.copysign(jnp.sqrt(jnp.abs(v)), v)
-
   def keep(_):
-    return signed_root(total), signed_root(common)
+    # sqrt(|sum|): +inf exactly for a sum that met a non-finite leaf (-inf),
+    # where sqrt(sum) would make a NaN; finite otherwise (sums are capped).
+    root = jnp.sqrt(jnp.abs(total))
+    return root, jnp.sqrt(jnp.abs(common)), jnp.isinf(root)
 
   if needs_rescue:
 
@@ -235,20 +233,21 @@ def reduce_norms(
       return (
         top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
         peaks * jnp.sqrt(rel),
+        jnp.bool_(False),  # entered only for a finite total
       )
 
-    root, group_roots = lax.cond(total >= CAP, rescue, keep, None)
+    root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
   else:
-    root, group_roots = keep(None)
-  # Negative exactly when ``total`` is -inf. Read off the root, behind a sqrt
-  # that XLA will not duplicate: a cheap function of every leaf's sum is
-  # otherwise fused, with all L sums as operands, into each of the L per-leaf
-  # selects of skip_on_overflow: O(L**2) HLO and compile time (27x optax's at
-  # 200 leaves).
+    root, group_roots, overflow = keep(None)
+  # The overflow flag is read off the root, behind a sqrt that XLA will not
+  # duplicate (or off the cond's output): a cheap function of every leaf's
+  # sum is otherwise fused, with all L sums as operands, into each of the L
+  # per-leaf selects of skip_on_overflow: O(L**2) HLO and compile time (27x
+  # optax's at 200 leaves).
   return Norms(
-    norm=jnp.maximum(root, 0.0),
-    group_norms=jnp.maximum(group_roots, 0.0),
-    overflow=root < 0,
+    norm=jnp.where(overflow, 0.0, root),
+    group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
+    overflow=overflow,
     leaf_nonfinite=leaf_nonfinite,
   )
 
