@@ -351,7 +351,8 @@ def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
   """Per-leaf largest finite ``|x|`` and fraction of zero elements.
 
   Opt-in telemetry: two more reductions per leaf over the same elements as
-  :func:`leaf_sums`, which XLA fuses into the same loop. Under ``shard_map``
+  :func:`leaf_sums` (XLA:CPU, which has no multi-output fusion, reads the
+  gradients again for each). Under ``shard_map``
   the maxima are ``pmax``-ed and the counts ``psum``-med across each leaf's
   axes.
 

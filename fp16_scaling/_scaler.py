@@ -82,6 +82,10 @@ class Scaler:
       lies this many bits below float16's maximum (rounded down to a power
       of two, at most ``growth_factor`` times the current scale, within
       ``[min_scale, max_scale]``); ``growth_interval`` is then unused.
+    growth_margin_bits: with ``headroom_bits``, the scale grows only when
+      the target is at least this many bits above it (it falls as soon as
+      the target is below it), so that batch-to-batch noise in the largest
+      gradient does not move it.
     max_scale: ceiling of the scale on growth.
   """
 
@@ -95,6 +99,7 @@ class Scaler:
   consecutive_hysteresis: bool = False
   raise_at_min_scale: bool = False
   headroom_bits: Optional[float] = None
+  growth_margin_bits: float = 0.0
   max_scale: float = _validate.F32_MAX
 
   @property
@@ -206,7 +211,13 @@ class Scaler:
         scale * jnp.float32(self.growth_factor), jnp.float32(self.max_scale)
       ),
     )
-    return jnp.maximum(capped, jnp.float32(self.min_scale))
+    # Fall at once (the largest gradient is nearer the top than asked); grow
+    # only with the margin to spare.
+    margin = jnp.float32(2.0**self.growth_margin_bits)
+    move = (target < scale) | (target >= scale * margin)
+    return jnp.maximum(
+      jnp.where(move, capped, scale), jnp.float32(self.min_scale)
+    )
 
 
 def static_scaler(scale: float) -> Scaler:
@@ -414,6 +425,7 @@ def headroom_scaler(
   *,
   init_scale: float = 2.0**16,
   headroom_bits: float = 4.0,
+  growth_margin_bits: float = 2.0,
   max_growth: float = 2.0,
   backoff_factor: float = 0.5,
   min_scale: float = 1.0,
@@ -425,19 +437,24 @@ def headroom_scaler(
   After every clean step the next scale is chosen so that the largest
   gradient of the step, times the scale, lies ``headroom_bits`` bits below
   float16's maximum (65504): ``2**floor(log2(65504 / (max|g| *
-  2**headroom_bits)))``. It moves at most ``max_growth`` times up per step
-  (down as far as needed) and stays within ``[min_scale, max_scale]``. An
+  2**headroom_bits)))``. It falls to that target at once, but grows only
+  when the target lies ``growth_margin_bits`` or more above the scale, and
+  then by at most ``max_growth`` per step; it stays within ``[min_scale,
+  max_scale]``. An
   overflow backs off by ``backoff_factor``, floored at ``min_scale``, as the
   other presets do. Scales are powers of two when ``init_scale`` is, so
   unscaling is exact.
 
   :func:`fp16_loss_scale` measures the largest finite ``|g|`` of each leaf
-  for it, fused into its one pass over the gradients.
+  for it: one more reduction per leaf (+13% bytes accessed per step at
+  20M/200 on XLA:CPU, see benchmarks/README.md).
 
   Args:
     init_scale: first scale.
     headroom_bits: bits between ``max|g| * scale`` and float16's maximum, in
       [0, 24].
+    growth_margin_bits: how far above the scale the target must be for it to
+      grow, in [0, 24]; 0 follows the target both ways.
     max_growth: largest factor the scale may grow by in one step, above 1.
     backoff_factor: back-off multiplier on overflow, in (0, 1).
     min_scale: floor, at most ``init_scale``.
@@ -466,5 +483,8 @@ def headroom_scaler(
       _validate.scale("min_scale", min_scale), init_scale, "min_scale"
     ),
     headroom_bits=_validate.in_range("headroom_bits", headroom_bits, 0, 24),
+    growth_margin_bits=_validate.in_range(
+      "growth_margin_bits", growth_margin_bits, 0, 24
+    ),
     max_scale=max_scale,
   )

@@ -241,8 +241,10 @@ def test_grad_range_is_exact():
 def test_headroom_scaler_rule():
   # Largest unscaled |g| = 2**-4, headroom 4 bits: the target is the largest
   # power of two below 65504 / (2**-4 * 2**4) = 65504, i.e. 2**15. From 2**10
-  # it grows by at most 2x per step, then stays.
-  scaler = fs.headroom_scaler(init_scale=2.0**10, headroom_bits=4.0)
+  # it grows by at most 2x per step, then stays. (No growth margin here.)
+  scaler = fs.headroom_scaler(
+    init_scale=2.0**10, headroom_bits=4.0, growth_margin_bits=0.0
+  )
   tx = _tx(scaler)
   state = tx.init(PARAMS)
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**-4), PARAMS)
@@ -265,9 +267,27 @@ def test_headroom_scaler_rule():
   assert float(fs.current_scale(state)) == 2.0**11
 
 
+def test_headroom_scaler_grows_only_with_the_margin():
+  # Target 2**15 as above. With a 2-bit margin it grows from 2**10 while the
+  # target is >= 4x the scale: to 2**11, ..., 2**14, then stops at 2**14, one
+  # bit below the target.
+  scaler = fs.headroom_scaler(init_scale=2.0**10, growth_margin_bits=2.0)
+  state = scaler.init()
+  seen = []
+  for _ in range(5):
+    state = scaler.update(state, jnp.bool_(False), jnp.float32(2.0**-4))
+    seen.append(float(state.loss_scale))
+  assert seen == [2.0**11, 2.0**12, 2.0**13, 2.0**14, 2.0**14]
+  # A target below the scale is followed at once: 65504 / (2**-1 * 16).
+  state = scaler.update(state, jnp.bool_(False), jnp.float32(2.0**-1))
+  assert float(state.loss_scale) == 2.0**12
+
+
 def test_headroom_scaler_arguments_are_checked():
   with pytest.raises(ValueError, match="headroom_bits"):
     fs.headroom_scaler(headroom_bits=-1.0)
+  with pytest.raises(ValueError, match="growth_margin_bits"):
+    fs.headroom_scaler(growth_margin_bits=30)
   with pytest.raises(ValueError, match="max_growth"):
     fs.headroom_scaler(max_growth=1.0)
   with pytest.raises(ValueError, match="max_scale"):
