@@ -37,6 +37,8 @@ PRESETS = {
     initial_scale=s, growth_interval=w
   ),
   "flax": lambda s, w: fs.flax_scaler(scale=s, growth_interval=w),
+  # Sets the scale from the measured gradient range; no growth window.
+  "headroom": lambda s, w: fs.headroom_scaler(init_scale=s),
 }
 
 
@@ -123,7 +125,10 @@ def main(argv=None):
     )(params)
     # Unscale, detect overflow, clip, AdamW. On an overflow the parameters and
     # AdamW's state are left exactly as they were; only the scale moves.
-    updates, opt_state = tx.update(grads, opt_state, params)
+    # value=: the loss tells a forward overflow from a backward one.
+    updates, opt_state = tx.update(
+      grads, opt_state, params, value=scaled_loss / scale
+    )
     params = optax.apply_updates(params, updates)
     return (
       params,
@@ -170,14 +175,16 @@ def main(argv=None):
     f"skipped steps: {skipped}/{num_steps}, of which the first {leading} in "
     f"a row"
   )
-  # The norm is NaN on a skipped step: nanmean over the clean ones.
-  last_n = h["grad_norm"][-100:]
+  # The norm is 0.0 on a skipped step (none exists): mean over clean ones.
+  last_n = h["grad_norm"][-100:][~h["overflow"][-100:]]
   print(
     f"true grad norm: last {h['grad_norm'][-1]:.4f}, "
-    f"mean of last {len(last_n)} steps {np.nanmean(last_n):.4f}"
+    f"mean of last {len(last_n)} clean steps {np.mean(last_n):.4f}"
   )
   acc = float(accuracy(params, x_te, y_te))
   print(f"final train loss {h['loss'][-1]:.4f}, test accuracy {acc:.4f}")
+  if skipped:
+    print(fs.overflow_report(opt_state))  # which leaves overflowed, and why
   if args.preset == "deepspeed":
     fs.raise_if_min_scale_reached(opt_state)  # fail where DeepSpeed would raise
 
@@ -215,6 +222,7 @@ def main(argv=None):
     "accuracy": acc,
     "grad_norm": h["grad_norm"],
     "init_scale": args.init_scale,
+    "report": fs.overflow_report(opt_state),
   }
 
 

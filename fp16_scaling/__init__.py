@@ -16,6 +16,10 @@ from fp16_scaling._clipping import ClipState
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._deepspeed_config import DeepSpeedFP16
 from fp16_scaling._deepspeed_config import from_deepspeed_config
+from fp16_scaling._diagnostics import OverflowReport
+from fp16_scaling._diagnostics import overflow_report
+from fp16_scaling._loss_scale import KINDS as OVERFLOW_KINDS
+from fp16_scaling._loss_scale import GradRange
 from fp16_scaling._loss_scale import LossScaleState
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import MinLossScaleError
@@ -27,6 +31,7 @@ from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
 from fp16_scaling._scaler import deepspeed_scaler
 from fp16_scaling._scaler import flax_scaler
+from fp16_scaling._scaler import headroom_scaler
 from fp16_scaling._scaler import megatron_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
@@ -44,8 +49,11 @@ __all__ = [
   "AccumulationState",
   "ClipState",
   "DeepSpeedFP16",
+  "GradRange",
   "LossScaleState",
   "MinLossScaleError",
+  "OVERFLOW_KINDS",
+  "OverflowReport",
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
@@ -57,8 +65,10 @@ __all__ = [
   "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",
+  "headroom_scaler",
   "megatron_scaler",
   "no_scaler",
+  "overflow_report",
   "raise_if_min_scale_reached",
   "scale_metrics",
   "scaler_from_state_dict",

@@ -29,6 +29,10 @@ class ClipState(NamedTuple):
       clipping, expert and shared leaves together.
     expert_grad_norm: float32 2-norm of the expert leaves alone.
     shared_grad_norm: float32 2-norm of the other leaves.
+
+  A norm over a leaf that held an inf or NaN does not exist and is reported
+  as 0.0 (never NaN); on an overflow step a group that stayed finite still
+  reports its true norm.
   """
 
   grad_norm: jax.Array

@@ -8,7 +8,8 @@ fp16 optimizers (0.19) update the scale before unscaling and so apply half
 the gradient on every growth step; here that ordering cannot be written.
 """
 
-from typing import Any, NamedTuple, Optional
+import sys
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +17,88 @@ import optax
 
 from fp16_scaling import _guard
 from fp16_scaling import _norm
+from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
+
+# LossScaleState.overflow_kind codes, indexes into KINDS.
+NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
+KINDS = ("none", "unknown", "forward", "backward", "persistent")
+
+
+@jax.tree_util.register_pytree_node_class
+class LeafPaths:
+  """The gradient tree's leaf names and sizes, held statically in the
+  state's treedef.
+
+  A pytree node with no children: the paths (``jax.tree_util.keystr``
+  strings, in tree order) and element counts live in the tree structure,
+  not in arrays. They cost nothing per step, survive ``jit``, ``scan`` and
+  ``jax.tree.map``, and come back from any checkpoint restored into a target
+  built by ``tx.init(params)`` (the restore that keeps the state's types).
+  Paths built from a tree without leaves (``optax.tree_map_params``'
+  placeholder) compare equal to any, so specs laid out that way match.
+  """
+
+  def __init__(self, paths: Tuple[str, ...], sizes: Tuple[int, ...]):
+    self.paths = tuple(paths)
+    self.sizes = tuple(int(n) for n in sizes)
+
+  def tree_flatten(self):
+    # The node itself is the treedef's metadata, compared by __eq__ below.
+    return (), self
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del children
+    return aux
+
+  def __eq__(self, other):
+    # Empty paths come from an init without leaves: optax.tree_map_params
+    # calls init with a placeholder to lay a state's specs out, and then
+    # matches that state against the real one. They match any paths.
+    return isinstance(other, LeafPaths) and (
+      not self.paths
+      or not other.paths
+      or (self.paths == other.paths and self.sizes == other.sizes)
+    )
+
+  def __hash__(self):
+    return hash(LeafPaths)  # equal objects must hash equal; see __eq__
+
+  def __len__(self):
+    return len(self.paths)
+
+  def __repr__(self):
+    return f"LeafPaths({len(self.paths)} leaves)"
+
+
+def _register_with_flax() -> None:
+  """Lets ``flax.serialization`` save a state holding :class:`LeafPaths`.
+
+  It saves nothing for it and restores the target's paths. Done only when
+  the user has loaded flax: fp16_scaling does not import it.
+  """
+  serialization = sys.modules.get("flax.serialization")
+  if serialization is not None:
+    serialization.register_serialization_state(
+      LeafPaths, lambda _: {}, lambda target, _: target, override=True
+    )
+
+
+class GradRange(NamedTuple):
+  """Per-leaf gradient range of the last step (opt-in telemetry).
+
+  Attributes:
+    max_abs: float32 vector, per leaf the largest finite ``|g|`` of the
+      unscaled gradient (0.0 for an all-zero or all-non-finite leaf).
+    zero_fraction: float32 vector, per leaf the fraction of the scaled
+      gradient's elements (float16 in fp16 training) that are exactly zero:
+      an underflow proxy.
+  """
+
+  max_abs: jax.Array
+  zero_fraction: jax.Array
 
 
 class LossScaleState(NamedTuple):
@@ -32,7 +113,18 @@ class LossScaleState(NamedTuple):
       so were skipped by :func:`skip_on_overflow`).
     skipped_steps: int32 total of overflowing steps so far.
     grad_norm: float32 true (unscaled) global 2-norm of the last step's
-      gradients, before clipping; NaN on an overflow step.
+      gradients, before clipping; 0.0 on an overflow step, where no norm
+      exists (``overflow`` says so). Never NaN.
+    leaf_nonfinite: bool vector, one entry per gradient leaf in tree order:
+      whether that leaf held an inf or NaN on the last step.
+    leaf_nonfinite_steps: int32 vector, per leaf the number of steps so far
+      on which it held an inf or NaN.
+    overflow_kind: int32 code of the last step's overflow, an index into
+      ``KINDS``: "none", "unknown" (no loss given), "forward" (the loss given
+      as ``value`` was not finite), "backward" (finite loss, non-finite
+      gradients), "persistent" (overflowed with the scale at its floor).
+    grad_range: a :class:`GradRange` with ``grad_range=True``, else None.
+    leaf_paths: :class:`LeafPaths`, static: the leaves' names.
   """
 
   scaler: ScalerState
@@ -40,6 +132,11 @@ class LossScaleState(NamedTuple):
   overflow: jax.Array
   skipped_steps: jax.Array
   grad_norm: jax.Array
+  leaf_nonfinite: jax.Array
+  leaf_nonfinite_steps: jax.Array
+  overflow_kind: jax.Array
+  grad_range: Optional[GradRange]
+  leaf_paths: LeafPaths
 
   @property
   def loss_scale(self) -> jax.Array:
@@ -54,38 +151,108 @@ _UNGUARDED = (
 )
 
 
+def _leaf_paths(tree) -> LeafPaths:
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  return LeafPaths(
+    [jax.tree_util.keystr(path) for path, _ in with_paths],
+    [jnp.size(x) for _, x in with_paths],
+  )
+
+
+def _scalar_value(value) -> jax.Array:
+  """The loss passed as ``value=``, checked to be one scalar."""
+  try:
+    value = jnp.asarray(value)
+  except TypeError as e:
+    raise TypeError(
+      f"fp16_loss_scale: value (the loss, tx.update(grads, state, params, "
+      f"value=loss)) must be a scalar array: {e}"
+    ) from None
+  if value.shape != ():
+    raise ValueError(
+      "fp16_loss_scale: value (the loss, tx.update(grads, state, params, "
+      f"value=loss)) must be a scalar, got shape {value.shape}; pass the "
+      "mean loss, not per-example losses"
+    )
+  return value
+
+
+def _overflow_kind(overflow, value, at_floor) -> jax.Array:
+  if value is None:
+    cause = jnp.int32(UNKNOWN)
+  else:
+    cause = jnp.where(
+      jnp.isfinite(value), jnp.int32(BACKWARD), jnp.int32(FORWARD)
+    )
+  # A non-finite loss is the finding whatever the scale: no scale fixes it.
+  kind = jnp.where((cause != FORWARD) & at_floor, jnp.int32(PERSISTENT), cause)
+  return jnp.where(overflow, kind, jnp.int32(NONE))
+
+
+def _log_overflow(paths, skipped, kind, old, new, nonfinite):
+  leaves = [p for p, bad in zip(paths, nonfinite) if bad]
+  shown = ", ".join(leaves[:10]) + (" ..." if len(leaves) > 10 else "")
+  print(
+    f"[fp16_scaling] OVERFLOW! Skipping step ({int(skipped)} skipped so "
+    f"far, {KINDS[int(kind)]}). Attempted loss scale: {float(old):g}, "
+    f"reducing to {float(new):g}; non-finite gradient leaves "
+    f"({len(leaves)}): {shown or '(none)'}"
+  )
+
+
 def fp16_loss_scale(
-  scaler: Scaler, *, partition_specs: Optional[Any] = None
-) -> optax.GradientTransformation:
+  scaler: Scaler,
+  *,
+  partition_specs: Optional[Any] = None,
+  grad_range: bool = False,
+  log_overflows: bool = False,
+) -> optax.GradientTransformationExtraArgs:
   """Loss scaling for float16 training, as the first element of a chain.
 
   ``update`` receives the gradients of ``loss * current_scale(opt_state)``.
-  In one pass over them it decides overflow (any inf or NaN anywhere) and
-  computes the squared norm; it returns the gradients divided by the scale
-  they were made with (promoted to at least float32) and steps ``scaler``.
-  It must come first in a chain wrapped by :func:`skip_on_overflow`, which
-  discards the step when it overflowed: ``init`` raises outside the wrapper,
-  and ``update`` raises at trace time when something before it changed the
-  gradients or a second ``fp16_loss_scale`` runs.
+  In one pass over them it decides overflow (any inf or NaN anywhere), which
+  leaves overflowed, and the squared norm; it returns the gradients divided
+  by the scale they were made with (promoted to at least float32) and steps
+  ``scaler``. It must come first in a chain wrapped by
+  :func:`skip_on_overflow`, which discards the step when it overflowed:
+  ``init`` raises outside the wrapper, and ``update`` raises at trace time
+  when something before it changed the gradients or a second
+  ``fp16_loss_scale`` runs.
+
+  Pass the loss by optax's extra-args convention, ``tx.update(grads, state,
+  params, value=loss)`` (unscaled, or scaled in float32), and an overflow is
+  told apart as "forward" (the loss itself is not finite: no scale helps) or
+  "backward" (the scale was too high: normal). Without it the kind is
+  "unknown"; with the scale at its floor it is "persistent". See
+  :func:`overflow_report`.
 
   Args:
     scaler: a :class:`Scaler` from a preset (``deepspeed_scaler``,
       ``torch_scaler``, ``megatron_scaler``, ``flax_scaler``,
-      ``static_scaler``, ``no_scaler``).
+      ``headroom_scaler``, ``static_scaler``, ``no_scaler``).
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
       pytree (as given to ``shard_map``); each leaf's squared norm is summed
       across the mesh axes it is split over, so overflow and norm are global.
+    grad_range: also record, per leaf, the largest finite unscaled ``|g|``
+      and the fraction of zero elements (:class:`GradRange`), reported by
+      :func:`scale_metrics` and :func:`overflow_report`. Off by default: it
+      adds two reductions per leaf, which XLA:CPU runs as passes of their
+      own (+35% bytes accessed at 20M/200; benchmarks/README.md).
+    log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line,
+      with the scale change and the non-finite leaves, from inside the step
+      through ``jax.debug.callback``, on overflow steps only.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
 
   Raises:
-    TypeError: if ``scaler`` is not a :class:`Scaler`.
+    TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
     RuntimeError: from ``init`` or ``update`` outside
       :func:`skip_on_overflow`.
     ValueError: when the update is traced, if a transformation before it
-      changed the gradients, or a second ``fp16_loss_scale`` runs.
+      changed the gradients, a second ``fp16_loss_scale`` runs, or ``value``
+      is not a scalar.
 
   Examples:
     >>> import jax
@@ -104,6 +271,10 @@ def fp16_loss_scale(
     >>> updates, state = tx.update(grads, state, params)
     >>> print(updates)  # the true gradient, times -1 for sgd(1.0)
     [-2. -4.]
+    >>> bad = jnp.array([4.0, jnp.inf], jnp.float16)  # an overflow
+    >>> _, state = tx.update(bad, state, params, value=jnp.float32(1.0))
+    >>> print(fs.overflow_report(state).kind)  # finite loss: scale too high
+    backward
 
   References:
     Micikevicius et al., `Mixed Precision Training
@@ -115,29 +286,49 @@ def fp16_loss_scale(
       f"scaler must be a Scaler from a preset such as deepspeed_scaler(), "
       f"got {type(scaler).__name__}"
     )
+  grad_range = _validate.flag("grad_range", grad_range)
+  log_overflows = _validate.flag("log_overflows", log_overflows)
+  measure_range = grad_range or scaler.needs_grad_max
 
   def init_fn(params):
-    _norm.check_float_leaves(jax.tree.leaves(params), "fp16_loss_scale params")
+    _register_with_flax()
+    leaves = jax.tree.leaves(params)
+    _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _norm.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
     if _guard.current() is None:
       raise RuntimeError(_UNGUARDED)
     state = scaler.init()
+    n = len(leaves)
+    zeros = jnp.zeros([n], jnp.float32)
     return LossScaleState(
       scaler=state,
       prev_loss_scale=state.loss_scale,
       overflow=jnp.bool_(False),
       skipped_steps=jnp.zeros([], jnp.int32),
       grad_norm=jnp.zeros([], jnp.float32),
+      leaf_nonfinite=jnp.zeros([n], jnp.bool_),
+      leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
+      overflow_kind=jnp.int32(NONE),
+      grad_range=GradRange(zeros, zeros) if grad_range else None,
+      leaf_paths=_leaf_paths(params),
     )
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, value=None, **extra_args):
+    del params, extra_args
     guard = _guard.current()
     if guard is None:
       raise RuntimeError(_UNGUARDED)
+    if value is not None:
+      value = _scalar_value(value)
     leaves, treedef = jax.tree.flatten(updates)
     guard.check_loss_scale_input(leaves)
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
+    if len(leaves) != len(state.leaf_paths):
+      raise ValueError(
+        f"fp16_loss_scale: the gradients have {len(leaves)} leaves, the state "
+        f"was built for {len(state.leaf_paths)}; build it with "
+        "tx.init(params) for these gradients"
+      )
     leaf_axes = _norm.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
     )
@@ -156,13 +347,46 @@ def fp16_loss_scale(
       _guard.UnscaledGrads(outputs, tuple(leaves), inv_scale, tuple(sums))
     )
     overflow = norms.overflow
+    new_range, grad_max = None, None
+    if measure_range:
+      peaks, zero_fraction = _norm.leaf_range(leaves, leaf_axes)
+      max_abs = peaks * inv_scale
+      grad_max = jnp.max(max_abs, initial=0.0)
+      if grad_range:
+        new_range = GradRange(max_abs=max_abs, zero_fraction=zero_fraction)
+    new_scaler = scaler.update(state.scaler, overflow, grad_max)
+    kind = _overflow_kind(overflow, value, scaler.at_floor(scale))
     new_state = LossScaleState(
-      scaler=scaler.update(state.scaler, overflow),
+      scaler=new_scaler,
       prev_loss_scale=scale,
       overflow=overflow,
       skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
       grad_norm=norms.norm * inv_scale,
+      leaf_nonfinite=norms.leaf_nonfinite,
+      leaf_nonfinite_steps=state.leaf_nonfinite_steps
+      + norms.leaf_nonfinite.astype(jnp.int32),
+      overflow_kind=kind,
+      grad_range=new_range,
+      leaf_paths=state.leaf_paths,
     )
+    if log_overflows:
+      paths = state.leaf_paths.paths
+
+      def log(skipped, kind, old, new, nonfinite):
+        _log_overflow(paths, skipped, kind, old, new, nonfinite)
+
+      jax.lax.cond(
+        overflow,
+        lambda: jax.debug.callback(
+          log,
+          new_state.skipped_steps,
+          kind,
+          scale,
+          new_scaler.loss_scale,
+          norms.leaf_nonfinite,
+        ),
+        lambda: None,
+      )
     return jax.tree.unflatten(treedef, outputs), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,23 +1,31 @@
 """The one global-norm routine: overflow and norm from a single pass.
 
-``leaf_sums(leaves)`` reads every gradient element once and sums
-``x * x`` where ``x`` is finite and NaN where it is not. So the total is
+``leaf_sums(leaves)`` reads every gradient element once and sums ``x * x``
+where ``x`` is finite and ``-inf`` where it is not. A sum of non-negative
+numbers is never negative, so each leaf's sum says exactly whether the leaf
+held an inf or NaN (it is ``-inf``) and otherwise gives its squared norm. The
+pass creates no NaN from an inf (``jax_debug_nans`` stays quiet on an
+ordinary overflow step):
 
-* NaN exactly when some element is inf or NaN: an *overflow*;
-* +inf when every element is finite but a square or the sum overflowed
-  float32: not an overflow, only too large to square. That rare case is
-  recomputed with the squares taken relative to each group's largest
-  magnitude, inside a ``lax.cond`` that a common step never enters;
+* a non-finite leaf sums to ``-inf``: an *overflow*, recorded per leaf;
+* squares of wide (float32, bfloat16) elements are capped at ``2**96`` and
+  each leaf's sum at ``2**96``, so no sum reaches ``+inf`` and ``-inf`` never
+  meets ``+inf``. A total at the cap means some squares were too large for
+  float32, not an overflow: the norm is then recomputed with the squares
+  taken relative to each group's largest magnitude, inside a ``lax.cond``
+  that a common step never enters. float16 squares cannot reach the cap
+  (``65504**2 * 2**31 < 2**96``), so for float16 gradients that branch is
+  not even traced;
 * otherwise the squared norm.
 
-A sum of non-negative finite numbers is never NaN, so the overflow test is
-exact. Under ``shard_map``, each leaf's partial sum is summed with ``psum``
-across exactly the mesh axes its ``PartitionSpec`` splits it over, so a leaf
+Under ``shard_map``, each leaf's partial sum is summed with ``psum`` across
+exactly the mesh axes its ``PartitionSpec`` splits it over (one collective
+per distinct set of axes, on the vector of those leaves' sums), so a leaf
 replicated across an axis counts once and a sharded one counts every shard.
-The psummed totals are the same on every device, so every device takes the
-same overflow decision and the same branch of the ``lax.cond`` (whose rescue
-branch holds collectives). Under plain ``jit`` the arrays are global and the
-specs call for no collective.
+The psummed sums are the same on every device, so every device takes the
+same overflow decision, the same per-leaf attribution and the same branch of
+the ``lax.cond`` (whose rescue branch holds collectives). Under plain
+``jit`` the arrays are global and the specs call for no collective.
 """
 
 import contextlib
@@ -31,18 +39,28 @@ import jax.numpy as jnp
 AxisNames = tuple  # tuple[str, ...], sorted; () for an unsharded leaf
 
 
+# Cap on a wide element's square and on any leaf's sum: 2**31 capped squares
+# (or leaf sums) still add up to less than float32's maximum, so no sum is
+# +inf and a -inf never meets a +inf.
+CAP = 2.0**96
+
+
 class Norms(NamedTuple):
   """Norms of a gradient tree, as computed from its per-leaf sums.
 
   Attributes:
-    norm: float32 global 2-norm; NaN when ``overflow``.
-    group_norms: float32 vector, the 2-norm of each group of leaves.
+    norm: float32 global 2-norm; 0.0 when ``overflow`` (no norm exists).
+    group_norms: float32 vector, the 2-norm of each group of leaves; 0.0 for
+      a group that holds a non-finite leaf.
     overflow: bool, whether any element was inf or NaN.
+    leaf_nonfinite: bool vector, one entry per leaf in tree order, whether
+      that leaf held an inf or NaN (on any device, under ``shard_map``).
   """
 
   norm: jax.Array
   group_norms: jax.Array
   overflow: jax.Array
+  leaf_nonfinite: jax.Array
 
 
 _FLOAT16_RANGE: contextvars.ContextVar = contextvars.ContextVar(
@@ -74,9 +92,17 @@ def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
       )
 
 
+def _is_wide(x) -> bool:
+  return jnp.result_type(x) != jnp.float16
+
+
 def _squares(x: jax.Array) -> jax.Array:
+  wide = _is_wide(x)
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  return lax.select(lax.is_finite(x), x * x, lax.full_like(x, jnp.nan))
+  sq = x * x
+  if wide:
+    sq = jnp.minimum(sq, jnp.float32(CAP))
+  return lax.select(lax.is_finite(x), sq, lax.full_like(sq, -jnp.inf))
 
 
 @jax.custom_jvp
@@ -99,7 +125,8 @@ def _sqrt_jvp(primals, tangents):
 
 
 def leaf_sums(leaves: Sequence[jax.Array]) -> list:
-  """Per-leaf local sums of squares, NaN for a leaf with a non-finite element.
+  """Per-leaf local sums of squares, ``-inf`` for a leaf with a non-finite
+  element.
 
   This is the one pass over the gradients; everything else works on scalars.
   Its derivative treats a non-finite element as 0 (see :func:`discard_if`).
@@ -140,6 +167,26 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
   return tuple(lax.select_n(overflow, x, lax.full_like(x, 0)) for x in leaves)
 
 
+def leaf_vector(values, leaf_axes, collective) -> jax.Array:
+  """Per-leaf scalars as one vector, each combined across its mesh axes.
+
+  One ``collective`` per distinct set of axes, on the vector of the leaves
+  that share it; leaves with no axes take none.
+  """
+  out = list(values)
+  by_axes = {}
+  for i, axes in enumerate(leaf_axes):
+    if axes:
+      by_axes.setdefault(axes, []).append(i)
+  for axes, idx in by_axes.items():
+    combined = collective(jnp.stack([out[i] for i in idx]), axes)
+    for k, i in enumerate(idx):
+      out[i] = combined[k]
+  if not out:
+    return jnp.zeros([0], jnp.float32)
+  return jnp.stack(out)
+
+
 def spec_axes(spec) -> AxisNames:
   """Mesh axes a ``PartitionSpec`` splits an array over."""
   if spec is None:
@@ -174,12 +221,13 @@ def reduce_norms(
   num_groups: int = 1,
   leaf_axes: Optional[Sequence[AxisNames]] = None,
 ) -> Norms:
-  """Global and per-group norms from :func:`leaf_sums`.
+  """Global and per-group norms, and per-leaf overflow, from
+  :func:`leaf_sums`.
 
   Args:
     sums: per-leaf local sums of squares, from :func:`leaf_sums`.
     leaves: the leaves they were computed from (read again only in the rare
-      case where a finite square overflowed float32).
+      case where finite squares were too large for float32).
     leaf_groups: static group index of each leaf (default: all in group 0).
     num_groups: number of groups.
     leaf_axes: static mesh axes to ``psum`` each leaf's sum over, from
@@ -193,31 +241,48 @@ def reduce_norms(
   leaf_axes = tuple(leaf_axes) if leaf_axes is not None else ((),) * n
   if n == 0:
     zero = jnp.float32(0)
-    return Norms(zero, jnp.zeros([num_groups], jnp.float32), jnp.bool_(False))
-
-  def group_sums(values):
-    return _grouped(
-      values,
-      leaf_groups,
-      leaf_axes,
-      num_groups,
-      jnp.sum,
-      lambda v, axes: lax.psum(v, axes),
+    return Norms(
+      zero,
+      jnp.zeros([num_groups], jnp.float32),
+      jnp.bool_(False),
+      jnp.zeros([0], jnp.bool_),
     )
 
-  common = group_sums(sums)
+  needs_rescue = any(_is_wide(x) for x in leaves)
+  if needs_rescue:
+    # A leaf's sum is at most 2**31 * CAP; capped at CAP, the total of 2**31
+    # of them stays finite too.
+    sums = [jnp.minimum(v, jnp.float32(CAP)) for v in sums]
+  per_leaf = leaf_vector(sums, leaf_axes, lambda v, axes: lax.psum(v, axes))
+  # -inf exactly for a leaf with a non-finite element on some device.
+  leaf_nonfinite = per_leaf < 0
+  groups = jnp.asarray(leaf_groups, jnp.int32)
+  common = jnp.stack(
+    [
+      jnp.sum(jnp.where(groups == g, per_leaf, 0.0))
+      if g in leaf_groups
+      else jnp.float32(0)
+      for g in range(num_groups)
+    ]
+  )
   total = jnp.sum(common)
 
-  needs_rescue = not _FLOAT16_RANGE.get() and any(
-    jnp.result_type(x) != jnp.float16 for x in leaves
-  )
-  if needs_rescue:
-    # float16 squares cannot overflow a float32 sum (65504**2 * 2**63 < max),
-    # so the rescue is only traced when some leaf is wider than float16 (and
-    # may hold values beyond its range).
+  def keep(_):
+    # sqrt(|sum|): +inf exactly for a sum that met a non-finite leaf (-inf),
+    # where sqrt(sum) would make a NaN; finite otherwise (sums are capped).
+    # _sqrt's derivative is 0 where the root is 0 or inf, so gradients taken
+    # through the step stay finite.
+    root = _sqrt(jnp.abs(total))
+    return root, _sqrt(jnp.abs(common)), jnp.isinf(root)
+
+  # Under float16_range() every leaf holds float16-range values: no finite
+  # square can reach the cap, and the rescue is not traced.
+  if needs_rescue and not _FLOAT16_RANGE.get():
+
     def rescue(_):
       # Each group relative to its own largest magnitude: relative to the
-      # global one, a small group's squares would underflow float32.
+      # global one, a small group's squares would underflow float32. Only
+      # entered for a finite total, so every element is finite here.
       maxima = [
         jnp.max(jnp.abs(x), initial=0).astype(jnp.float32) for x in leaves
       ]
@@ -230,30 +295,38 @@ def reduce_norms(
         lambda v, axes: lax.pmax(v, axes),
       )
       peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
-      rel = group_sums(
+      rel = _grouped(
         [
           jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
           for x, g in zip(leaves, leaf_groups)
-        ]
+        ],
+        leaf_groups,
+        leaf_axes,
+        num_groups,
+        jnp.sum,
+        lambda v, axes: lax.psum(v, axes),
       )
       top = jnp.max(peaks)
       return (
         top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
         peaks * jnp.sqrt(rel),
+        jnp.bool_(False),  # entered only for a finite total
       )
 
-    def keep(_):
-      return _sqrt(total), _sqrt(common)
-
-    norm, group_norms = lax.cond(jnp.isinf(total), rescue, keep, None)
+    root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
   else:
-    norm, group_norms = _sqrt(total), _sqrt(common)
-  # NaN exactly when ``total`` is (the rescue runs only on +inf). Read off the
-  # norm, behind a sqrt that XLA will not duplicate: a cheap function of every
-  # leaf's sum is otherwise fused, with all L sums as operands, into each of
-  # the L per-leaf selects of skip_on_overflow: O(L**2) HLO and compile time
-  # (27x optax's at 200 leaves).
-  return Norms(norm=norm, group_norms=group_norms, overflow=jnp.isnan(norm))
+    root, group_roots, overflow = keep(None)
+  # The overflow flag is read off the root, behind a sqrt that XLA will not
+  # duplicate (or off the cond's output): a cheap function of every leaf's
+  # sum is otherwise fused, with all L sums as operands, into each of the L
+  # per-leaf selects of skip_on_overflow: O(L**2) HLO and compile time (27x
+  # optax's at 200 leaves).
+  return Norms(
+    norm=jnp.where(overflow, 0.0, root),
+    group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
+    overflow=overflow,
+    leaf_nonfinite=leaf_nonfinite,
+  )
 
 
 def _is_spec(s) -> bool:
@@ -377,3 +450,30 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
       )
     axes.append(tuple(a for a in named if a in manual))
   return tuple(axes)
+
+
+def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
+  """Per-leaf largest finite ``|x|`` and fraction of zero elements.
+
+  Opt-in telemetry: two more reductions per leaf over the same elements as
+  :func:`leaf_sums` (XLA:CPU, which has no multi-output fusion, reads the
+  gradients again for each). Under ``shard_map``
+  the maxima are ``pmax``-ed and the counts ``psum``-med across each leaf's
+  axes.
+
+  Returns:
+    ``(max_abs, zero_fraction)``, two float32 vectors in leaf order.
+  """
+  peaks = [
+    jnp.max(
+      jnp.where(lax.is_finite(x), jnp.abs(x), jnp.zeros([], x.dtype)),
+      initial=0,
+    ).astype(jnp.float32)
+    for x in leaves
+  ]
+  zeros = [jnp.sum(x == 0, dtype=jnp.float32) for x in leaves]
+  sizes = [jnp.float32(x.size) for x in leaves]
+  peaks = leaf_vector(peaks, leaf_axes, lambda v, axes: lax.pmax(v, axes))
+  zeros = leaf_vector(zeros, leaf_axes, lambda v, axes: lax.psum(v, axes))
+  sizes = leaf_vector(sizes, leaf_axes, lambda v, axes: lax.psum(v, axes))
+  return peaks, zeros / jnp.maximum(sizes, 1.0)

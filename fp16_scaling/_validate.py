@@ -104,3 +104,11 @@ def choice(name: str, value, allowed) -> str:
       f"{_describe(value)}"
     )
   return value
+
+
+def in_range(name: str, value, low: float, high: float) -> float:
+  """A real number in the closed interval ``[low, high]``."""
+  v = real(name, value)
+  if not (math.isfinite(v) and low <= v <= high):
+    raise ValueError(f"{name} must lie in [{low:g}, {high:g}], got {value!r}")
+  return v

@@ -53,10 +53,22 @@ def test_high_initial_scale_overflows_and_backs_off(run):
   np.testing.assert_array_equal(
     scales[: leading + 1], 2.0**24 / 2.0 ** np.arange(leading + 1)
   )
-  # Skipped steps report a NaN norm; clean ones a finite, positive true norm.
+  # Skipped steps report a 0.0 norm (none exists; never NaN); clean ones a
+  # finite, positive true norm.
   norms = result["grad_norm"]
-  assert np.isnan(norms[overflow]).all()
+  assert (norms[overflow] == 0).all()
   assert np.isfinite(norms[~overflow]).all() and (norms[~overflow] > 0).all()
+
+
+def test_report_names_the_overflowing_leaves(run):
+  result, _ = run
+  report = result["report"]
+  assert report.skipped_steps == result["skipped_steps"]
+  # The loss (float32) stayed finite: every overflow was in the backward pass,
+  # and a leaf of the output layer overflowed on every skipped step.
+  assert report.counts and max(report.counts.values()) == report.skipped_steps
+  assert all(p.startswith("['params']['Dense_") for p in report.counts)
+  assert "What to do" in str(report)
 
 
 def test_scale_grows_again_after_clean_window(run):

@@ -447,12 +447,12 @@ def check_against_reference(history, reference):
     assert got["loss_scale"] == want["loss_scale"], msg
     assert got["skipped_steps"] == want["skipped_steps"], msg
     for k in ("grad_norm", "expert_grad_norm", "shared_grad_norm"):
-      if want["overflow"]:
-        assert np.isnan(got[k]), (msg, k)
-      else:
-        np.testing.assert_allclose(
-          got[k], want[k], rtol=1e-5, err_msg=f"{msg} {k}"
-        )
+      # A norm over a non-finite leaf does not exist: reported as 0.0. A
+      # group that stayed finite on an overflow step reports its true norm.
+      expected = want[k] if np.isfinite(want[k]) else 0.0
+      np.testing.assert_allclose(
+        got[k], expected, rtol=1e-5, err_msg=f"{msg} {k}"
+      )
     for g, w in zip(
       jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"])
     ):

@@ -1,0 +1,250 @@
+"""``overflow_report``: which gradient leaves overflow, how often, and why.
+
+Host side. Everything it reads was recorded by ``fp16_loss_scale`` in its one
+pass over the gradients: the per-leaf overflow flags and counts, the kind of
+the last overflow, and (opt-in) the per-leaf gradient range. The leaves'
+names come from the state's static :class:`LeafPaths`, so the report needs
+nothing but the optimizer state.
+"""
+
+import dataclasses
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp16_scaling import _lookup
+from fp16_scaling import _validate
+from fp16_scaling._loss_scale import KINDS
+from fp16_scaling._scaler import F16_MAX
+
+_ADVICE = {
+  "none": "Nothing to do: the last step was clean.",
+  "unknown": (
+    "Pass the loss as tx.update(grads, opt_state, params, value=loss) to "
+    "tell an overflow of the forward pass (no scale fixes it) from one of "
+    "the backward pass (the scale was too high; the scaler backs off)."
+  ),
+  "backward": (
+    "The loss was finite and the scaled gradients overflowed float16: the "
+    "scale was too high. This is normal while a dynamic scaler probes for "
+    "its scale; it has backed off. Act only if skipped steps keep piling up: "
+    "lower the initial scale or lengthen the growth window."
+  ),
+  "forward": (
+    "The loss itself was not finite: the forward pass overflowed (float16 "
+    "activations or logits past 65504, a log or division of 0). No loss "
+    "scale fixes this: compute the listed leaves' layers, softmax and loss "
+    "in float32, check the input batch, or lower the learning rate."
+  ),
+  "persistent": (
+    "The scale sits at its floor and the gradients still overflow: this is "
+    "not a scaling problem. The listed leaves hold inf or NaN at any scale: "
+    "look for a diverged parameter, bad input data or a learning rate too "
+    "high in their layers; pass value=loss to see whether the loss itself "
+    "is finite."
+  ),
+}
+
+
+def headroom_bits(max_abs, scale):
+  """``log2(65504 / (max_abs * scale))``: how many doublings of ``scale`` the
+  largest gradient could still take in float16; +inf where it is 0.
+
+  Args:
+    max_abs: largest finite unscaled ``|g|`` (scalar or per-leaf vector).
+    scale: the loss scale the gradients were made with.
+
+  Returns:
+    float32 array of ``max_abs``'s shape; never NaN.
+  """
+  top = jnp.asarray(max_abs, jnp.float32) * jnp.asarray(scale, jnp.float32)
+  safe = jnp.where(top > 0, top, 1.0)
+  return jnp.where(top > 0, jnp.log2(jnp.float32(F16_MAX) / safe), jnp.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRange:
+  """One leaf's gradient range on the last step (``grad_range=True``)."""
+
+  max_abs: float
+  headroom_bits: float
+  zero_fraction: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+  """Where and why the gradients overflowed; see :func:`overflow_report`.
+
+  Attributes:
+    step_overflowed: whether the last step overflowed (and was skipped).
+    nonfinite_leaves: paths (``jax.tree_util.keystr``) of the gradient leaves
+      that held an inf or NaN on the last step, in tree order.
+    counts: path -> number of steps on which that leaf held an inf or NaN,
+      for every leaf with a nonzero count, in tree order.
+    kind: the last step's overflow kind: "none", "unknown", "forward",
+      "backward" or "persistent".
+    scale: the loss scale the last step's gradients were made with.
+    next_scale: the scale for the next step.
+    skipped_steps: overflowing (skipped) steps so far.
+    floor_overflows: overflows that hit the scale's floor so far.
+    grad_range: path -> :class:`LeafRange` of the last step, when the state
+      records it (``fp16_loss_scale(..., grad_range=True)``), else None.
+    top: how many leaves ``str()`` lists.
+  """
+
+  step_overflowed: bool
+  nonfinite_leaves: Tuple[str, ...]
+  counts: Dict[str, int]
+  kind: str
+  scale: float
+  next_scale: float
+  skipped_steps: int
+  floor_overflows: int
+  grad_range: Optional[Dict[str, LeafRange]]
+  top: int = 10
+
+  def top_leaves(self) -> list:
+    """Up to ``top`` (path, count) pairs, most overflows first, then tree
+    order."""
+    order = sorted(self.counts.items(), key=lambda kv: -kv[1])
+    return order[: self.top]
+
+  def top_leaves_text(self) -> str:
+    """``path (count)`` for :meth:`top_leaves`, comma-separated."""
+    shown = [f"{p} ({n})" for p, n in self.top_leaves()]
+    more = len(self.counts) - len(shown)
+    return ", ".join(shown) + (f", and {more} more" if more > 0 else "") or (
+      "none"
+    )
+
+  def advice(self) -> str:
+    """What to do about the last overflow (or the run's, if it was clean)."""
+    if self.kind == "none" and self.skipped_steps:
+      return (
+        "The last step was clean; earlier skipped steps were the scaler "
+        "probing for its scale unless the counts above keep growing."
+      )
+    return _ADVICE[self.kind]
+
+  def __str__(self) -> str:
+    lines = []
+    if self.step_overflowed:
+      lines.append(
+        f"Last step OVERFLOWED ({self.kind}) at loss scale "
+        f"{_fmt_scale(self.scale)}; next scale {_fmt_scale(self.next_scale)}."
+      )
+    else:
+      lines.append(
+        f"Last step clean at loss scale {_fmt_scale(self.scale)}; next "
+        f"scale {_fmt_scale(self.next_scale)}."
+      )
+    lines.append(
+      f"Skipped steps so far: {self.skipped_steps}; overflows at the "
+      f"scale's floor: {self.floor_overflows}."
+    )
+    if self.step_overflowed:
+      shown = self.nonfinite_leaves[: self.top]
+      lines.append(
+        f"Non-finite gradient leaves on the last step "
+        f"({len(self.nonfinite_leaves)}):"
+      )
+      lines += [f"  {p}" for p in shown]
+      if len(self.nonfinite_leaves) > len(shown):
+        lines.append(f"  ... and {len(self.nonfinite_leaves) - len(shown)}")
+    if self.counts:
+      lines.append(
+        f"Steps with a non-finite gradient, per leaf (top {self.top}):"
+      )
+      width = max(len(str(n)) for n in self.counts.values())
+      lines += [f"  {n:>{width}}  {p}" for p, n in self.top_leaves()]
+      more = len(self.counts) - min(len(self.counts), self.top)
+      if more:
+        lines.append(f"  ... and {more} more leaves")
+    if self.grad_range:
+      lines.append(
+        f"Gradient range of the last step, least headroom first (top "
+        f"{self.top}): max|g|, headroom bits at {_fmt_scale(self.scale)}, "
+        "zero fraction"
+      )
+      ranked = sorted(
+        self.grad_range.items(), key=lambda kv: kv[1].headroom_bits
+      )
+      for p, r in ranked[: self.top]:
+        lines.append(
+          f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "
+          f"{r.zero_fraction:6.1%}  {p}"
+        )
+    lines.append("What to do: " + self.advice())
+    return "\n".join(lines)
+
+
+def _fmt_scale(s: float) -> str:
+  if s > 0 and math.isfinite(s):
+    k = math.log2(s)
+    if k == int(k):
+      return f"2^{int(k)}"
+  return f"{s:g}"
+
+
+def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
+  """Which gradient leaves overflowed, how often, at what scale, and why.
+
+  Reads the state that ``fp16_loss_scale`` keeps (one device-to-host copy of
+  a few small arrays); call it on the host, e.g. when a run skipped steps.
+
+  Args:
+    opt_state: an optax state holding one ``fp16_loss_scale`` state, at any
+      depth.
+    top: how many leaves the printed report lists; an integer >= 1.
+
+  Returns:
+    An :class:`OverflowReport`; ``print`` it for a readable summary.
+
+  Raises:
+    ValueError: ``opt_state`` holds no ``fp16_loss_scale`` state (or more
+      than one); ``top`` is out of range.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0)))
+    >>> params = {"a": {"w": jnp.ones(2)}, "b": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> grads = {"a": {"w": jnp.array([jnp.inf, 0.0])}, "b": jnp.ones(3)}
+    >>> _, state = tx.update(grads, state, params)
+    >>> report = fs.overflow_report(state)
+    >>> report.nonfinite_leaves, report.counts
+    (("['a']['w']",), {"['a']['w']": 1})
+  """
+  top = _validate.count("top", top)
+  ls = _lookup.loss_scale_state(opt_state)
+  host = jax.device_get(ls._replace(leaf_paths=None))
+  paths = ls.leaf_paths.paths
+  flags = np.asarray(host.leaf_nonfinite, bool)
+  counts = np.asarray(host.leaf_nonfinite_steps)
+  scale = float(host.prev_loss_scale)
+  grad_range = None
+  if host.grad_range is not None:
+    max_abs = np.asarray(host.grad_range.max_abs, np.float64)
+    bits = np.asarray(headroom_bits(max_abs, scale))
+    zeros = np.asarray(host.grad_range.zero_fraction)
+    grad_range = {
+      p: LeafRange(float(m), float(b), float(z))
+      for p, m, b, z in zip(paths, max_abs, bits, zeros)
+    }
+  return OverflowReport(
+    step_overflowed=bool(host.overflow),
+    nonfinite_leaves=tuple(p for p, bad in zip(paths, flags) if bad),
+    counts={p: int(n) for p, n in zip(paths, counts) if n},
+    kind=KINDS[int(host.overflow_kind)],
+    scale=scale,
+    next_scale=float(host.scaler.loss_scale),
+    skipped_steps=int(host.skipped_steps),
+    floor_overflows=int(host.scaler.floor_overflows),
+    grad_range=grad_range,
+    top=top,
+  )
