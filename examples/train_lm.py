@@ -22,7 +22,7 @@ are exactly zero (in float16 that is mostly underflow: products too small for
 float16, which flush to zero; in float32 it is close to 0).
 
     pip install -e ".[examples]"   # from the repository root
-    python examples/train_lm.py                       # default size, ~5 min
+    python examples/train_lm.py                       # default size, ~2 min
     python examples/train_lm.py --size tiny --steps 100
     python examples/train_lm.py --scaler none         # fp16 without scaling
 """
@@ -49,7 +49,8 @@ import fp16_scaling as fs
 VOCAB = 129  # ASCII 0..127, and 128 for every other character
 VAL_MOD = 10  # a file is validation when crc32(name) % VAL_MOD == 0
 
-# Model and batch sizes. "small" is the default: about 5 minutes on 2 CPUs.
+# Model and batch sizes. "small" is the default: 300 steps took 104 s wall on
+# 2 shared CPUs.
 SIZES = {
   "tiny": dict(layers=2, d_model=32, heads=2, seq_len=32, batch=16, steps=100),
   "small": dict(layers=4, d_model=64, heads=4, seq_len=64, batch=32, steps=300),
