@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fp16_scaling import _guard
@@ -190,7 +191,10 @@ def _overflow_kind(overflow, value, at_floor) -> jax.Array:
 
 
 def _log_overflow(paths, skipped, kind, old, new, nonfinite):
-  leaves = [p for p, bad in zip(paths, nonfinite) if bad]
+  # Plain numpy first: iterating a jax.Array dispatches a computation, which
+  # inside a host callback can deadlock the runtime that called it.
+  nonfinite = np.asarray(nonfinite)
+  leaves = [p for p, bad in zip(paths, nonfinite.tolist()) if bad]
   shown = ", ".join(leaves[:10]) + (" ..." if len(leaves) > 10 else "")
   print(
     f"[fp16_scaling] OVERFLOW! Skipping step ({int(skipped)} skipped so "
