@@ -27,9 +27,16 @@ class ScaleMetrics(TypedDict, total=False):
     prev_loss_scale: the scale the last step's gradients were made with.
     overflow: bool, whether the last step overflowed (and was skipped).
     skipped_steps: int32 count of overflowing steps so far.
-    grad_norm: true (unscaled) global norm before clipping; NaN on overflow.
+    grad_norm: true (unscaled) global norm before clipping; 0.0 on overflow.
     expert_grad_norm: the expert leaves' part of ``grad_norm``.
     shared_grad_norm: the other leaves' part of ``grad_norm``.
+    floor_overflows: int32 overflows with the scale at its floor.
+    overflow_kind: int32 code into ``fp16_scaling.OVERFLOW_KINDS``.
+    nonfinite_leaves: int32 gradient leaves that overflowed on the last step.
+    grad_max_abs: with ``grad_range=True``, the largest finite unscaled |g|.
+    min_headroom_bits: with ``grad_range=True``, the least headroom in bits
+      below float16's maximum over the leaves.
+    zero_fraction: with ``grad_range=True``, the fraction of zero elements.
     microbatches: under :func:`accumulate_gradients`, int32 microbatches so
       far (likewise the three below).
     applied_steps: int32 windows whose step was applied.
@@ -45,6 +52,12 @@ class ScaleMetrics(TypedDict, total=False):
   grad_norm: jax.Array
   expert_grad_norm: jax.Array
   shared_grad_norm: jax.Array
+  floor_overflows: jax.Array
+  overflow_kind: jax.Array
+  nonfinite_leaves: jax.Array
+  grad_max_abs: jax.Array
+  min_headroom_bits: jax.Array
+  zero_fraction: jax.Array
   microbatches: jax.Array
   applied_steps: jax.Array
   dropped_microbatches: jax.Array
@@ -138,7 +151,9 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "skipped_steps": ls.skipped_steps,
     "floor_overflows": ls.scaler.floor_overflows,
     "overflow_kind": ls.overflow_kind,
-    "nonfinite_leaves": jnp.sum(ls.leaf_nonfinite, dtype=jnp.int32),
+    # Per-leaf vectors hold the leaves on their last axis (a batched state
+    # has its batch axes in front).
+    "nonfinite_leaves": jnp.sum(ls.leaf_nonfinite, axis=-1, dtype=jnp.int32),
     "grad_norm": ls.grad_norm,
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
@@ -146,12 +161,14 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
   if ls.grad_range is not None:
     max_abs = ls.grad_range.max_abs
     sizes = jnp.asarray(ls.leaf_paths.sizes, jnp.float32)
-    metrics["grad_max_abs"] = jnp.max(max_abs, initial=0.0)
+    metrics["grad_max_abs"] = jnp.max(max_abs, axis=-1, initial=0.0)
     metrics["min_headroom_bits"] = jnp.min(
-      _diagnostics.headroom_bits(max_abs, ls.prev_loss_scale), initial=jnp.inf
+      _diagnostics.headroom_bits(max_abs, ls.prev_loss_scale[..., None]),
+      axis=-1,
+      initial=jnp.inf,
     )
     metrics["zero_fraction"] = jnp.sum(
-      ls.grad_range.zero_fraction * sizes
+      ls.grad_range.zero_fraction * sizes, axis=-1
     ) / jnp.maximum(jnp.sum(sizes), 1.0)
   if acc is not None:
     ended = acc.window_ended
@@ -227,11 +244,16 @@ def raise_if_min_scale_reached(
     )
   else:
     return
-  report = _diagnostics.overflow_report(opt_state, top=5)
+  if np.ndim(jax.device_get(ls.scaler.loss_scale)) == 0:
+    report = _diagnostics.overflow_report(opt_state, top=5)
+    detail = (
+      f" Last overflow: {report.kind}. Leaves that kept overflowing: "
+      f"{report.top_leaves_text()}. {report.advice()}"
+    )
+  else:  # a batched state: the report reads one member's leaves
+    detail = " Call overflow_report on one member to see its leaves."
   raise MinLossScaleError(
     f"Current loss scale already at minimum "
     f"({float(np.min(jax.device_get(ls.scaler.loss_scale)))}) - cannot "
-    "decrease "
-    f"scale anymore: {why}. Last overflow: {report.kind}. Leaves that kept "
-    f"overflowing: {report.top_leaves_text()}. {report.advice()}"
+    f"decrease scale anymore: {why}.{detail}"
   )

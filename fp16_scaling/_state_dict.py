@@ -42,9 +42,7 @@ import numpy as np
 
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
-from fp16_scaling._loss_scale import LossScaleState
 from fp16_scaling._scaler import Scaler
-from fp16_scaling._scaler import ScalerState
 from fp16_scaling._scaler import deepspeed_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
@@ -195,7 +193,10 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   Returns:
     A dict: ``format`` (``"fp16_scaling"``), ``loss_scale``,
     ``prev_loss_scale``, ``growth_tracker``, ``hysteresis_left``,
-    ``min_scale_errors``, ``skipped_steps``, ``overflow``, ``grad_norm``
+    ``min_scale_errors``, ``floor_overflows``, ``skipped_steps``,
+    ``overflow``, ``grad_norm``, ``overflow_kind``, and per gradient leaf
+    ``leaf_nonfinite`` and ``leaf_nonfinite_steps`` (with ``grad_range``
+    also ``grad_max_abs`` and ``grad_zero_fraction``)
     (Python numbers; nested lists for a batched state) and ``config``.
 
   Examples:
@@ -214,10 +215,18 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
     "growth_tracker": _plain(ls.scaler.growth_tracker),
     "hysteresis_left": _plain(ls.scaler.hysteresis_left),
     "min_scale_errors": _plain(ls.scaler.min_scale_errors),
+    "floor_overflows": _plain(ls.scaler.floor_overflows),
     "skipped_steps": _plain(ls.skipped_steps),
     "overflow": _plain(ls.overflow),
     "grad_norm": _plain(ls.grad_norm),
+    "overflow_kind": _plain(ls.overflow_kind),
+    # Per gradient leaf, in tree order (lists).
+    "leaf_nonfinite": _plain(ls.leaf_nonfinite),
+    "leaf_nonfinite_steps": _plain(ls.leaf_nonfinite_steps),
   }
+  if ls.grad_range is not None:
+    out["grad_max_abs"] = _plain(ls.grad_range.max_abs)
+    out["grad_zero_fraction"] = _plain(ls.grad_range.zero_fraction)
   if scaler is not None:
     out["config"] = _config(_scaler_arg(scaler))
   return out
@@ -237,7 +246,22 @@ def _from_own(d: Mapping, scaler: Scaler) -> dict:
     # The initial scale does not matter once a run is under way.
     config = {k: v for k, v in d["config"].items() if k != "init_scale"}
     _check(scaler, "fp16_scaling", config)
-  return {k: d[k] for k in _OWN_FIELDS}
+  out = {k: d[k] for k in _OWN_FIELDS}
+  # Absent from dicts saved before they existed: the state's own are kept.
+  for k in _OWN_OPTIONAL:
+    if k in d:
+      out[k] = d[k]
+  return out
+
+
+_OWN_OPTIONAL = (
+  "floor_overflows",
+  "overflow_kind",
+  "leaf_nonfinite",
+  "leaf_nonfinite_steps",
+  "grad_max_abs",
+  "grad_zero_fraction",
+)
 
 
 _OWN_FIELDS = (
@@ -414,8 +438,10 @@ def load_scaler_state_dict(
   def put(x, v):
     return jnp.broadcast_to(jnp.asarray(v, x.dtype), x.shape)
 
-  new = LossScaleState(
-    scaler=ScalerState(
+  # _replace keeps the fields no state dict carries (per-leaf attribution,
+  # the overflow kind, the gradient range).
+  new = old._replace(
+    scaler=old.scaler._replace(
       loss_scale=put(old.scaler.loss_scale, values["loss_scale"]),
       growth_tracker=put(old.scaler.growth_tracker, values["growth_tracker"]),
       hysteresis_left=put(
@@ -424,6 +450,10 @@ def load_scaler_state_dict(
       min_scale_errors=put(
         old.scaler.min_scale_errors, values["min_scale_errors"]
       ),
+      floor_overflows=put(
+        old.scaler.floor_overflows,
+        values.get("floor_overflows", old.scaler.floor_overflows),
+      ),
     ),
     prev_loss_scale=put(old.prev_loss_scale, values["prev_loss_scale"]),
     overflow=put(old.overflow, values.get("overflow", old.overflow)),
@@ -431,7 +461,30 @@ def load_scaler_state_dict(
       old.skipped_steps, values.get("skipped_steps", old.skipped_steps)
     ),
     grad_norm=put(old.grad_norm, values.get("grad_norm", old.grad_norm)),
+    overflow_kind=put(
+      old.overflow_kind, values.get("overflow_kind", old.overflow_kind)
+    ),
+    leaf_nonfinite=put(
+      old.leaf_nonfinite, values.get("leaf_nonfinite", old.leaf_nonfinite)
+    ),
+    leaf_nonfinite_steps=put(
+      old.leaf_nonfinite_steps,
+      values.get("leaf_nonfinite_steps", old.leaf_nonfinite_steps),
+    ),
   )
+  if old.grad_range is not None:
+    new = new._replace(
+      grad_range=old.grad_range._replace(
+        max_abs=put(
+          old.grad_range.max_abs,
+          values.get("grad_max_abs", old.grad_range.max_abs),
+        ),
+        zero_fraction=put(
+          old.grad_range.zero_fraction,
+          values.get("grad_zero_fraction", old.grad_range.zero_fraction),
+        ),
+      )
+    )
   return _lookup.replace_loss_scale_state(opt_state, new)
 
 

@@ -85,11 +85,13 @@ def test_own_round_trip_continues_identically(name, cut):
   params = jnp.zeros(3)
   p_mid, s_mid = run(tx, params, tx.init(params), SEQ[:cut])
   d = fs.scaler_state_dict(s_mid, scaler)
+  per_leaf = ("leaf_nonfinite", "leaf_nonfinite_steps")
   assert all(
     type(v) in (int, float, bool)
     for k, v in d.items()
-    if k not in ("format", "config")
+    if k not in ("format", "config") + per_leaf
   )
+  assert all(len(d[k]) == 1 for k in per_leaf)  # one gradient leaf
   loaded = fs.load_scaler_state_dict(tx.init(params), d, scaler)
   a = run(tx, p_mid, s_mid, SEQ[cut:])
   b = run(tx, p_mid, loaded, SEQ[cut:])
@@ -106,7 +108,7 @@ def test_state_dict_values_by_hand():
   assert d["loss_scale"] == 512.0 and d["prev_loss_scale"] == 1024.0
   assert d["growth_tracker"] == -1 and d["hysteresis_left"] == 0
   assert d["skipped_steps"] == 2 and d["overflow"] is True
-  assert math.isnan(d["grad_norm"]) and "config" not in d
+  assert d["grad_norm"] == 0.0 and "config" not in d  # 0.0 on overflow
 
 
 # Hand-written peer dicts: each is what the peer's state_dict() returns after
