@@ -418,6 +418,19 @@ def _scale_after_step(cls, unscale_reported_norm):
   return ScaleAfterStep
 
 
+def ds_master_params(opt, fused):
+  """The float32 master parameters of a DeepSpeed fp16 optimizer, as numpy."""
+  from torch._utils import _unflatten_dense_tensors
+
+  if fused:
+    tensors = _unflatten_dense_tensors(
+      opt.fp32_groups_flat[0], opt.fp16_groups[0]
+    )
+  else:
+    tensors = opt.fp32_groups[0]
+  return [t.detach().numpy().copy() for t in tensors]
+
+
 def run_ds_fp16_optimizer(
   params0: Sequence[np.ndarray],
   grad_seq: Sequence[Sequence[np.ndarray]],
@@ -453,7 +466,6 @@ def run_ds_fp16_optimizer(
   init_deepspeed()
   from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
   from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-  from torch._utils import _unflatten_dense_tensors
 
   cls = FP16_Optimizer if fused else FP16_UnfusedOptimizer
   if patched:
@@ -480,13 +492,7 @@ def run_ds_fp16_optimizer(
   opt = cls(inner, clip_grad=clip_grad, verbose=False, **scaling)
 
   def masters():
-    if fused:
-      tensors = _unflatten_dense_tensors(
-        opt.fp32_groups_flat[0], opt.fp16_groups[0]
-      )
-    else:
-      tensors = opt.fp32_groups[0]
-    return [t.detach().numpy().copy() for t in tensors]
+    return ds_master_params(opt, fused)
 
   records = []
   for grads in grad_seq:

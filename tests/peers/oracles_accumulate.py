@@ -126,7 +126,6 @@ def run_ds_fp16_optimizer_accumulate(
   oracles.init_deepspeed()
   from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
   from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-  from torch._utils import _unflatten_dense_tensors
 
   cls = oracles._scale_after_step(
     FP16_Optimizer if fused else FP16_UnfusedOptimizer,
@@ -151,13 +150,7 @@ def run_ds_fp16_optimizer_accumulate(
   )
 
   def masters():
-    if fused:
-      tensors = _unflatten_dense_tensors(
-        opt.fp32_groups_flat[0], opt.fp16_groups[0]
-      )
-    else:
-      tensors = opt.fp32_groups[0]
-    return [t.detach().numpy().copy() for t in tensors]
+    return oracles.ds_master_params(opt, fused)
 
   records = []
   for window in windows:
