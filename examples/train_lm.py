@@ -77,6 +77,8 @@ SCALERS = {
   "flax": lambda c: fs.flax_scaler(
     scale=c.init_scale, growth_interval=c.window
   ),
+  # Sets the scale from the gradients' measured range, not a step count.
+  "headroom": lambda c: fs.headroom_scaler(init_scale=c.init_scale),
 }
 
 
@@ -93,6 +95,16 @@ class Config:
   lr: float = 1e-3
   init_std: float = 0.02  # normal init of every weight matrix and embedding
   max_norm: float = 1.0
+  # Gradient accumulation as DeepSpeed's engine (gradient_accumulation_steps),
+  # Megatron's schedules (num_microbatches) and torch's AMP recipe (loss /
+  # iters_to_accumulate) do it: each microbatch's loss is divided by
+  # `accumulate` before its backward pass, so each of its float16 gradients is
+  # that many times smaller, and the step sums the microbatch gradients in
+  # float32. `microbatches` of them are run per step (0: all `accumulate`);
+  # fewer gives every microbatch the same float16 gradients as the full
+  # recipe at a fraction of the compute (and of the batch).
+  accumulate: int = 1
+  microbatches: int = 0
   precision: str = "fp16"  # "fp16" or "fp32"
   scaler: str = "deepspeed"  # a key of SCALERS
   # Dynamic scalers start high (as DeepSpeed's own default, 2**32, does) and
@@ -103,6 +115,20 @@ class Config:
   eval_every: int = 50
   eval_batches: int = 8
   seed: int = 0
+
+  def __post_init__(self):
+    if self.accumulate < 1:
+      raise ValueError(f"accumulate must be >= 1, got {self.accumulate}")
+    if not 0 <= self.microbatches <= self.accumulate:
+      raise ValueError(
+        f"microbatches must be in [0, accumulate={self.accumulate}], got "
+        f"{self.microbatches}"
+      )
+
+  @property
+  def micro(self) -> int:
+    """Microbatches run per step."""
+    return self.microbatches or self.accumulate
 
   @property
   def dtype(self):
@@ -139,11 +165,16 @@ def load_corpus(max_chars: Optional[int] = None):
 
 
 def batches(tokens, cfg: Config, rng: np.random.Generator):
-  """Random windows of seq_len + 1 tokens: inputs and next-token targets."""
-  starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, cfg.batch)
+  """Random windows of seq_len + 1 tokens: inputs and next-token targets,
+  shaped (batch, seq_len), or (microbatches, batch, seq_len) with more than one.
+  """
+  n = cfg.batch * cfg.micro
+  starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, n)
   idx = starts[:, None] + np.arange(cfg.seq_len + 1)
   win = tokens[idx].astype(np.int32)
-  return win[:, :-1], win[:, 1:]
+  if cfg.micro > 1:
+    win = win.reshape(cfg.micro, cfg.batch, -1)
+  return win[..., :-1], win[..., 1:]
 
 
 def val_set(tokens, cfg: Config):
@@ -250,6 +281,47 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   )
 
 
+def make_grad_fn(cfg: Config):
+  """(half_params, x, y, scale) -> (loss, grads, zero_frac).
+
+  The gradients of ``loss / accumulate * scale`` with respect to the
+  compute-dtype parameters: of one batch, or of each of ``microbatches``
+  microbatches (``x`` and ``y`` then have a leading microbatch axis), summed
+  in float32. ``loss`` is the mean (microbatch) loss; ``zero_frac`` the
+  fraction of compute-dtype gradient elements that are exactly zero.
+  """
+  model = make_model(cfg)
+
+  def one(half, x, y, scale):
+    def scaled_loss(p):
+      loss = loss_fn(model, p, x, y)
+      return loss / cfg.accumulate * scale, loss
+
+    (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(half)
+    zeros = sum(jnp.sum(g == 0) for g in jax.tree.leaves(grads))
+    return loss, grads, zeros
+
+  def grad_fn(half, x, y, scale):
+    n = sum(p.size for p in jax.tree.leaves(half)) * cfg.micro
+    if cfg.micro == 1:
+      loss, grads, zeros = one(half, x, y, scale)
+      return loss, grads, zeros / n
+
+    def micro(carry, xy):
+      total, acc, zeros = carry
+      loss, g, z = one(half, *xy, scale)
+      acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+      return (total + loss, acc, zeros + z), None
+
+    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), half)
+    (total, grads, zeros), _ = jax.lax.scan(
+      micro, (jnp.float32(0), acc, jnp.int32(0)), (x, y)
+    )
+    return total / cfg.micro, grads, zeros / n
+
+  return grad_fn
+
+
 def make_train_step(cfg: Config, tx, *, measure_zeros: bool = True):
   """The jitted, donated step: (params, opt_state, x, y) -> (params,
   opt_state, metrics).
@@ -258,20 +330,16 @@ def make_train_step(cfg: Config, tx, *, measure_zeros: bool = True):
   gradient elements (in the compute dtype) that are exactly zero; it costs one
   extra pass over the gradients, so benchmarks turn it off.
   """
-  model = make_model(cfg)
+  grad_fn = make_grad_fn(cfg)
 
   def step(params, opt_state, x, y):
     scale = fs.current_scale(opt_state)
     # The compute-dtype copy of the model: gradients come out in that dtype.
     half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
-    scaled_loss, grads = jax.value_and_grad(
-      lambda p: loss_fn(model, p, x, y) * scale
-    )(half)
-    metrics = {"loss": scaled_loss / scale}
+    loss, grads, zero_frac = grad_fn(half, x, y, scale)
+    metrics = {"loss": loss}
     if measure_zeros:
-      leaves = jax.tree.leaves(grads)
-      zeros = sum(jnp.sum(g == 0) for g in leaves)
-      metrics["zero_frac"] = zeros / sum(g.size for g in leaves)
+      metrics["zero_frac"] = zero_frac
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, dict(fs.scale_metrics(opt_state), **metrics)

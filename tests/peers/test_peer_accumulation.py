@@ -259,3 +259,22 @@ def test_accumulation_matches_deepspeed_fp16_optimizer(seed, fused, optimizer):
   assert len(injected) >= 5 and counts["cast_overflows"] >= 5
   assert counts["clip_binds"] >= 20 and counts["clip_free"] >= 20
   assert counts["growths"] >= 5
+
+
+def test_deepspeed_engine_divides_each_microbatch_loss_by_gas():
+  """DeepSpeed's engine divides every microbatch's loss by
+  gradient_accumulation_steps before its backward pass: the recipe that
+  examples/train_lm.py's ``accumulate`` (and the accum-128 setting of
+  examples/compare_precision.py) reproduces, whose float16 gradients are that
+  many times smaller.
+  """
+  from deepspeed.runtime.engine import DeepSpeedEngine
+  import torch
+
+  class Engine:
+    def gradient_accumulation_steps(self):
+      return 128
+
+  loss = torch.tensor(3.0)
+  scaled = DeepSpeedEngine._scale_loss_by_gas(Engine(), loss)
+  assert scaled.item() == 3.0 / 128
