@@ -8,11 +8,21 @@ and optimizer) once per precision recipe:
   fp16 static      float16, ``static_scaler(--static-scale)``
   fp16 deepspeed   float16, ``deepspeed_scaler(init_scale=, scale_window=)``
   fp16 torch       float16, ``torch_scaler(init_scale=, growth_interval=)``
+  fp16 headroom    float16, ``headroom_scaler(init_scale=)``
 
-and that for each setting in ``--settings`` (``default``: train_lm's
-defaults; ``small-init``: the same with every weight initialised 2000 times
-smaller, init std 1e-5, where most float16 gradients underflow without
-scaling). It prints a table
+and that for each setting in ``--settings``:
+
+  default      train_lm's defaults (2,048 tokens per step)
+  accum-128    each step's loss divided by 128, as DeepSpeed's engine,
+               Megatron's schedules and torch's AMP recipe divide every
+               microbatch's loss when they accumulate 128 microbatches; one
+               microbatch is run per step, so each step's float16 gradients
+               are those of one microbatch of that recipe, at 1/128 of its
+               compute (``--microbatches 128`` runs all of them)
+  small-init   (not run by default) every weight initialised with std 1e-5
+               instead of 0.02
+
+It prints a table
 (final validation loss, skipped steps, fraction of float16 gradient elements
 that are zero, step time) and draws one figure, a row per setting: validation
 loss, the loss scale each step used, skipped steps, and the zero-gradient
@@ -41,13 +51,19 @@ import train_lm  # noqa: E402
 # each scaler, by its name in train_lm.SCALERS. A new preset (for instance a
 # headroom scaler) joins by adding it to train_lm.SCALERS and its name here
 # (or to --runs).
-RUNS = ("fp32", "none", "static", "deepspeed", "torch")
+RUNS = ("fp32", "none", "static", "deepspeed", "torch", "headroom")
 
-# Settings: Config overrides on top of --size. "small-init" scales every
-# weight's initial standard deviation down from 0.02 to 1e-5.
+# Settings: Config overrides on top of --size, and a title for the figure.
 SETTINGS = {
   "default": {},
+  "accum-128": {"accumulate": 128, "microbatches": 1},
   "small-init": {"init_std": 1e-5},
+}
+DEFAULT_SETTINGS = ("default", "accum-128")
+TITLES = {
+  "default": "default",
+  "accum-128": "loss / 128 (accumulation recipe)",
+  "small-init": "init std 1e-5",
 }
 
 STYLES = {"torch": "--"}  # torch and deepspeed often coincide
@@ -57,6 +73,7 @@ COLORS = {
   "fp16 static": "tab:orange",
   "fp16 deepspeed": "tab:blue",
   "fp16 torch": "tab:green",
+  "fp16 headroom": "tab:purple",
 }
 
 
@@ -93,7 +110,6 @@ def plot(results, path):
   rows = len(results)
   fig, axes = plt.subplots(rows, 4, figsize=(17, 3.8 * rows), squeeze=False)
   for (setting, runs), ax in zip(results.items(), axes):
-    c0 = runs[0]["config"]
     for r in runs:
       c = r["config"]
       name, color = label(c), COLORS.get(label(c))
@@ -116,7 +132,7 @@ def plot(results, path):
         lw=0.8,
       )
     ax[0].set(
-      title=f"{setting} (init std {c0.init_std:g}): validation loss",
+      title=f"{TITLES.get(setting, setting)}: validation loss",
       xlabel="step",
       ylabel="nats/char",
     )
@@ -145,7 +161,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument(
     "--settings",
-    default=",".join(SETTINGS),
+    default=",".join(DEFAULT_SETTINGS),
     help=f"comma-separated, from {sorted(SETTINGS)}",
   )
   p.add_argument(
