@@ -19,7 +19,9 @@ odd ones); each round times ``--inner`` steps of each, blocked on the result,
 and the ratio fp16_scaling / plain is taken within the round. It prints the
 median and quartiles of those paired ratios, for wall time and for the
 process's CPU time (all its threads), which other load on a shared machine
-moves less.
+moves less, with a 95% bootstrap interval of the median. It also prints
+what XLA's cost analysis of each compiled step counts (flops and bytes
+accessed), which does not depend on the machine's load.
 
   python benchmarks/train_step_cost.py                 # train_lm's default size
   python benchmarks/train_step_cost.py --size medium --rounds 20
@@ -70,9 +72,72 @@ def scaled_step(cfg):
   return tx, train_lm.make_train_step(cfg, tx, measure_zeros=False)
 
 
+def optimizer_parts(cfg, params, grads, rounds, inner=50):
+  """Median ms of the optimizer part alone (update and apply, jitted,
+  donated, on fixed float16 gradients): fp16_scaling's guarded chain and
+  scale metrics against plain optax's cast, clip and adamw; interleaved.
+  """
+  scaled_tx = train_lm.make_optimizer(cfg)
+  plain_tx = optax.chain(
+    optax.clip_by_global_norm(cfg.max_norm),
+    optax.adamw(cfg.lr, weight_decay=1e-4),
+  )
+
+  def scaled(params, state, grads):
+    updates, state = scaled_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def plain(params, state, grads):
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, state = plain_tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  parts = {}
+  for name, tx, fn in (
+    ("fp16_scaling", scaled_tx, scaled),
+    ("plain optax", plain_tx, plain),
+  ):
+    p = jax.tree.map(jnp.copy, params)
+    parts[name] = [jax.jit(fn, donate_argnums=(0, 1)), (p, tx.init(p)), []]
+
+  def sample(part):
+    step, state, _ = part
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      state = step(*state, grads)
+    jax.block_until_ready(state)
+    part[1] = state
+    return (time.perf_counter() - t0) / inner
+
+  names = list(parts)
+  for r in range(2 + rounds):
+    for name in names if r % 2 == 0 else names[::-1]:
+      t = sample(parts[name])
+      if r >= 2:
+        parts[name][2].append(t)
+  return {name: float(np.median(part[2])) for name, part in parts.items()}
+
+
 def quartiles(xs):
   q = np.percentile(xs, [25, 50, 75])
   return q[1], q[0], q[2]
+
+
+def median_interval(xs, n=10_000, seed=0):
+  """95% bootstrap interval of the median of ``xs`` (paired-round ratios)."""
+  xs = np.asarray(xs)
+  idx = np.random.default_rng(seed).integers(0, len(xs), (n, len(xs)))
+  return tuple(np.percentile(np.median(xs[idx], axis=1), [2.5, 97.5]))
+
+
+def compiled_cost(step, *args):
+  """(flops, bytes accessed) of the compiled step, as XLA counts them."""
+  cost = step.lower(*args).compile().cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per device
+    cost = cost[0]
+  return float(cost.get("flops", np.nan)), float(
+    cost.get("bytes accessed", np.nan)
+  )
 
 
 def main(argv=None):
@@ -81,6 +146,13 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=30)
   p.add_argument("--inner", type=int, default=5, help="steps per sample")
   p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
+  p.add_argument(
+    "--control",
+    action="store_true",
+    help="also time a second, identical plain optax step in the same rounds "
+    "and print its ratio to the first: what the method reads for no "
+    "difference",
+  )
   args = p.parse_args(argv)
   if min(args.rounds, args.inner) < 1 or args.warmup < 0:
     p.error("--rounds and --inner must be >= 1, --warmup >= 0")
@@ -96,15 +168,17 @@ def main(argv=None):
   x, y = jax.device_put(x), jax.device_put(y)
 
   runs = {}
-  for name, build in (
-    ("fp16_scaling", scaled_step),
-    ("plain optax", plain_step),
-  ):
+  builds = [("fp16_scaling", scaled_step), ("plain optax", plain_step)]
+  if args.control:
+    builds.append(("plain, again", plain_step))
+  for name, build in builds:
     tx, step = build(cfg)
     params = train_lm.init_params(cfg)
+    state = (params, tx.init(params))
     runs[name] = {
       "step": step,
-      "state": (params, tx.init(params)),
+      "state": state,
+      "cost": compiled_cost(step, *state, x, y),
       "t": [],
       "cpu": [],
     }
@@ -123,7 +197,7 @@ def main(argv=None):
     return wall, (time.process_time() - c0) / args.inner
 
   order = list(runs)
-  ratios, cpu_ratios = [], []
+  ratios, cpu_ratios, control = [], [], []
   for r in range(args.warmup + args.rounds):
     t = {}
     for name in order if r % 2 == 0 else order[::-1]:
@@ -134,6 +208,8 @@ def main(argv=None):
         runs[name]["cpu"].append(t[name][1])
       ratios.append(t["fp16_scaling"][0] / t["plain optax"][0])
       cpu_ratios.append(t["fp16_scaling"][1] / t["plain optax"][1])
+      if args.control:
+        control.append(t["plain, again"][0] / t["plain optax"][0])
 
   skipped = int(runs["fp16_scaling"]["last"]["skipped_steps"])
   print(
@@ -152,24 +228,62 @@ def main(argv=None):
     cpu = np.median(run["cpu"])
     print(
       f"  {name:<13} {1e3 * med:9.2f} ms/step [{1e3 * lo:.2f}, {1e3 * hi:.2f}]"
-      f"; process CPU time {1e3 * cpu:.2f} ms/step"
+      f"; process CPU time {1e3 * cpu:.2f} ms/step; XLA counts "
+      f"{run['cost'][0] / 1e9:.4f} GFLOP, {run['cost'][1] / 1e6:.2f} MB "
+      f"accessed"
     )
+  (f1, b1), (f0, b0) = (
+    runs[k]["cost"] for k in ("fp16_scaling", "plain optax")
+  )
+  print(
+    f"XLA cost analysis, fp16_scaling / plain optax: flops {f1 / f0:.4f}x, "
+    f"bytes accessed {b1 / b0:.4f}x"
+  )
   med, lo, hi = quartiles(ratios)
+  ci = median_interval(ratios)
   print(
     f"fp16_scaling / plain optax, per round: {med:.3f}x [{lo:.3f}x, "
-    f"{hi:.3f}x] (median [quartiles]); min {min(ratios):.3f}x, max "
+    f"{hi:.3f}x] (median [quartiles]), 95% interval of the median "
+    f"[{ci[0]:.3f}x, {ci[1]:.3f}x]; min {min(ratios):.3f}x, max "
     f"{max(ratios):.3f}x, mean {statistics.fmean(ratios):.3f}x; "
     f"fp16_scaling skipped {skipped} of its steps"
   )
   med, lo, hi = quartiles(cpu_ratios)
+  ci = median_interval(cpu_ratios)
   print(
-    f"process CPU time, per round: {med:.3f}x [{lo:.3f}x, {hi:.3f}x] (less "
-    f"moved by other load on the machine than wall time)"
+    f"process CPU time, per round: {med:.3f}x [{lo:.3f}x, {hi:.3f}x], 95% "
+    f"interval of the median [{ci[0]:.3f}x, {ci[1]:.3f}x] (less moved by "
+    f"other load on the machine than wall time)"
   )
+  params = train_lm.init_params(cfg)
+  half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
+  grads = jax.grad(
+    lambda p: train_lm.loss_fn(train_lm.make_model(cfg), p, x, y)
+  )(half)
+  parts = optimizer_parts(cfg, params, grads, args.rounds)
+  whole = np.median(runs["plain optax"]["t"])
+  diff = parts["fp16_scaling"] - parts["plain optax"]
+  print(
+    f"optimizer part alone (update and apply on the same float16 gradients, "
+    f"interleaved): fp16_scaling {1e3 * parts['fp16_scaling']:.3f} ms, plain "
+    f"optax {1e3 * parts['plain optax']:.3f} ms; the difference, "
+    f"{1e3 * diff:+.3f} ms, is {diff / whole:+.2%} of plain optax's whole step"
+  )
+  if control:
+    med, lo, hi = quartiles(control)
+    ci = median_interval(control)
+    print(
+      f"control, plain optax again / plain optax, per round: {med:.3f}x "
+      f"[{lo:.3f}x, {hi:.3f}x], 95% interval of the median [{ci[0]:.3f}x, "
+      f"{ci[1]:.3f}x]"
+    )
   return {
+    "control": control,
+    "optimizer_parts": parts,
     "ratios": ratios,
     "cpu_ratios": cpu_ratios,
     "times": {k: v["t"] for k, v in runs.items()},
+    "cost": {k: v["cost"] for k, v in runs.items()},
   }
 
 
