@@ -25,6 +25,9 @@ float16, which flush to zero; in float32 it is close to 0).
     python examples/train_lm.py                       # default size, ~2 min
     python examples/train_lm.py --size tiny --steps 100
     python examples/train_lm.py --scaler none         # fp16 without scaling
+    # each step's loss / 128 (DeepSpeed's accumulation recipe), one
+    # microbatch per step: unscaled fp16 loses a third of its gradients
+    python examples/train_lm.py --scaler none --accumulate 128 --microbatches 1
 """
 
 import argparse
