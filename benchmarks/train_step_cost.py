@@ -47,22 +47,44 @@ import optax  # noqa: E402
 import train_lm  # noqa: E402
 
 
-def plain_step(cfg):
-  """The same model's step with plain optax and no loss scaling."""
-  model = train_lm.make_model(cfg)
+def plain_update(cfg):
+  """Plain optax's optimizer part: the float16 gradients cast to float32,
+  then ``chain(clip_by_global_norm, adamw)``. Returns (tx, update)."""
   tx = optax.chain(
     optax.clip_by_global_norm(cfg.max_norm),
     optax.adamw(cfg.lr, weight_decay=1e-4),
   )
+
+  def update(params, opt_state, grads):
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, update
+
+
+def scaled_update(cfg):
+  """fp16_scaling's optimizer part, as train_lm.py builds it."""
+  tx = train_lm.make_optimizer(cfg)
+
+  def update(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return tx, update
+
+
+def plain_step(cfg):
+  """The same model's step with plain optax and no loss scaling."""
+  model = train_lm.make_model(cfg)
+  tx, update = plain_update(cfg)
 
   def step(params, opt_state, x, y):
     half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
     loss, grads = jax.value_and_grad(
       lambda p: train_lm.loss_fn(model, p, x, y)
     )(half)
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+    return *update(params, opt_state, grads), {"loss": loss}
 
   return tx, jax.jit(step, donate_argnums=(0, 1))
 
@@ -72,50 +94,51 @@ def scaled_step(cfg):
   return tx, train_lm.make_train_step(cfg, tx, measure_zeros=False)
 
 
-def optimizer_parts(cfg, params, grads, rounds, inner=50):
-  """Median ms of the optimizer part alone (update and apply, jitted,
-  donated, on fixed float16 gradients): fp16_scaling's guarded chain and
-  scale metrics against plain optax's cast, clip and adamw; interleaved.
+def interleaved(samplers, rounds, warmup):
+  """Calls every sampler once per round, in the listed order on even rounds
+  and reversed on odd ones. Returns {name: [sample of each timed round]}, so
+  that item i of every list comes from the same round.
   """
-  scaled_tx = train_lm.make_optimizer(cfg)
-  plain_tx = optax.chain(
-    optax.clip_by_global_norm(cfg.max_norm),
-    optax.adamw(cfg.lr, weight_decay=1e-4),
-  )
-
-  def scaled(params, state, grads):
-    updates, state = scaled_tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  def plain(params, state, grads):
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    updates, state = plain_tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  parts = {}
-  for name, tx, fn in (
-    ("fp16_scaling", scaled_tx, scaled),
-    ("plain optax", plain_tx, plain),
-  ):
-    p = jax.tree.map(jnp.copy, params)
-    parts[name] = [jax.jit(fn, donate_argnums=(0, 1)), (p, tx.init(p)), []]
-
-  def sample(part):
-    step, state, _ = part
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      state = step(*state, grads)
-    jax.block_until_ready(state)
-    part[1] = state
-    return (time.perf_counter() - t0) / inner
-
-  names = list(parts)
-  for r in range(2 + rounds):
+  names = list(samplers)
+  samples = {name: [] for name in names}
+  for r in range(warmup + rounds):
     for name in names if r % 2 == 0 else names[::-1]:
-      t = sample(parts[name])
-      if r >= 2:
-        parts[name][2].append(t)
-  return {name: float(np.median(part[2])) for name, part in parts.items()}
+      sample = samplers[name]()
+      if r >= warmup:
+        samples[name].append(sample)
+  return samples
+
+
+def optimizer_parts(cfg, params, grads, rounds, inner=50):
+  """Median seconds of the optimizer part alone (update and apply, jitted,
+  donated, on fixed float16 gradients), fp16_scaling's against plain
+  optax's, interleaved.
+  """
+
+  def sampler(build):
+    tx, update = build(cfg)
+    update = jax.jit(update, donate_argnums=(0, 1))
+    p = jax.tree.map(jnp.copy, params)
+    state = [(p, tx.init(p))]
+
+    def sample():
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        state[0] = update(*state[0], grads)
+      jax.block_until_ready(state[0])
+      return (time.perf_counter() - t0) / inner
+
+    return sample
+
+  times = interleaved(
+    {
+      "fp16_scaling": sampler(scaled_update),
+      "plain optax": sampler(plain_update),
+    },
+    rounds,
+    warmup=2,
+  )
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def quartiles(xs):
@@ -128,6 +151,16 @@ def median_interval(xs, n=10_000, seed=0):
   xs = np.asarray(xs)
   idx = np.random.default_rng(seed).integers(0, len(xs), (n, len(xs)))
   return tuple(np.percentile(np.median(xs[idx], axis=1), [2.5, 97.5]))
+
+
+def ratio_summary(ratios) -> str:
+  """Median [quartiles] of per-round ratios, and the median's 95% interval."""
+  med, lo, hi = quartiles(ratios)
+  ci = median_interval(ratios)
+  return (
+    f"{med:.3f}x [{lo:.3f}x, {hi:.3f}x] (median [quartiles]), 95% interval "
+    f"of the median [{ci[0]:.3f}x, {ci[1]:.3f}x]"
+  )
 
 
 def compiled_cost(step, *args):
@@ -167,50 +200,50 @@ def main(argv=None):
   x, y = train_lm.batches(tokens, cfg, np.random.default_rng(0))
   x, y = jax.device_put(x), jax.device_put(y)
 
-  runs = {}
-  builds = [("fp16_scaling", scaled_step), ("plain optax", plain_step)]
+  builds = {"fp16_scaling": scaled_step, "plain optax": plain_step}
   if args.control:
-    builds.append(("plain, again", plain_step))
-  for name, build in builds:
+    builds["plain, again"] = plain_step
+
+  def sampler(run, step, state):
+    state = [state]
+
+    def sample():
+      t0, c0 = time.perf_counter(), time.process_time()
+      for _ in range(args.inner):
+        *state[0], run["last"] = step(*state[0], x, y)
+      jax.block_until_ready(state[0])
+      wall = (time.perf_counter() - t0) / args.inner
+      return wall, (time.process_time() - c0) / args.inner
+
+    return sample
+
+  runs = {}
+  for name, build in builds.items():
     tx, step = build(cfg)
     params = train_lm.init_params(cfg)
     state = (params, tx.init(params))
-    runs[name] = {
-      "step": step,
-      "state": state,
-      "cost": compiled_cost(step, *state, x, y),
-      "t": [],
-      "cpu": [],
-    }
-  n_params = sum(v.size for v in jax.tree.leaves(train_lm.init_params(cfg)))
-  n_leaves = len(jax.tree.leaves(train_lm.init_params(cfg)))
+    runs[name] = run = {"cost": compiled_cost(step, *state, x, y)}
+    run["sample"] = sampler(run, step, state)
+  samples = interleaved(
+    {name: run["sample"] for name, run in runs.items()},
+    args.rounds,
+    args.warmup,
+  )
+  for name, run in runs.items():
+    run["t"] = [wall for wall, _ in samples[name]]
+    run["cpu"] = [cpu for _, cpu in samples[name]]
 
-  def sample(run):
-    params, opt_state = run["state"]
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(args.inner):
-      params, opt_state, m = run["step"](params, opt_state, x, y)
-    jax.block_until_ready((params, opt_state))
-    run["state"] = (params, opt_state)
-    run["last"] = m
-    wall = (time.perf_counter() - t0) / args.inner
-    return wall, (time.process_time() - c0) / args.inner
+  def per_round(name, key="t"):
+    base = runs["plain optax"][key]
+    return [a / b for a, b in zip(runs[name][key], base)]
 
-  order = list(runs)
-  ratios, cpu_ratios, control = [], [], []
-  for r in range(args.warmup + args.rounds):
-    t = {}
-    for name in order if r % 2 == 0 else order[::-1]:
-      t[name] = sample(runs[name])
-    if r >= args.warmup:
-      for name in runs:
-        runs[name]["t"].append(t[name][0])
-        runs[name]["cpu"].append(t[name][1])
-      ratios.append(t["fp16_scaling"][0] / t["plain optax"][0])
-      cpu_ratios.append(t["fp16_scaling"][1] / t["plain optax"][1])
-      if args.control:
-        control.append(t["plain, again"][0] / t["plain optax"][0])
+  ratios = per_round("fp16_scaling")
+  cpu_ratios = per_round("fp16_scaling", "cpu")
+  control = per_round("plain, again") if args.control else []
 
+  params = train_lm.init_params(cfg)
+  n_params = sum(v.size for v in jax.tree.leaves(params))
+  n_leaves = len(jax.tree.leaves(params))
   skipped = int(runs["fp16_scaling"]["last"]["skipped_steps"])
   print(
     f"train step of examples/train_lm.py --size {args.size}: "
@@ -239,23 +272,16 @@ def main(argv=None):
     f"XLA cost analysis, fp16_scaling / plain optax: flops {f1 / f0:.4f}x, "
     f"bytes accessed {b1 / b0:.4f}x"
   )
-  med, lo, hi = quartiles(ratios)
-  ci = median_interval(ratios)
   print(
-    f"fp16_scaling / plain optax, per round: {med:.3f}x [{lo:.3f}x, "
-    f"{hi:.3f}x] (median [quartiles]), 95% interval of the median "
-    f"[{ci[0]:.3f}x, {ci[1]:.3f}x]; min {min(ratios):.3f}x, max "
-    f"{max(ratios):.3f}x, mean {statistics.fmean(ratios):.3f}x; "
-    f"fp16_scaling skipped {skipped} of its steps"
+    f"fp16_scaling / plain optax, per round: {ratio_summary(ratios)}; min "
+    f"{min(ratios):.3f}x, max {max(ratios):.3f}x, mean "
+    f"{statistics.fmean(ratios):.3f}x; fp16_scaling skipped {skipped} of "
+    f"its steps"
   )
-  med, lo, hi = quartiles(cpu_ratios)
-  ci = median_interval(cpu_ratios)
   print(
-    f"process CPU time, per round: {med:.3f}x [{lo:.3f}x, {hi:.3f}x], 95% "
-    f"interval of the median [{ci[0]:.3f}x, {ci[1]:.3f}x] (less moved by "
-    f"other load on the machine than wall time)"
+    f"process CPU time, per round: {ratio_summary(cpu_ratios)} (less moved "
+    f"by other load on the machine than wall time)"
   )
-  params = train_lm.init_params(cfg)
   half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
   grads = jax.grad(
     lambda p: train_lm.loss_fn(train_lm.make_model(cfg), p, x, y)
@@ -270,12 +296,9 @@ def main(argv=None):
     f"{1e3 * diff:+.3f} ms, is {diff / whole:+.2%} of plain optax's whole step"
   )
   if control:
-    med, lo, hi = quartiles(control)
-    ci = median_interval(control)
     print(
-      f"control, plain optax again / plain optax, per round: {med:.3f}x "
-      f"[{lo:.3f}x, {hi:.3f}x], 95% interval of the median [{ci[0]:.3f}x, "
-      f"{ci[1]:.3f}x]"
+      f"control, plain optax again / plain optax, per round: "
+      f"{ratio_summary(control)}"
     )
   return {
     "control": control,
