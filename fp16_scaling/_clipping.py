@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fp16_scaling import _donation
 from fp16_scaling import _guard
 from fp16_scaling import _norm
 from fp16_scaling import _validate
@@ -143,7 +144,7 @@ def clip_by_unscaled_norm(
     return ClipState(zero, zero, zero)
 
   def update_fn(updates, state, params=None):
-    del state, params
+    del params
     leaves, treedef = jax.tree.flatten(updates)
     _norm.check_float_leaves(leaves, "clip_by_unscaled_norm gradients")
     groups = _expert_groups(expert_mask, updates)
@@ -196,6 +197,8 @@ def clip_by_unscaled_norm(
       expert_grad_norm=group_norms[EXPERT],
       shared_grad_norm=group_norms[SHARED],
     )
-    return jax.tree.unflatten(treedef, clipped), new_state
+    return jax.tree.unflatten(treedef, clipped), _donation.written_over(
+      state, new_state
+    )
 
   return optax.GradientTransformation(init_fn, update_fn)

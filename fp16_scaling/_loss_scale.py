@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fp16_scaling import _donation
 from fp16_scaling import _guard
 from fp16_scaling import _norm
 from fp16_scaling import _validate
@@ -391,6 +392,8 @@ def fp16_loss_scale(
         ),
         lambda: None,
       )
-    return jax.tree.unflatten(treedef, outputs), new_state
+    return jax.tree.unflatten(treedef, outputs), _donation.written_over(
+      state, new_state
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,49 @@
+"""State written over its own donated buffers.
+
+Under ``jax.jit(step, donate_argnums=...)`` JAX hands each output the buffer
+of a donated input of the same shape and dtype, pairing them in order. An
+input the step never reads is dropped from the compiled executable first
+(``jit``'s ``keep_unused=False``), so its buffer pairs with nothing: every
+call then allocates a fresh buffer for the output that replaces it, and the
+pairing of the inputs that remain shifts, so one field's old buffer ends up
+holding another field's new value and XLA inserts ``copy`` instructions to
+keep the old values alive.
+
+Bookkeeping fields are exactly such write-only state: the last step's
+overflow flag, its norms, its per-leaf attribution. :func:`written_over`
+makes each of them read its own old value, through a select whose predicate
+is the constant ``True``. XLA removes the select, so it costs nothing, but
+the input stays a parameter of the executable, and every output aliases the
+input of the same field, as in plain optax's step.
+
+On a GPU this is what keeps a step's buffers at fixed addresses, so the
+command buffers (CUDA graphs) XLA records for the step are replayed as
+recorded; a fresh output buffer on every call changes the addresses that
+every kernel reading it was recorded with.
+"""
+
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+
+def _written_over(old, new):
+  if jax.typeof(old) != jax.typeof(new):
+    return new  # a changed type has no buffer of its own to reuse
+  return lax.select_n(jnp.bool_(True), old, new)
+
+
+def written_over(old: Any, new: Any) -> Any:
+  """``new``, with each leaf written as a function of the same leaf of
+  ``old``, so that a donating ``jit`` gives it ``old``'s buffer.
+
+  Args:
+    old: the state before the update.
+    new: the state after it, with ``old``'s tree structure.
+
+  Returns:
+    ``new``, value for value.
+  """
+  return jax.tree.map(_written_over, old, new)
