@@ -140,8 +140,9 @@ def clip_by_unscaled_norm(
     )
     _expert_groups(expert_mask, params)
     _norm.leaf_axes_from_specs(partition_specs, params, "clip_by_unscaled_norm")
-    zero = jnp.zeros([], jnp.float32)
-    return ClipState(zero, zero, zero)
+    # Three buffers: a donating step reuses each for its own field.
+    zero = lambda: jnp.zeros([], jnp.float32)
+    return ClipState(zero(), zero(), zero())
 
   def update_fn(updates, state, params=None):
     del params
