@@ -33,6 +33,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from fp16_scaling import _donation
 from fp16_scaling import _lookup
 from fp16_scaling import _norm
 from fp16_scaling import _validate
@@ -183,7 +184,9 @@ def accumulate_gradients(
 
     def accumulated(acc, grads):
       def add(a, g):
-        new = a + g.astype(jnp.float32) * inv_k
+        # widen: a float16 overflow poisons the sum even where XLA kept the
+        # value in float32 (see _norm.widen).
+        new = a + _norm.widen(g).astype(jnp.float32) * inv_k
         # A select, never a multiply: a dropped NaN must not reach the sum.
         return jnp.where(bad, a, new) if drop else new
 
@@ -238,7 +241,8 @@ def accumulate_gradients(
       microbatches=state.microbatches + 1,
       applied_steps=state.applied_steps + (ends & ~overflow).astype(jnp.int32),
       dropped_microbatches=state.dropped_microbatches + bad.astype(jnp.int32),
-      window_ended=ends,
+      # Write-only: read its old value so that it keeps its buffer.
+      window_ended=_donation.written_over(state.window_ended, ends),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

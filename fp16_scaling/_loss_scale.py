@@ -59,6 +59,8 @@ class LeafPaths:
     # Empty paths come from an init without leaves: optax.tree_map_params
     # calls init with a placeholder to lay a state's specs out, and then
     # matches that state against the real one. They match any paths.
+    if self is other:  # every call of a jitted step: no per-leaf work
+      return True
     return isinstance(other, LeafPaths) and (
       not self.paths
       or not other.paths
@@ -184,7 +186,7 @@ def _overflow_kind(overflow, value, at_floor) -> jax.Array:
     cause = jnp.int32(UNKNOWN)
   else:
     cause = jnp.where(
-      jnp.isfinite(value), jnp.int32(BACKWARD), jnp.int32(FORWARD)
+      jnp.isfinite(_norm.widen(value)), jnp.int32(BACKWARD), jnp.int32(FORWARD)
     )
   # A non-finite loss is the finding whatever the scale: no scale fixes it.
   kind = jnp.where((cause != FORWARD) & at_floor, jnp.int32(PERSISTENT), cause)
@@ -304,17 +306,19 @@ def fp16_loss_scale(
       raise RuntimeError(_UNGUARDED)
     state = scaler.init()
     n = len(leaves)
-    zeros = jnp.zeros([n], jnp.float32)
+    zeros = lambda: jnp.zeros([n], jnp.float32)
+    # Every field its own buffer: a donating step gives each field's buffer
+    # to its successor, and one buffer cannot be donated twice.
     return LossScaleState(
       scaler=state,
-      prev_loss_scale=state.loss_scale,
+      prev_loss_scale=jnp.array(state.loss_scale, copy=True),
       overflow=jnp.bool_(False),
       skipped_steps=jnp.zeros([], jnp.int32),
       grad_norm=jnp.zeros([], jnp.float32),
       leaf_nonfinite=jnp.zeros([n], jnp.bool_),
       leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
       overflow_kind=jnp.int32(NONE),
-      grad_range=GradRange(zeros, zeros) if grad_range else None,
+      grad_range=GradRange(zeros(), zeros()) if grad_range else None,
       leaf_paths=_leaf_paths(params),
     )
 

@@ -96,9 +96,32 @@ def _is_wide(x) -> bool:
   return jnp.result_type(x) != jnp.float16
 
 
+def widen(x: jax.Array) -> jax.Array:
+  """``x`` in (at least) float32, with the range of its own dtype.
+
+  A float16 value out of float16's range reads as ``+-inf``, even where the
+  compiler never rounded it to float16. XLA:GPU, by default
+  (``--xla_allow_excess_precision=true``), folds a float32 -> float16 ->
+  float32 chain of converts into nothing, so a float32 value that overflowed
+  its cast to float16 reaches this function as the finite float32 it was.
+  ``lax.reduce_precision`` to float16's 5 exponent and 10 mantissa bits is
+  defined to send such a value to ``+-inf``, and no XLA pass removes it from
+  a float32 operand. It is taken only where it changes something (out of
+  range, NaN): a value float16 holds keeps every bit, subnormals included,
+  which ``reduce_precision`` would flush to zero. Elementwise, so it fuses
+  into the pass that reads ``x``: no extra memory traffic. Other dtypes are
+  only promoted: a float32 or bfloat16 value above 65504 is finite.
+  """
+  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  if jnp.result_type(x) != jnp.float16:
+    return wide
+  held = lax.reduce_precision(wide, exponent_bits=5, mantissa_bits=10)
+  return lax.select(lax.is_finite(held), wide, held)
+
+
 def _squares(x: jax.Array) -> jax.Array:
   wide = _is_wide(x)
-  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  x = widen(x)
   sq = x * x
   if wide:
     sq = jnp.minimum(sq, jnp.float32(CAP))
@@ -144,8 +167,7 @@ def _leaf_sums_jvp(primals, tangents):
   (leaves,), (dleaves,) = primals, tangents
   out = []
   for x, dx in zip(leaves, dleaves):
-    wide = jnp.promote_types(x.dtype, jnp.float32)
-    x, dx = x.astype(wide), dx.astype(wide)
+    x, dx = widen(x), dx.astype(jnp.promote_types(x.dtype, jnp.float32))
     safe = lax.select(lax.is_finite(x), x, lax.full_like(x, 0))
     out.append(jnp.sum(2 * safe * dx, dtype=jnp.float32))
   return _leaf_sums(leaves), tuple(out)
@@ -466,10 +488,10 @@ def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
   """
   peaks = [
     jnp.max(
-      jnp.where(lax.is_finite(x), jnp.abs(x), jnp.zeros([], x.dtype)),
+      jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype)),
       initial=0,
     ).astype(jnp.float32)
-    for x in leaves
+    for w in map(widen, leaves)
   ]
   zeros = [jnp.sum(x == 0, dtype=jnp.float32) for x in leaves]
   sizes = [jnp.float32(x.size) for x in leaves]
