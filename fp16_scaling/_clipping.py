@@ -166,7 +166,7 @@ def clip_by_unscaled_norm(
         num_groups=2,
         leaf_axes=leaf_axes,
       )
-      sources, unscale = seen.scaled, seen.inv_scale
+      unscale, safe = seen.inv_scale, seen.discarded
     else:
       norms = _norm.reduce_norms(
         _norm.leaf_sums(leaves),
@@ -175,7 +175,8 @@ def clip_by_unscaled_norm(
         num_groups=2,
         leaf_axes=leaf_axes,
       )
-      sources, unscale = leaves, jnp.float32(1)
+      unscale = jnp.float32(1)
+      safe = _norm.discard_if(norms.overflow, leaves)
     norm = norms.norm * unscale
     # On an overflow step the norm is NaN and the gradients hold an inf; the
     # result is discarded by skip_on_overflow. A finite norm for the factor
@@ -187,10 +188,6 @@ def clip_by_unscaled_norm(
       jnp.float32(1), jnp.float32(max_norm) / (safe_norm + jnp.float32(eps))
     )
     multiplier = unscale * factor
-    safe = _norm.discard_if(
-      norms.overflow,
-      [x.astype(out.dtype) for x, out in zip(sources, leaves)],
-    )
     clipped = [x * multiplier.astype(x.dtype) for x in safe]
     group_norms = norms.group_norms * unscale
     new_state = ClipState(

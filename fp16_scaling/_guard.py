@@ -54,6 +54,7 @@ class UnscaledGrads(NamedTuple):
   scaled: tuple  # the gradients it was given, scaled by the loss scale
   inv_scale: jax.Array
   sums: tuple  # per-leaf local sums of squares of ``scaled``
+  discarded: tuple  # ``scaled`` promoted to float32, zeros on an overflow
 
 
 class Guard:

@@ -353,7 +353,7 @@ def fp16_loss_scale(
     )
     outputs = tuple(x * inv_scale for x in safe)
     guard.record(
-      _guard.UnscaledGrads(outputs, tuple(leaves), inv_scale, tuple(sums))
+      _guard.UnscaledGrads(outputs, tuple(leaves), inv_scale, tuple(sums), safe)
     )
     overflow = norms.overflow
     new_range, grad_max = None, None

@@ -115,17 +115,23 @@ def widen(x: jax.Array) -> jax.Array:
   wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   if jnp.result_type(x) != jnp.float16:
     return wide
-  held = lax.reduce_precision(wide, exponent_bits=5, mantissa_bits=10)
+  held = _as_float16(wide)
   return lax.select(lax.is_finite(held), wide, held)
 
 
+def _as_float16(wide: jax.Array) -> jax.Array:
+  return lax.reduce_precision(wide, exponent_bits=5, mantissa_bits=10)
+
+
 def _squares(x: jax.Array) -> jax.Array:
-  wide = _is_wide(x)
-  x = widen(x)
-  sq = x * x
-  if wide:
+  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  sq = wide * wide
+  if _is_wide(x):
     sq = jnp.minimum(sq, jnp.float32(CAP))
-  return lax.select(lax.is_finite(x), sq, lax.full_like(sq, -jnp.inf))
+    finite = lax.is_finite(wide)
+  else:  # what widen(x) is finite on, without its select
+    finite = lax.is_finite(_as_float16(wide))
+  return lax.select(finite, sq, lax.full_like(sq, -jnp.inf))
 
 
 @jax.custom_jvp
