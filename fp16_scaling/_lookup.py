@@ -103,7 +103,8 @@ def clip_state(opt_state: Any) -> Optional[ClipState]:
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
-  """The one :class:`AccumulationState` in ``opt_state``, or None.
+  """The one :class:`AccumulationState` in ``opt_state``, or None, with plain
+  arrays (:func:`unwrap`), as the other lookups return theirs.
 
   Raises:
     ValueError: ``opt_state`` holds more than one (nested accumulation).
@@ -115,7 +116,7 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
       f"opt_state holds {len(found)} accumulate_gradients states ({paths}); "
       "expected at most one"
     )
-  return found[0][1] if found else None
+  return unwrap(found[0][1]) if found else None
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
