@@ -153,6 +153,21 @@ def test_forward_backward_persistent_unknown():
   assert kinds == ["unknown", "unknown", "persistent"]
 
 
+def test_advice_agrees_with_the_next_scale_when_hysteresis_absorbs():
+  """Megatron's hysteresis of 2 absorbs the first overflow: the scale stays,
+  so the advice must not say it backed off; the second one backs off."""
+  one = jnp.float32(1.0)
+  scaler = fs.megatron_scaler(initial_scale=8.0)
+  for overflows, next_scale in [({0}, 8.0), ({0, 1}, 4.0)]:
+    _, state = _kind_after(scaler, [one] * len(overflows), overflows)
+    report = fs.overflow_report(state)
+    assert report.kind == "backward" and report.next_scale == next_scale
+    said_backed_off = "has backed off" in report.advice()
+    assert said_backed_off == (next_scale < report.scale), str(report)
+    if next_scale == report.scale:
+      assert "hysteresis" in report.advice()
+
+
 def test_every_preset_counts_overflows_at_its_floor():
   # torch's floor is float32's smallest normal: start one halving above it.
   presets = {
