@@ -216,6 +216,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   Raises:
     ValueError: ``opt_state`` holds no ``fp16_loss_scale`` state (or more
       than one); ``top`` is out of range.
+    TypeError: called inside ``jit`` (``opt_state`` holds tracers).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -231,6 +232,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     (("['a']['w']",), {"['a']['w']": 1})
   """
   top = _validate.count("top", top)
+  _lookup.require_host(opt_state, "overflow_report")
   ls = _lookup.loss_scale_state(opt_state)
   host = jax.device_get(ls._replace(leaf_paths=None))
   paths = ls.leaf_paths.paths

@@ -218,6 +218,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
     >>> d["loss_scale"], d["growth_tracker"], d["config"]["growth_interval"]
     (1024.0, 0, 2000)
   """
+  _lookup.require_host(opt_state, "scaler_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
   out = {
     "format": FORMAT,
@@ -621,6 +622,7 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   scaler = _scaler_arg(scaler)
   if peer not in PEERS:
     raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
+  _lookup.require_host(opt_state, "to_peer_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
   if np.ndim(ls.scaler.loss_scale):
     raise ValueError(
