@@ -188,6 +188,33 @@ def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
   return lambda x: jnp.zeros(x.shape[:-1] + (n,), x.dtype)
 
 
+def _warn_float16_params(leaves) -> None:
+  """Float16 parameters have no float32 master copy: updates below half an
+  ulp of a weight round away, whatever the scale."""
+  if any(jnp.result_type(x) == jnp.float16 for x in leaves):
+    warnings.warn(
+      "fp16_loss_scale: some params are float16, so the optimizer updates "
+      "float16 weights and small updates round away (no float32 master "
+      "weights). Keep the params in float32 and compute in float16: Flax "
+      "nnx.Linear(..., dtype=jnp.float16, param_dtype=jnp.float32), Linen "
+      "nn.Dense(..., dtype=jnp.float16), or cast in the forward pass.",
+      stacklevel=4,
+    )
+
+
+def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
+  """bfloat16 has float32's exponent range: a loss scale only costs."""
+  scaled = scaler.dynamic or scaler.init_scale != 1.0
+  if scaled and any(jnp.result_type(x) == jnp.bfloat16 for x in leaves):
+    warnings.warn(
+      "fp16_loss_scale: the gradients are bfloat16, which has float32's "
+      "exponent range and needs no loss scaling; a scale other than 1 "
+      "only risks overflow. Use fs.no_scaler() (non-finite steps are still "
+      "skipped), or from_deepspeed_config with fp16.enabled false.",
+      stacklevel=4,
+    )
+
+
 def _leaf_paths(tree) -> LeafPaths:
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   return LeafPaths(
@@ -335,6 +362,7 @@ def fp16_loss_scale(
     params = _gradient_tree(params)
     leaves = jax.tree.leaves(params)
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
+    _warn_float16_params(leaves)
     _norm.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
     if _guard.current() is None:
       raise RuntimeError(_UNGUARDED)
@@ -364,6 +392,7 @@ def fp16_loss_scale(
     leaves, treedef = jax.tree.flatten(updates)
     guard.check_loss_scale_input(leaves)
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
+    _warn_bfloat16_grads(leaves, scaler)
     fit = _leaf_fitter(state.leaf_paths, leaves)
     leaf_axes = _norm.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
