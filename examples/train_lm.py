@@ -394,7 +394,7 @@ def train(cfg: Config, data, *, desc: Optional[str] = None, bar=True):
   pbar = tqdm(
     total=cfg.steps,
     desc=desc or f"{cfg.precision} {cfg.scaler}",
-    disable=not bar,
+    disable=None if bar else True,  # None: off when not a terminal
     leave=False,
   )
   i = 0

@@ -19,6 +19,10 @@ scale backs off once. The accumulator is then reset by *replacing* it with
 zeros (a select in a ``lax.cond``), never by multiplying it by 0, which
 would keep a NaN forever.
 
+The loss passed as ``value=`` is accumulated the same way: the guarded
+chain is passed the window's mean loss, not the last microbatch's, so a
+forward overflow (a non-finite loss) on any microbatch is reported as one.
+
 A window's last microbatch and the others are the two branches of one
 ``lax.cond``: the other microbatches cost one pass that reads the gradient
 and the accumulator and writes the accumulator; the optimizer does not run.
@@ -34,10 +38,12 @@ import jax.numpy as jnp
 import optax
 
 from fp16_scaling import _donation
+from fp16_scaling import _guard
 from fp16_scaling import _lookup
 from fp16_scaling import _norm
 from fp16_scaling import _validate
 from fp16_scaling._accumulation_state import AccumulationState
+from fp16_scaling._loss_scale import _scalar_value
 
 POLICIES = ("skip_step", "drop_microbatch")
 
@@ -104,14 +110,21 @@ def accumulate_gradients(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
-    :class:`AccumulationState`. Extra arguments (``value=...``) are passed to
-    ``tx`` on the calls that end a window.
+    :class:`AccumulationState`. Extra arguments are passed to ``tx`` on the
+    calls that end a window. ``value=`` (the loss; pass it on every
+    microbatch or on none) reaches ``tx`` as the window's mean loss: over
+    the accumulated microbatches, so it is not finite when any microbatch's
+    loss was not, and ``fp16_loss_scale`` reports a "forward" overflow
+    whichever microbatch it came from. Under ``"drop_microbatch"`` it is the
+    clean microbatches' mean; with every microbatch dropped, NaN if any loss
+    was not finite, else the last microbatch's loss.
 
   Raises:
     ValueError: ``every_k_schedule`` below 1; an unknown
       ``on_microbatch_overflow``; at ``init``, ``tx``'s state holds no (or
-      more than one) ``fp16_loss_scale``; at ``update``, gradients whose tree
-      or shapes differ from the params.
+      more than one) ``fp16_loss_scale``, or it is itself inside
+      :func:`skip_on_overflow` (the nesting is the other way round); at
+      ``update``, gradients whose tree or shapes differ from the params.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -140,6 +153,7 @@ def accumulate_gradients(
 
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
+    _refuse_inside_guard()
     inner_state = tx.init(params)
     _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
     return AccumulationState(
@@ -152,9 +166,12 @@ def accumulate_gradients(
       applied_steps=zero(jnp.int32),
       dropped_microbatches=zero(jnp.int32),
       window_ended=jnp.bool_(False),
+      loss_sum=zero(jnp.float32),
+      loss_nonfinite=jnp.bool_(False),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _refuse_inside_guard()
     leaves, treedef = jax.tree.flatten(updates)
     acc_leaves, acc_def = jax.tree.flatten(state.acc_grads)
     if treedef != acc_def or any(
@@ -181,6 +198,25 @@ def accumulate_gradients(
     else:
       bad = jnp.bool_(False)
     clean = state.clean_in_window + (~bad).astype(jnp.int32)
+    value = extra_args.get("value")
+    if value is not None:
+      value = _scalar_value(value).astype(jnp.float32)
+      loss_sum = state.loss_sum + value * inv_k
+      loss_sum = jnp.where(bad, state.loss_sum, loss_sum) if drop else loss_sum
+      loss_nonfinite = state.loss_nonfinite | ~jnp.isfinite(_norm.widen(value))
+      if drop:
+        # Mean of the clean microbatches' losses; with none, only whether a
+        # loss was not finite matters (the window is skipped).
+        window_loss = jnp.where(
+          clean > 0,
+          loss_sum * (k.astype(jnp.float32) / jnp.maximum(clean, 1)),
+          jnp.where(loss_nonfinite, jnp.float32(jnp.nan), value),
+        )
+      else:
+        window_loss = loss_sum
+      extra_args = {**extra_args, "value": window_loss}
+    else:
+      loss_sum, loss_nonfinite = state.loss_sum, state.loss_nonfinite
 
     def accumulated(acc, grads):
       def add(a, g):
@@ -243,6 +279,23 @@ def accumulate_gradients(
       dropped_microbatches=state.dropped_microbatches + bad.astype(jnp.int32),
       # Write-only: read its old value so that it keeps its buffer.
       window_ended=_donation.written_over(state.window_ended, ends),
+      loss_sum=jnp.where(ends, 0.0, loss_sum),
+      loss_nonfinite=~ends & loss_nonfinite,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_INSIDE_GUARD = (
+  "accumulate_gradients runs inside skip_on_overflow: the guarded chain "
+  "would see each microbatch, not the window's mean, and its skip would "
+  "not cover the accumulator. Nest them the other way round: "
+  "accumulate_gradients(skip_on_overflow(optax.chain(fp16_loss_scale(...), "
+  "clip_by_unscaled_norm(...), optimizer)), every_k_schedule)."
+)
+
+
+def _refuse_inside_guard() -> None:
+  """Raises when called inside :func:`skip_on_overflow`'s inner chain."""
+  if _guard.current() is not None:
+    raise ValueError(_INSIDE_GUARD)

@@ -25,6 +25,11 @@ class AccumulationState(NamedTuple):
       an inf or NaN (``"drop_microbatch"`` only; 0 otherwise).
     window_ended: bool, whether the last call ended a window (ran the inner
       chain once on the window's mean).
+    loss_sum: float32, the sum of the current window's losses passed as
+      ``value=``, each divided by the window's length (the accumulated
+      microbatches only, as ``acc_grads``); 0.0 without ``value=``.
+    loss_nonfinite: bool, whether any microbatch of the current window,
+      dropped ones included, was passed a ``value=`` that is not finite.
   """
 
   mini_step: jax.Array
@@ -36,3 +41,5 @@ class AccumulationState(NamedTuple):
   applied_steps: jax.Array
   dropped_microbatches: jax.Array
   window_ended: jax.Array
+  loss_sum: jax.Array
+  loss_nonfinite: jax.Array

@@ -33,6 +33,14 @@ _ADVICE = {
     "its scale; it has backed off. Act only if skipped steps keep piling up: "
     "lower the initial scale or lengthen the growth window."
   ),
+  "absorbed": (
+    "The loss was finite and the scaled gradients overflowed float16: the "
+    "scale was too high. The scale was not lowered on this step: hysteresis "
+    "absorbed the overflow (the scale backs off on the next overflow before "
+    "a growth), or the scale is static and never backs off. Act only if "
+    "skipped steps keep piling up: lower the initial (or static) scale or "
+    "lengthen the growth window."
+  ),
   "forward": (
     "The loss itself was not finite: the forward pass overflowed (float16 "
     "activations or logits past 65504, a log or division of 0). No loss "
@@ -127,6 +135,8 @@ class OverflowReport:
         "The last step was clean; earlier skipped steps were the scaler "
         "probing for its scale unless the counts above keep growing."
       )
+    if self.kind == "backward" and not self.next_scale < self.scale:
+      return _ADVICE["absorbed"]
     return _ADVICE[self.kind]
 
   def __str__(self) -> str:
@@ -206,6 +216,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   Raises:
     ValueError: ``opt_state`` holds no ``fp16_loss_scale`` state (or more
       than one); ``top`` is out of range.
+    TypeError: called inside ``jit`` (``opt_state`` holds tracers).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -221,6 +232,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     (("['a']['w']",), {"['a']['w']": 1})
   """
   top = _validate.count("top", top)
+  _lookup.require_host(opt_state, "overflow_report")
   ls = _lookup.loss_scale_state(opt_state)
   host = jax.device_get(ls._replace(leaf_paths=None))
   paths = ls.leaf_paths.paths

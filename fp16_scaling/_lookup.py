@@ -96,6 +96,24 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   )
 
 
+def require_host(opt_state: Any, helper: str) -> None:
+  """Raises when ``opt_state`` holds tracers: ``helper`` reads concrete
+  values on the host and cannot run inside ``jit``, ``vmap`` or ``scan``.
+
+  Raises:
+    TypeError: some leaf of ``opt_state`` is a tracer.
+  """
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
+    raise TypeError(
+      f"{helper} runs on the host, outside jit: it reads concrete values, "
+      "and here opt_state holds tracers (it was called inside a jitted, "
+      "vmapped or scanned function). Call it on the state the step "
+      f"returned, e.g. params, opt_state = train_step(...); then "
+      f"{helper}(opt_state). Inside the step use fs.scale_metrics("
+      "opt_state), which is traceable, and return its values."
+    )
+
+
 def clip_state(opt_state: Any) -> Optional[ClipState]:
   """The first :class:`ClipState` in ``opt_state``, or None."""
   found = all_with_path(opt_state, ClipState)
@@ -103,7 +121,8 @@ def clip_state(opt_state: Any) -> Optional[ClipState]:
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
-  """The one :class:`AccumulationState` in ``opt_state``, or None.
+  """The one :class:`AccumulationState` in ``opt_state``, or None, with plain
+  arrays (:func:`unwrap`), as the other lookups return theirs.
 
   Raises:
     ValueError: ``opt_state`` holds more than one (nested accumulation).
@@ -115,7 +134,7 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
       f"opt_state holds {len(found)} accumulate_gradients states ({paths}); "
       "expected at most one"
     )
-  return found[0][1] if found else None
+  return unwrap(found[0][1]) if found else None
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:

@@ -9,7 +9,8 @@ the gradient on every growth step; here that ordering cannot be written.
 """
 
 import sys
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,67 @@ _UNGUARDED = (
   "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
   "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
 )
+
+
+def _gradient_tree(params):
+  """The part of ``params`` the gradients have the tree of.
+
+  ``optax.lookahead``'s init gets ``LookaheadParams`` (fast and slow
+  weights), its gradients are the fast weights only.
+  """
+  if isinstance(params, optax.LookaheadParams):
+    return params.fast
+  return params
+
+
+def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
+  """Maps a per-leaf vector of ``leaves`` onto the state's leaves.
+
+  When the gradients have the leaves ``init`` saw, the identity. Otherwise
+  (a wrapper whose params are not the gradients' tree) per-leaf attribution
+  is off, with one warning at trace time: vectors become zeros of the
+  state's length, and overflow, scale and norms are unaffected.
+  """
+  n = len(paths)
+  if len(leaves) == n:
+    return lambda x: x
+  warnings.warn(
+    f"fp16_loss_scale: the gradients have {len(leaves)} leaves, the params "
+    f"its init saw had {n}: a wrapper whose params are not the gradients' "
+    "tree. Overflow detection, the scale and the norms are unaffected, but "
+    "per-leaf attribution is off (overflow_report names no leaves). Build "
+    "the state with tx.init(params) from params of the gradients' tree to "
+    "have it.",
+    stacklevel=4,
+  )
+  return lambda x: jnp.zeros(x.shape[:-1] + (n,), x.dtype)
+
+
+def _warn_float16_params(leaves) -> None:
+  """Float16 parameters have no float32 master copy: updates below half an
+  ulp of a weight round away, whatever the scale."""
+  if any(jnp.result_type(x) == jnp.float16 for x in leaves):
+    warnings.warn(
+      "fp16_loss_scale: some params are float16, so the optimizer updates "
+      "float16 weights and small updates round away (no float32 master "
+      "weights). Keep the params in float32 and compute in float16: Flax "
+      "nnx.Linear(..., dtype=jnp.float16, param_dtype=jnp.float32), Linen "
+      "nn.Dense(..., dtype=jnp.float16), or cast in the forward pass.",
+      stacklevel=4,
+    )
+
+
+def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
+  """bfloat16 has float32's exponent range: a loss scale only costs."""
+  scaled = scaler.dynamic or scaler.init_scale != 1.0
+  if scaled and any(jnp.result_type(x) == jnp.bfloat16 for x in leaves):
+    warnings.warn(
+      "fp16_loss_scale: the gradients are bfloat16, which has float32's "
+      "exponent range and needs no loss scaling; a scale other than 1 "
+      "only risks overflow. Use fs.no_scaler() (non-finite steps are still "
+      "skipped), or from_deepspeed_config with fp16.enabled false.",
+      stacklevel=4,
+    )
 
 
 def _leaf_paths(tree) -> LeafPaths:
@@ -299,8 +361,10 @@ def fp16_loss_scale(
 
   def init_fn(params):
     _register_with_flax()
+    params = _gradient_tree(params)
     leaves = jax.tree.leaves(params)
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
+    _warn_float16_params(leaves)
     _norm.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
     if _guard.current() is None:
       raise RuntimeError(_UNGUARDED)
@@ -332,12 +396,8 @@ def fp16_loss_scale(
     leaves, treedef = jax.tree.flatten(updates)
     guard.check_loss_scale_input(leaves)
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
-    if len(leaves) != len(state.leaf_paths):
-      raise ValueError(
-        f"fp16_loss_scale: the gradients have {len(leaves)} leaves, the state "
-        f"was built for {len(state.leaf_paths)}; build it with "
-        "tx.init(params) for these gradients"
-      )
+    _warn_bfloat16_grads(leaves, scaler)
+    fit = _leaf_fitter(state.leaf_paths, leaves)
     leaf_axes = _norm.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
     )
@@ -362,7 +422,8 @@ def fp16_loss_scale(
       max_abs = peaks * inv_scale
       grad_max = jnp.max(max_abs, initial=0.0)
       if grad_range:
-        new_range = GradRange(max_abs=max_abs, zero_fraction=zero_fraction)
+        new_range = GradRange(fit(max_abs), fit(zero_fraction))
+    leaf_nonfinite = fit(norms.leaf_nonfinite)
     new_scaler = scaler.update(state.scaler, overflow, grad_max)
     kind = _overflow_kind(overflow, value, scaler.at_floor(scale))
     new_state = LossScaleState(
@@ -371,9 +432,9 @@ def fp16_loss_scale(
       overflow=overflow,
       skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
       grad_norm=norms.norm * inv_scale,
-      leaf_nonfinite=norms.leaf_nonfinite,
+      leaf_nonfinite=leaf_nonfinite,
       leaf_nonfinite_steps=state.leaf_nonfinite_steps
-      + norms.leaf_nonfinite.astype(jnp.int32),
+      + leaf_nonfinite.astype(jnp.int32),
       overflow_kind=kind,
       grad_range=new_range,
       leaf_paths=state.leaf_paths,
@@ -392,7 +453,7 @@ def fp16_loss_scale(
           kind,
           scale,
           new_scaler.loss_scale,
-          norms.leaf_nonfinite,
+          leaf_nonfinite,
         ),
         lambda: None,
       )

@@ -206,6 +206,7 @@ def raise_if_min_scale_reached(
       never raise there themselves.
 
   Raises:
+    TypeError: called inside ``jit`` (``opt_state`` holds tracers).
     MinLossScaleError: if any overflow hit the floor with
       ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` of them
       did.
@@ -228,6 +229,7 @@ def raise_if_min_scale_reached(
     max_floor_overflows = _validate.count(
       "max_floor_overflows", max_floor_overflows
     )
+  _lookup.require_host(opt_state, "raise_if_min_scale_reached")
   ls = _lookup.loss_scale_state(opt_state)
   # Summed, so that a batched (vmapped) state raises if any member would.
   errors = int(np.sum(jax.device_get(ls.scaler.min_scale_errors)))

@@ -44,7 +44,9 @@ class ScalerState(NamedTuple):
     growth_tracker: int32 clean steps counted towards the next growth; it
       restarts at ``-growth_delay`` after an overflow and at 0 after a growth.
     hysteresis_left: int32 overflows that will still be absorbed before the
-      scale backs off.
+      scale backs off: ``hysteresis - 1`` when full, so a ``hysteresis`` of
+      2 shows as 1. DeepSpeed's ``cur_hysteresis`` and Megatron's
+      ``hysteresis_tracker`` are this plus 1.
     min_scale_errors: int32 overflows that wanted to back off while the scale
       already sat at ``min_scale`` with ``raise_at_min_scale`` set: the steps
       on which DeepSpeed raises. See :func:`raise_if_min_scale_reached`.

@@ -33,6 +33,7 @@ that ``scaler``: the peer's configuration is checked against it, and
 :func:`scaler_from_state_dict` builds the preset a peer's state describes.
 """
 
+import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
@@ -78,17 +79,18 @@ _DS_STATIC = frozenset({"cur_scale", "dynamic"})
 
 
 def _config(scaler: Scaler) -> dict:
-  return {
-    "init_scale": scaler.init_scale,
-    "growth_factor": scaler.growth_factor,
-    "backoff_factor": scaler.backoff_factor,
-    "growth_interval": scaler.growth_interval,
-    "growth_delay": scaler.growth_delay,
-    "min_scale": scaler.min_scale,
-    "hysteresis": scaler.hysteresis,
-    "consecutive_hysteresis": scaler.consecutive_hysteresis,
-    "raise_at_min_scale": scaler.raise_at_min_scale,
-  }
+  """Every field of ``scaler``: a field added to :class:`Scaler` is saved and
+  checked on load without a change here."""
+  return {f.name: getattr(scaler, f.name) for f in dataclasses.fields(Scaler)}
+
+
+def _same(mine: Any, value: Any) -> bool:
+  """Whether a scaler field equals a saved one (floats as float32)."""
+  if mine is None or value is None:
+    return mine is None and value is None
+  if isinstance(mine, float) and not isinstance(value, bool):
+    return bool(np.float32(mine) == np.float32(value))
+  return mine == value
 
 
 def _plain(x: Any) -> Any:
@@ -121,17 +123,26 @@ def _check(scaler: Scaler, source: str, expected: Mapping[str, Any]) -> None:
   """Raises if ``scaler``'s fields differ from what the peer state implies."""
   have = _config(scaler)
   for field, value in expected.items():
+    if field not in have:
+      raise ValueError(
+        f"{source} state holds a scaler field this version does not know: "
+        f"{field}={value!r}. Load it with the fp16_scaling version that "
+        f"saved it, or delete state_dict['config'][{field!r}] if it does not "
+        "matter to this run."
+      )
     mine = have[field]
-    if isinstance(mine, float):
-      same = np.float32(mine) == np.float32(value)
-    else:
-      same = mine == value
-    if not same:
+    if not _same(mine, value):
+      fix = (
+        "Build the optimizer with the scaler the dict was saved with (its "
+        "state_dict['config']), or load into a matching scaler."
+        if source == "fp16_scaling"
+        else "Build the optimizer with the peer's configuration "
+        "(fs.scaler_from_state_dict(state_dict) gives it as a preset) or "
+        "load into a matching scaler."
+      )
       raise ValueError(
         f"{source} state disagrees with the scaler on {field}: the state "
-        f"implies {value!r}, the scaler has {mine!r}. Build the optimizer "
-        "with the peer's configuration (fs.scaler_from_state_dict(state_dict) "
-        "gives it as a preset) or load into a matching scaler."
+        f"implies {value!r}, the scaler has {mine!r}. {fix}"
       )
 
 
@@ -207,6 +218,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
     >>> d["loss_scale"], d["growth_tracker"], d["config"]["growth_interval"]
     (1024.0, 0, 2000)
   """
+  _lookup.require_host(opt_state, "scaler_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
   out = {
     "format": FORMAT,
@@ -274,6 +286,33 @@ _OWN_FIELDS = (
   "overflow",
   "grad_norm",
 )
+
+
+_PER_LEAF = (
+  "leaf_nonfinite",
+  "leaf_nonfinite_steps",
+  "grad_max_abs",
+  "grad_zero_fraction",
+)
+
+
+def _check_leaf_counts(values: Mapping, leaves: int) -> None:
+  """Raises unless every per-leaf field holds ``leaves`` entries (on its last
+  axis): a dict saved for another model must not be broadcast onto this one."""
+  for field in _PER_LEAF:
+    if field not in values:
+      continue
+    shape = np.shape(values[field])
+    if shape[-1:] != (leaves,):
+      saved = shape[-1] if shape else "no"
+      raise ValueError(
+        f"state_dict[{field!r}] holds {saved} gradient leaves, the optimizer "
+        f"state {leaves}: the dict was saved for a model with other "
+        "parameters. Load it into the optimizer state of the model it was "
+        "saved from, or delete its per-leaf fields "
+        f"({', '.join(f for f in _PER_LEAF if f in values)}) to take only "
+        "the scale and its counters."
+      )
 
 
 def _tracker(field: str, value: int, scaler: Scaler) -> int:
@@ -427,6 +466,7 @@ def load_scaler_state_dict(
   old = _lookup.loss_scale_state(opt_state)
   source, d = _source(state_dict)
   values = _peer_values(source, d, scaler)
+  _check_leaf_counts(values, np.shape(old.leaf_nonfinite)[-1])
   if source == "fp16_scaling":
     for field in ("loss_scale", "prev_loss_scale"):
       for v in np.ravel(values[field]):
@@ -582,6 +622,7 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   scaler = _scaler_arg(scaler)
   if peer not in PEERS:
     raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
+  _lookup.require_host(opt_state, "to_peer_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
   if np.ndim(ls.scaler.loss_scale):
     raise ValueError(

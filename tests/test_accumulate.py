@@ -361,3 +361,68 @@ def test_float32_microbatches_keep_the_norm_rescue():
   m = fs.scale_metrics(state)
   assert not bool(m["overflow"]) and int(m["applied_steps"]) == 1
   np.testing.assert_allclose(float(m["grad_norm"]), 2e30, rtol=1e-6)
+
+
+def _times_value():
+  """Multiplies the updates by the ``value=`` it is passed."""
+  return optax.GradientTransformationExtraArgs(
+    lambda p: optax.EmptyState(),
+    lambda u, s, p=None, *, value: (jax.tree.map(lambda x: x * value, u), s),
+  )
+
+
+@pytest.mark.parametrize("bad_at", range(K))
+def test_a_nonfinite_loss_on_any_microbatch_is_a_forward_overflow(bad_at):
+  """A NaN loss (and NaN gradients) on microbatch ``bad_at`` of the window:
+  the kind is "forward" wherever it sits, not only on the last one."""
+  tx = fs.accumulate_gradients(_guarded(inner=optax.sgd(1.0)), K)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for t in range(K):
+    bad = t == bad_at
+    grads = {"w": jnp.full(2, jnp.nan if bad else 1.0, jnp.float16)}
+    loss = jnp.float32(jnp.nan if bad else 0.5)
+    _, state = tx.update(grads, state, params, value=loss)
+  report = fs.overflow_report(state)
+  assert report.step_overflowed and report.kind == "forward"
+  # The next window, clean with finite losses, is clean: the flag was reset.
+  for _ in range(K):
+    _, state = tx.update({"w": jnp.ones(2)}, state, params, value=0.5)
+  assert fs.overflow_report(state).kind == "none"
+
+
+def test_a_finite_loss_with_overflowing_gradients_stays_backward():
+  tx = fs.accumulate_gradients(_guarded(inner=optax.sgd(1.0)), K)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for t in range(K):
+    grads = {"w": jnp.full(2, jnp.inf if t == 0 else 1.0, jnp.float16)}
+    _, state = tx.update(grads, state, params, value=0.5)
+  assert fs.overflow_report(state).kind == "backward"
+
+
+@pytest.mark.parametrize("policy", ["skip_step", "drop_microbatch"])
+def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
+  inner = fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(fs.static_scaler(1.0)), _times_value())
+  )
+  tx = fs.accumulate_gradients(inner, K, on_microbatch_overflow=policy)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  losses = [1.0, 2.0, 4.0, 8.0]
+  for t, loss in enumerate(losses):
+    bad = policy == "drop_microbatch" and t == 1
+    grads = {"w": jnp.full(2, jnp.nan if bad else 1.0)}
+    updates, state = tx.update(grads, state, params, value=loss)
+  kept = [x for t, x in enumerate(losses) if policy == "skip_step" or t != 1]
+  # The window's mean gradient is 1.0, so the updates are the value passed.
+  np.testing.assert_allclose(
+    updates["w"], [sum(kept) / len(kept)] * 2, rtol=1e-6
+  )
+
+
+def test_accumulate_inside_skip_on_overflow_names_the_right_nesting():
+  inner = optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.sgd(1.0))
+  tx = fs.skip_on_overflow(fs.accumulate_gradients(inner, 2))
+  with pytest.raises(ValueError, match=r"accumulate_gradients\(skip_on_overf"):
+    tx.init({"w": jnp.zeros(2)})

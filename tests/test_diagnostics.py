@@ -153,6 +153,21 @@ def test_forward_backward_persistent_unknown():
   assert kinds == ["unknown", "unknown", "persistent"]
 
 
+def test_advice_agrees_with_the_next_scale_when_hysteresis_absorbs():
+  """Megatron's hysteresis of 2 absorbs the first overflow: the scale stays,
+  so the advice must not say it backed off; the second one backs off."""
+  one = jnp.float32(1.0)
+  scaler = fs.megatron_scaler(initial_scale=8.0)
+  for overflows, next_scale in [({0}, 8.0), ({0, 1}, 4.0)]:
+    _, state = _kind_after(scaler, [one] * len(overflows), overflows)
+    report = fs.overflow_report(state)
+    assert report.kind == "backward" and report.next_scale == next_scale
+    said_backed_off = "has backed off" in report.advice()
+    assert said_backed_off == (next_scale < report.scale), str(report)
+    if next_scale == report.scale:
+      assert "hysteresis" in report.advice()
+
+
 def test_every_preset_counts_overflows_at_its_floor():
   # torch's floor is float32's smallest normal: start one halving above it.
   presets = {
@@ -358,3 +373,22 @@ def test_paths_survive_jit_and_flax_serialization():
     tx.init(PARAMS), flax.serialization.msgpack_restore(raw)
   )
   assert fs.overflow_report(restored).counts == {POISONED: 1}
+
+
+@pytest.mark.parametrize(
+  "helper",
+  [
+    lambda s: fs.overflow_report(s),
+    lambda s: fs.raise_if_min_scale_reached(s, max_floor_overflows=1),
+    lambda s: fs.scaler_state_dict(s),
+    lambda s: fs.to_peer_state_dict(s, "torch", fs.torch_scaler()),
+  ],
+  ids=["overflow_report", "raise_if_min", "state_dict", "to_peer"],
+)
+def test_host_helpers_under_jit_say_they_run_on_the_host(helper):
+  tx = fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(fs.torch_scaler())))
+  state = tx.init({"w": jnp.ones(2)})
+  helper(state)  # on the host: fine
+  with pytest.raises(TypeError, match="runs on the host, outside jit") as e:
+    jax.jit(lambda s: helper(s) and None)(state)
+  assert "the state the step returned" in str(e.value)

@@ -86,6 +86,15 @@ def test_learns_and_writes_plot(run):
   assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_leaves_a_gap_for_skipped_steps(run):
+  # The metrics say 0.0 on a skipped step; a log axis must not draw it.
+  result, _ = run
+  plotted, overflow = result["plotted_grad_norm"], result["overflow"]
+  assert overflow.any() and (~overflow).any()
+  assert np.isnan(plotted[overflow]).all()
+  assert (plotted[~overflow] > 0).all()
+
+
 def test_accumulate_runs_one_step_per_window(tmp_path):
   main = runpy.run_path(str(EXAMPLE))["main"]
   result = main(

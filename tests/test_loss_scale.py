@@ -1,5 +1,7 @@
 """fp16_loss_scale inside skip_on_overflow: unscaling, reported norm, errors."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,3 +175,40 @@ def test_raise_if_min_scale_reached():
   _, state = update(nan, state)  # already at 1: DeepSpeed raises here
   with pytest.raises(fs.MinLossScaleError, match="minimum"):
     fs.raise_if_min_scale_reached(state)
+
+
+def _guarded(scaler):
+  return fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0))
+  )
+
+
+def test_float16_params_warn_that_there_are_no_float32_masters():
+  with pytest.warns(UserWarning, match="params are float16.*param_dtype"):
+    _guarded(fs.torch_scaler()).init({"w": jnp.ones(2, jnp.float16)})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _guarded(fs.torch_scaler()).init({"w": jnp.ones(2, jnp.float32)})
+
+
+@pytest.mark.parametrize(
+  "scaler, warns",
+  [
+    (fs.torch_scaler(), True),
+    (fs.static_scaler(1024.0), True),
+    (fs.no_scaler(), False),
+    (fs.static_scaler(1.0), False),
+  ],
+)
+def test_bfloat16_gradients_warn_unless_the_scale_is_one(scaler, warns):
+  tx = _guarded(scaler)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.ones(2, jnp.bfloat16)}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(tx.update)(grads, state, params)
+  said = [w for w in caught if "bfloat16" in str(w.message)]
+  assert bool(said) == warns
+  if warns:
+    assert "no_scaler()" in str(said[0].message)

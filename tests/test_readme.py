@@ -29,6 +29,14 @@ def test_readme_test_command_is_what_ci_runs():
   assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text()
 
 
+def test_readme_says_what_the_test_command_costs():
+  # The paragraph right before the command: the time and the download size.
+  text = README.read_text()
+  before = text[: text.index(TEST_COMMAND)].rsplit("\n\n", 2)[-2]
+  assert re.search(r"about \d+ minutes on\s+\d+ cores", before), before
+  assert re.search(r"~\d+ GB\s+of downloads", before), before
+
+
 def test_readme_links_resolve():
   links = re.findall(r"\]\(([^)#]+)\)", README.read_text())
   assert links

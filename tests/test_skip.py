@@ -207,3 +207,43 @@ def test_lbfgs_function_valued_extra_args_under_jit():
       np.asarray(p_ours), np.asarray(p_plain), rtol=1e-6
     )
   np.testing.assert_allclose(np.asarray(p_ours), [0.0, 1.0, 2.0], atol=1e-3)
+
+
+def test_lbfgs_free_running_matches_plain_lbfgs_bit_for_bit():
+  """50 free-running steps of the zoom line search on a 6-D Rosenbrock: the
+  guarded chain (a power-of-two scale, so unscaling is exact) takes plain
+  optax.lbfgs's steps and learning rates bit for bit, both jitted. (Eager
+  and jitted plain optax part from step 1 and pick learning rates apart by
+  step 40: compare like with like.)"""
+
+  def loss(p):
+    return jnp.sum(100.0 * (p[1:] - p[:-1] ** 2) ** 2 + (1 - p[:-1]) ** 2)
+
+  def trajectory(tx, scale):
+    @jax.jit
+    def step(p, s):
+      value, grad = jax.value_and_grad(loss)(p)
+      updates, s = tx.update(
+        grad * scale, s, p, value=value, grad=grad, value_fn=loss
+      )
+      return optax.apply_updates(p, updates), s
+
+    p = jnp.full(6, -0.5)
+    s = tx.init(p)
+    out = []
+    for _ in range(50):
+      p, s = step(p, s)
+      out.append((np.asarray(p), optax.tree_utils.tree_get(s, "learning_rate")))
+    return out
+
+  plain = trajectory(optax.lbfgs(), 1.0)
+  ours = trajectory(
+    fs.skip_on_overflow(
+      optax.chain(fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.lbfgs())
+    ),
+    4.0,
+  )
+  for (p_plain, lr_plain), (p_ours, lr_ours) in zip(plain, ours):
+    np.testing.assert_array_equal(p_ours, p_plain)
+    assert float(lr_ours) == float(lr_plain)
+  assert float(loss(plain[-1][0])) < 1e-6  # it converged

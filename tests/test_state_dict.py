@@ -6,6 +6,8 @@ tests/peers/test_peer_state_dict.py; here the peer dicts are written out by hand
 from each peer's ``state_dict()`` (see fp16_scaling/_state_dict.py).
 """
 
+import dataclasses
+import json
 import math
 
 import jax
@@ -387,3 +389,80 @@ def test_from_deepspeed_config_stage0_hysteresis():
   del sd["cur_hysteresis"]
   back = fs.load_scaler_state_dict(make(new).init(jnp.zeros(2)), sd, new)
   assert fs.scaler_state_dict(back)["hysteresis_left"] == 1
+
+
+def _other(value):
+  """A valid value of a Scaler field that differs from ``value``."""
+  if value is None:
+    return 3.0
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, int):
+    return value + 1
+  return value / 2 if value > 1 else value * 2
+
+
+@pytest.mark.parametrize(
+  "field",
+  [f.name for f in dataclasses.fields(fs.Scaler) if f.name != "init_scale"],
+)
+def test_every_scaler_field_is_checked_on_load(field):
+  """Derived from the dataclass: a field added to Scaler is covered here."""
+  saved_with = fs.headroom_scaler(headroom_bits=4)
+  d = json.loads(
+    json.dumps(
+      fs.scaler_state_dict(make(saved_with).init(jnp.zeros(2)), saved_with)
+    )
+  )
+  other = dataclasses.replace(
+    saved_with, **{field: _other(getattr(saved_with, field))}
+  )
+  with pytest.raises(ValueError, match=f"on {field}: the state implies"):
+    fs.load_scaler_state_dict(make(other).init(jnp.zeros(2)), d, other)
+  # The scaler it was saved with loads it.
+  fs.load_scaler_state_dict(make(saved_with).init(jnp.zeros(2)), d, saved_with)
+
+
+def test_headroom_bits_differing_is_refused():
+  four, ten = (
+    fs.headroom_scaler(headroom_bits=4),
+    fs.headroom_scaler(headroom_bits=10),
+  )
+  d = fs.scaler_state_dict(make(four).init(jnp.zeros(2)), four)
+  with pytest.raises(ValueError, match="headroom_bits.*implies 4.0.*has 10.0"):
+    fs.load_scaler_state_dict(make(ten).init(jnp.zeros(2)), d, ten)
+
+
+def _tree(n):
+  return {f"p{i}": jnp.zeros(2) for i in range(n)}
+
+
+@pytest.mark.parametrize("saved, target", [(1, 2), (3, 2)])
+@pytest.mark.parametrize("grad_range", [False, True])
+def test_per_leaf_fields_for_another_model_are_refused(
+  saved, target, grad_range
+):
+  scaler = fs.torch_scaler()
+  tx = fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(scaler, grad_range=grad_range))
+  )
+  d = fs.scaler_state_dict(tx.init(_tree(saved)), scaler)
+  with pytest.raises(
+    ValueError,
+    match=rf"state_dict\['leaf_nonfinite'\] holds {saved} gradient leaves, "
+    rf"the optimizer state {target}",
+  ):
+    fs.load_scaler_state_dict(tx.init(_tree(target)), d, scaler)
+  # Without the per-leaf fields, as the message says, the scale loads.
+  for field in (
+    "leaf_nonfinite",
+    "leaf_nonfinite_steps",
+    "grad_max_abs",
+    "grad_zero_fraction",
+  ):
+    d.pop(field, None)
+  d["loss_scale"] = 1024.0
+  state = fs.load_scaler_state_dict(tx.init(_tree(target)), d, scaler)
+  assert float(fs.current_scale(state)) == 1024.0
+  report = fs.overflow_report(state)
+  assert report.counts == {} and report.nonfinite_leaves == ()
