@@ -15,13 +15,21 @@ donated so that the step is in place like a real training step:
   d  ``optax.apply_if_finite`` around clip + AdamW, static loss scale.
   e  Flax's ``DynamicScale`` with the ``jnp.where`` skip of its examples.
 
+and, with ``--recipes options``, b's options on clean steps: f
+``grad_range=True``, g ``log_overflows=True``, i ``accumulate_gradients(b,
+1)`` and j ``accumulate_gradients(b, 4)`` (the mean call of a window). The
+steps are defined in ``recipes.py``; this script is only the timer.
+
 For each it reports the compile time (trace + lower + XLA compile, cold, in a
 fresh worker process that is killed when it runs past ``--budget``), the median
 wall time per step (timing rounds interleaved, round 1 a, b, c, ..., round 2
 b, c, ..., a, and so on, so that drift and position effects fall on every
-recipe alike) and XLA's ``bytes accessed`` of the compiled step, the
-proxy for memory traffic of a memory-bound step; each also as a ratio to (a),
-and the median [quartiles] of each recipe's per-round paired ratio to (a).
+recipe alike), the process CPU time per step over the same samples (all
+threads; on a many-leaf shape it is the host's per-call work) and XLA's
+``bytes accessed`` of the compiled step, the proxy for memory traffic of a
+memory-bound step; each also as a ratio to (a),
+and the median [quartiles] of each recipe's per-round paired ratio to (a),
+of wall time and of CPU time.
 
 This is the timer for users. The project's own targets (what fp16_scaling
 must cost next to (a)) are judged on the same measurement by
@@ -29,12 +37,13 @@ must cost next to (a)) are judged on the same measurement by
 
   python benchmarks/step_cost.py                   # 20M/200 and 2M/1000
   python benchmarks/step_cost.py --shape 20M/200 --repeats 40
+  python benchmarks/step_cost.py --shape 500x16 --shape 2000x16 \
+      --recipes floor,fp16 --repeats 20 --inner 20   # per-leaf host cost
+  python benchmarks/step_cost.py --shape 500x16 --recipes options
   python benchmarks/step_cost.py --tiny            # seconds; the smoke test
 """
 
 import argparse
-import dataclasses
-import functools
 import json
 import os
 import platform
@@ -48,14 +57,20 @@ import time
 
 # Benchmark the checkout this file lives in, installed or not.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
 HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (ROOT, HERE):
+  if _path not in sys.path:
+    sys.path.insert(0, _path)
 
-LR = 1e-3
-WEIGHT_DECAY = 1e-4
-MAX_NORM = 1.0
-LOSS_SCALE = 2.0**16  # the initial (or static) scale of every scaled recipe
+from recipes import BY_KEY  # noqa: E402
+from recipes import OPTIONS  # noqa: E402
+from recipes import OVERFLOW_ROW  # noqa: E402
+from recipes import RECIPES  # noqa: E402
+from recipes import build  # noqa: E402, F401  (for scripts that import it)
+from recipes import copy_tree  # noqa: E402
+from recipes import jitted  # noqa: E402
+from recipes import leaf_sizes  # noqa: E402, F401
+from recipes import make_inputs  # noqa: E402
 
 SHAPES = {
   "20M/200": (20_000_000, 200),
@@ -63,211 +78,35 @@ SHAPES = {
   "tiny": (4_096, 8),
 }
 DEFAULT_SHAPES = ("20M/200", "2M/1000")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-  key: str
-  label: str
-  module: str  # the third-party package it needs ("" for none)
-
-
-RECIPES = (
-  Recipe("floor", "a. optax clip + adamw, no scaling (floor)", ""),
-  Recipe("fp16", "b. fp16_scaling", ""),
-  Recipe("fp16_expert", "b. fp16_scaling, expert mask", ""),
-  Recipe("jmp", "c. jmp DynamicLossScale + select_tree", "jmp"),
-  Recipe("apply_if_finite", "d. optax.apply_if_finite, static scale", ""),
-  Recipe("flax", "e. flax DynamicScale + jnp.where", "flax"),
+# ``--recipes options``: b's options next to b (and the floor).
+OPTION_SET = ("floor", "fp16") + tuple(r.key for r in OPTIONS)
+SHAPE_HELP = (
+  "PARAMS/LEAVES (20M/200: 20,000,000 params in 200 leaves; K, M, G "
+  "suffixes) or LEAVESxSIZE (500x16: 500 leaves of 16 elements each, "
+  "8,000 params), or 'tiny'"
 )
-BY_KEY = {r.key: r for r in RECIPES}
-OVERFLOW_ROW = "b. fp16_scaling, overflow step"
 
 
 def parse_shape(text):
-  """'20M/200', '2000000/1000', '1.5M/300' or a name in SHAPES."""
+  """'20M/200', '2000000/1000', '1.5M/300', '500x16' or a name in SHAPES."""
   if text in SHAPES:
     return text, SHAPES[text]
   try:
-    size, leaves = text.split("/")
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(size[-1:].upper(), 1)
-    n = int(float(size[:-1] if mult > 1 else size) * mult)
-    leaves = int(leaves)
+    if "x" in text:
+      leaves, size = (int(v) for v in text.split("x"))
+      n = leaves * size
+    else:
+      size, leaves = text.split("/")
+      mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(size[-1:].upper(), 1)
+      n = int(float(size[:-1] if mult > 1 else size) * mult)
+      leaves = int(leaves)
   except ValueError:
     raise argparse.ArgumentTypeError(
-      f"shape must be PARAMS/LEAVES like 20M/200, or one of {list(SHAPES)}; "
-      f"got {text!r}"
+      f"shape must be {SHAPE_HELP}; got {text!r}"
     ) from None
   if leaves < 1 or n < leaves:
     raise argparse.ArgumentTypeError(f"need 1 <= leaves <= params: {text!r}")
   return text, (n, leaves)
-
-
-def leaf_sizes(n, leaves):
-  sizes = [n // leaves] * leaves
-  sizes[0] += n - sum(sizes)
-  return sizes
-
-
-# --------------------------------------------------------------------------
-# The recipes. Each is (init(params) -> state, step(params, state, grads)).
-
-
-def build(key, num_leaves):
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  f32 = jnp.float32
-
-  def clip_adamw():
-    return optax.chain(
-      optax.clip_by_global_norm(MAX_NORM),
-      optax.adamw(LR, weight_decay=WEIGHT_DECAY),
-    )
-
-  def to_f32(grads):
-    return jax.tree.map(lambda g: g.astype(f32), grads)
-
-  if key == "floor":
-    tx = clip_adamw()
-
-    def step(params, state, grads):
-      updates, state = tx.update(to_f32(grads), state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, step
-
-  if key in ("fp16", "fp16_expert"):
-    import fp16_scaling as fs
-
-    mask = (
-      [i % 2 == 1 for i in range(num_leaves)] if key == "fp16_expert" else None
-    )
-    tx = fs.skip_on_overflow(
-      optax.chain(
-        fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=LOSS_SCALE)),
-        fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
-        optax.adamw(LR, weight_decay=WEIGHT_DECAY),
-      )
-    )
-
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, step
-
-  if key == "jmp":
-    import jmp
-
-    tx = clip_adamw()
-
-    # The loss scale travels as its two arrays: jmp's DynamicLossScale pytree
-    # validates its leaves on unflatten and so cannot be an argument of
-    # ``jit(...).lower`` in current JAX; it is rebuilt inside the step.
-    def init(params):
-      return tx.init(params), (
-        jnp.asarray(LOSS_SCALE, f32),
-        jnp.zeros([], jnp.int32),
-      )
-
-    def step(params, state, grads):
-      opt_state, (scale, counter) = state
-      loss_scale = jmp.DynamicLossScale(scale, counter)
-      grads = loss_scale.unscale(to_f32(grads))  # cast_to_param, then unscale
-      grads_finite = jmp.all_finite(grads)
-      loss_scale = loss_scale.adjust(grads_finite)
-      updates, new_opt_state = tx.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      params, opt_state = jmp.select_tree(
-        grads_finite, (new_params, new_opt_state), (params, opt_state)
-      )
-      return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
-
-    return init, step
-
-  if key == "apply_if_finite":
-    tx = optax.apply_if_finite(clip_adamw(), max_consecutive_errors=5)
-    inv_scale = 1.0 / LOSS_SCALE
-
-    def step(params, state, grads):
-      grads = jax.tree.map(lambda g: g.astype(f32) * inv_scale, grads)
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, step
-
-  if key == "flax":
-    from flax.training.dynamic_scale import DynamicScale
-
-    tx = clip_adamw()
-
-    # DynamicScale.value_and_grad differentiates ``scale * loss``. Its
-    # backward pass here hands back the precomputed (already scaled) float16
-    # gradients, so everything DynamicScale does to them afterwards (float32
-    # cast, unscale, all-finite check, scale update) runs as written.
-    @jax.custom_vjp
-    def present(g):
-      del g
-      return jnp.zeros([], f32)
-
-    present.defvjp(lambda g: (jnp.zeros([], f32), g), lambda g, ct: (g,))
-
-    def init(params):
-      return tx.init(params), DynamicScale(
-        fin_steps=jnp.zeros([], jnp.int32), scale=jnp.asarray(LOSS_SCALE, f32)
-      )
-
-    def step(params, state, grads):
-      opt_state, dynamic_scale = state
-      dynamic_scale, is_fin, _, grads = dynamic_scale.value_and_grad(present)(
-        grads
-      )
-      updates, new_opt_state = tx.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      select = functools.partial(jnp.where, is_fin)  # as Flax's examples do
-      params = jax.tree.map(select, new_params, params)
-      opt_state = jax.tree.map(select, new_opt_state, opt_state)
-      return params, (opt_state, dynamic_scale)
-
-    return init, step
-
-  raise KeyError(key)
-
-
-def make_inputs(n, num_leaves, seed=0):
-  """float32 params and two float16 gradient trees: clean and one inf."""
-  import jax
-  import jax.numpy as jnp
-
-  sizes = leaf_sizes(n, num_leaves)
-  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * num_leaves)
-  params = [
-    0.02 * jax.random.normal(keys[i], (s,), jnp.float32)
-    for i, s in enumerate(sizes)
-  ]
-  grads = [
-    jax.random.normal(keys[num_leaves + i], (s,), jnp.float16)
-    for i, s in enumerate(sizes)
-  ]
-  overflow = list(grads)
-  overflow[0] = overflow[0].at[0].set(jnp.inf)
-  return params, grads, overflow
-
-
-def copy_tree(tree):
-  import jax
-  import jax.numpy as jnp
-
-  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-
-
-def jitted(key, num_leaves):
-  import jax
-
-  init, step = build(key, num_leaves)
-  return init, jax.jit(step, donate_argnums=(0, 1))
 
 
 def configure_cache(cache_dir):
@@ -393,36 +232,47 @@ class _Lines:
 # Timing, in this process.
 
 
-def time_rows(units, repeats, inner, warmup):
+def time_rows(units, repeats, inner, warmup, cpu=None):
   """Interleaved timing. ``units``: lists of one or two rows, each row a
-  list [name, fn, params, state, grads].
+  list [name, fn, params, state, grads] and optionally, sixth, the calls
+  that make one unit of work (an accumulation window); default 1.
 
-  Each round runs ``inner`` steps of every row in turn, blocking at the end
-  of each row's steps; the sample is the elapsed time over ``inner``. The
-  order of the units rotates by one per round, so that no row always runs
-  right after the same neighbour (or first in its round). The two rows of a
-  unit (fp16_scaling's clean and overflow steps) always run back to back,
-  in alternating order, so that their per-round ratio compares like with
-  like: with three rows in one rotation the overflow row followed the clean
-  one in two rounds of three, and read 5% slow at 2M/1000 where an A/B
-  alternating test reads 0.995x.
+  Each round runs ``inner`` units of every row in turn, blocking at the end
+  of each row's steps; the sample is the elapsed wall time over the calls
+  made. When ``cpu`` is a dict, it gets, under each row's name, the
+  process's CPU time (all its threads: ``time.process_time``) over the same
+  calls, taken around the same sample. The order of the units rotates by
+  one per round, so that no row always runs right after the same neighbour
+  (or first in its round). The two rows of a unit (fp16_scaling's clean and
+  overflow steps) always run back to back, in alternating order, so that
+  their per-round ratio compares like with like: with three rows in one
+  rotation the overflow row followed the clean one in two rounds of three,
+  and read 5% slow at 2M/1000 where an A/B alternating test reads 0.995x.
+
+  Returns ``{name: [seconds per call, one per round]}``.
   """
   import jax
 
   samples = {r[0]: [] for unit in units for r in unit}
+  if cpu is not None:
+    cpu.update({name: [] for name in samples})
   for rnd in range(warmup + repeats):
     shift = rnd % len(units)
     for unit in units[shift:] + units[:shift]:
       for row in unit if rnd % 2 == 0 else unit[::-1]:
-        name, fn, params, state, grads = row
-        t0 = time.perf_counter()
-        for _ in range(inner):
+        name, fn, params, state, grads = row[:5]
+        calls = inner * (row[5] if len(row) > 5 else 1)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(calls):
           params, state = fn(params, state, grads)
         jax.block_until_ready((params, state))
-        dt = (time.perf_counter() - t0) / inner
+        dt = (time.perf_counter() - t0) / calls
+        dc = (time.process_time() - c0) / calls
         row[2], row[3] = params, state
         if rnd >= warmup:
           samples[name].append(dt)
+          if cpu is not None:
+            cpu[name].append(dc)
   return samples
 
 
@@ -488,16 +338,16 @@ def run_shape(shape_name, n, num_leaves, keys, args):
       continue
     init, fn = jitted(key, num_leaves)
     p = copy_tree(params)
-    s = init(p)
+    s = copy_tree(init(p))
     # The first call traces and loads the worker's executable from the cache
     # (it does not compile again); it is one more untimed warm-up step.
     t0 = time.perf_counter()
     p, s = jax.block_until_ready(fn(p, s, grads))
     results[key]["load_s"] = time.perf_counter() - t0
-    unit = [[BY_KEY[key].label, fn, p, s, grads]]
+    unit = [[BY_KEY[key].label, fn, p, s, grads, BY_KEY[key].calls]]
     if key == "fp16" and not args.no_overflow:
       p = copy_tree(params)
-      unit.append([OVERFLOW_ROW, fn, p, init(p), grads_overflow])
+      unit.append([OVERFLOW_ROW, fn, p, copy_tree(init(p)), grads_overflow])
     rows.append(unit)
   print(
     f"[{shape_name}] timing {sum(map(len, rows))} rows x {args.repeats} "
@@ -505,10 +355,11 @@ def run_shape(shape_name, n, num_leaves, keys, args):
     file=sys.stderr,
     flush=True,
   )
-  samples = time_rows(rows, args.repeats, args.inner, args.warmup)
+  cpu = {}
+  samples = time_rows(rows, args.repeats, args.inner, args.warmup, cpu)
   jax.clear_caches()
   shutil.rmtree(cache_dir, ignore_errors=True)
-  return results, samples
+  return results, samples, cpu
 
 
 def _median_low(values):
@@ -521,16 +372,24 @@ def fmt_ratio(x, base):
   return f"{x / base:.3f}x"
 
 
-def table(shape_name, n, num_leaves, keys, results, samples, notes_fn=None):
+def table(
+  shape_name, n, num_leaves, keys, results, samples, notes_fn=None, cpu=None
+):
   """The markdown table and a dict of everything measured.
 
-  ``notes_fn(keys, results, samples, record)``, when given, returns more
-  lines for the notes under the table (``targets.py``'s verdicts).
+  ``cpu``: the process CPU time samples that ``time_rows`` took next to
+  ``samples``. ``notes_fn(keys, results, samples, record)``, when given,
+  returns more lines for the notes under the table (``targets.py``'s
+  verdicts).
   """
+  cpu = cpu or {}
   floor = results.get("floor", {})
   floor_ok = floor.get("status") == "ok"
+  floor_label = BY_KEY["floor"].label
   med = {name: statistics.median(v) for name, v in samples.items() if v}
-  base_step = med.get(BY_KEY["floor"].label) if floor_ok else None
+  cpu_med = {name: statistics.median(v) for name, v in cpu.items() if v}
+  base_step = med.get(floor_label) if floor_ok else None
+  base_cpu = cpu_med.get(floor_label) if floor_ok else None
   base_compile = (floor["lower_s"] + floor["compile_s"]) if floor_ok else None
   base_bytes = floor.get("bytes_accessed") if floor_ok else None
   lines = [
@@ -538,8 +397,8 @@ def table(shape_name, n, num_leaves, keys, results, samples, notes_fn=None):
     "float16 grads",
     "",
     "| recipe | compile s | vs a | step ms (median) | vs a | "
-    "bytes accessed | B/param | vs a |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|",
+    "CPU ms/step (median) | vs a | bytes accessed | B/param | vs a |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   record = dict(shape=shape_name, params=n, leaves=num_leaves, rows={})
   names = []
@@ -550,10 +409,10 @@ def table(shape_name, n, num_leaves, keys, results, samples, notes_fn=None):
   for key, name in names:
     res = results[key]
     if res.get("status") != "ok":
-      lines.append(f"| {name} | {res['status']} | – | – | – | – | – | – |")
+      lines.append(f"| {name} | {res['status']} |" + " – |" * 8)
       record["rows"][name] = dict(status=res["status"])
       continue
-    step = med.get(name)
+    step, cpu_step = med.get(name), cpu_med.get(name)
     same = name == OVERFLOW_ROW
     compile_s = res["lower_s"] + res["compile_s"]
     b = res["bytes_accessed"]
@@ -563,13 +422,15 @@ def table(shape_name, n, num_leaves, keys, results, samples, notes_fn=None):
       "" if same else fmt_ratio(compile_s, base_compile),
       f"{step * 1e3:.3f}" if step is not None else "–",
       fmt_ratio(step, base_step),
+      f"{cpu_step * 1e3:.3f}" if cpu_step is not None else "–",
+      fmt_ratio(cpu_step, base_cpu),
       "" if same else f"{b:,.0f}",
       "" if same else f"{b / n:.1f}",
       "" if same else fmt_ratio(b, base_bytes),
     ]
     lines.append("| " + " | ".join(cells) + " |")
     spread = samples.get(name, [])
-    record["rows"][name] = dict(
+    row = dict(
       status="ok",
       lower_s=res["lower_s"],
       compile_s=res["compile_s"],
@@ -579,9 +440,18 @@ def table(shape_name, n, num_leaves, keys, results, samples, notes_fn=None):
       step_s_p10=_quantile(spread, 0.1),
       step_s_p90=_quantile(spread, 0.9),
       step_s_samples=spread,
+      cpu_s_median=cpu_step,
+      cpu_s_samples=cpu.get(name, []),
       bytes_accessed=b,
       flops=res["flops"],
     )
+    if floor_ok and name in samples and floor_label in samples:
+      row["wall_vs_floor_per_round"] = _paired(
+        samples[name], samples[floor_label]
+      )
+      if name in cpu and floor_label in cpu:
+        row["cpu_vs_floor_per_round"] = _paired(cpu[name], cpu[floor_label])
+    record["rows"][name] = row
 
   notes = []
   if samples.get(OVERFLOW_ROW) and samples.get(BY_KEY["fp16"].label):
@@ -589,13 +459,22 @@ def table(shape_name, n, num_leaves, keys, results, samples, notes_fn=None):
     notes.append(
       "fp16_scaling overflow step / clean step, per round: " + _spread(ratios)
     )
-  floor_label = BY_KEY["floor"].label
+
+  def both(name, base):
+    text = "wall " + _spread(_paired(samples[name], samples[base]))
+    if cpu.get(name) and cpu.get(base):
+      text += "; process CPU " + _spread(_paired(cpu[name], cpu[base]))
+    return text
+
   if floor_ok:
     for key, name in names:
       if key == "floor" or name == OVERFLOW_ROW or name not in samples:
         continue
-      ratios = _paired(samples[name], samples[floor_label])
-      notes.append(f"{name} / floor, per round: {_spread(ratios)}")
+      notes.append(f"{name} / floor, per round: {both(name, floor_label)}")
+  fp16_label = BY_KEY["fp16"].label
+  for key, name in names:
+    if key in OPTION_SET[2:] and name in samples and fp16_label in samples:
+      notes.append(f"{name} / b, per round: {both(name, fp16_label)}")
   if notes_fn is not None:
     notes += notes_fn(keys, results, samples, record)
   lines += [""] + [f"- {x}" for x in notes]
@@ -613,17 +492,6 @@ def _spread(ratios):
   med = statistics.median(ratios)
   lo, hi = _quantile(ratios, 0.25), _quantile(ratios, 0.75)
   return f"{med:.3f}x [{lo:.3f}x, {hi:.3f}x]"
-
-
-def __getattr__(name):
-  # The target verdicts moved to targets.py; their names stay importable.
-  if name in ("_verdict", "TARGETS", "verdicts"):
-    if HERE not in sys.path:
-      sys.path.insert(0, HERE)
-    import targets
-
-    return getattr(targets, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _quantile(values, q):
@@ -654,8 +522,8 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
     "--shape",
     action="append",
     type=parse_shape,
-    help="PARAMS/LEAVES, e.g. 20M/200 (repeatable; default "
-    "20M/200 and 2M/1000)",
+    help=SHAPE_HELP + " (repeatable; default 20M/200 and 2M/1000). "
+    "500x16 and 2000x16 price the per-leaf host work of a call",
   )
   parser.add_argument(
     "--tiny",
@@ -665,7 +533,12 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
   parser.add_argument(
     "--recipes",
     default=",".join(r.key for r in RECIPES),
-    help="comma-separated subset of: " + ", ".join(r.key for r in RECIPES),
+    help="comma-separated subset of: "
+    + ", ".join(BY_KEY)
+    + "; 'options' stands for "
+    + ",".join(OPTION_SET)
+    + " (b's options, each also as a ratio to b). Default: "
+    + ",".join(r.key for r in RECIPES),
   )
   parser.add_argument(
     "--repeats",
@@ -722,7 +595,11 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
     shapes.append(parse_shape("tiny"))
   if not shapes:
     shapes = [parse_shape(s) for s in DEFAULT_SHAPES]
-  keys = [k.strip() for k in args.recipes.split(",") if k.strip()]
+  keys = []
+  for word in args.recipes.split(","):
+    for k in OPTION_SET if word.strip() == "options" else [word.strip()]:
+      if k and k not in keys:
+        keys.append(k)
   for k in keys:
     if k not in BY_KEY:
       parser.error(f"unknown recipe {k!r}; choose from {list(BY_KEY)}")
@@ -742,9 +619,9 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
   )
   records = []
   for shape_name, (n, num_leaves) in shapes:
-    results, samples = run_shape(shape_name, n, num_leaves, keys, args)
+    results, samples, cpu = run_shape(shape_name, n, num_leaves, keys, args)
     text, record = table(
-      shape_name, n, num_leaves, keys, results, samples, notes_fn
+      shape_name, n, num_leaves, keys, results, samples, notes_fn, cpu
     )
     print()
     print(text, flush=True)

@@ -33,7 +33,9 @@ for path in (ROOT, os.path.join(ROOT, "benchmarks")):
   if path not in sys.path:
     sys.path.insert(0, path)
 
-import step_cost  # noqa: E402  (the shapes, inputs, timing and verdicts)
+import recipes  # noqa: E402  (the floor, the constants and the inputs)
+import step_cost  # noqa: E402  (the shapes and the timing)
+import targets  # noqa: E402  (the verdicts)
 
 FLOOR = "a. optax clip + adamw, no scaling (floor)"
 PLAIN = "b. fp16_scaling, attribution (default)"
@@ -51,19 +53,19 @@ def build(label, num_leaves):
   import fp16_scaling as fs
 
   if label == FLOOR:
-    return step_cost.build("floor", num_leaves)
-  kwargs, scaler = {}, fs.deepspeed_scaler(init_scale=step_cost.LOSS_SCALE)
+    return recipes.build("floor", num_leaves)
+  kwargs, scaler = {}, fs.deepspeed_scaler(init_scale=recipes.LOSS_SCALE)
   if label == RANGE:
     kwargs = {"grad_range": True}
   elif label == LOG:
     kwargs = {"log_overflows": True}
   elif label == HEADROOM:
-    scaler = fs.headroom_scaler(init_scale=step_cost.LOSS_SCALE)
+    scaler = fs.headroom_scaler(init_scale=recipes.LOSS_SCALE)
   tx = fs.skip_on_overflow(
     optax.chain(
       fs.fp16_loss_scale(scaler, **kwargs),
-      fs.clip_by_unscaled_norm(step_cost.MAX_NORM),
-      optax.adamw(step_cost.LR, weight_decay=step_cost.WEIGHT_DECAY),
+      fs.clip_by_unscaled_norm(recipes.MAX_NORM),
+      optax.adamw(recipes.LR, weight_decay=recipes.WEIGHT_DECAY),
     )
   )
 
@@ -78,7 +80,7 @@ def build(label, num_leaves):
 def run_shape(name, n, num_leaves, args):
   import jax
 
-  params, grads, overflow = step_cost.make_inputs(n, num_leaves)
+  params, grads, overflow = recipes.make_inputs(n, num_leaves)
   labels = (FLOOR, PLAIN, RANGE, LOG, HEADROOM)
   rows, compiled = {}, {}
   # A first compile pays for JAX's own warm-up: compile the floor twice and
@@ -101,7 +103,7 @@ def run_shape(name, n, num_leaves, args):
 
   def row(label, g, exe_label=None):
     exe, init = compiled[exe_label or label]
-    p = step_cost.copy_tree(params)
+    p = recipes.copy_tree(params)
     return [label, exe, p, jax.jit(init)(p), g]
 
   units = [
@@ -153,13 +155,13 @@ def report(name, n, num_leaves, rows, samples, log_lines, args):
   c = rows[PLAIN]["compile_s"] / rows[FLOOR]["compile_s"]
   lines.append(
     f"- attribution on vs targets: wall per round "
-    f"{step_cost._verdict(wall, 1.03)}; bytes {b:.3f}x "
+    f"{targets._verdict(wall, 1.03)}; bytes {b:.3f}x "
     f"{'ok' if b <= 1.0005 else 'MISS'} (<= 1.0x); compile {c:.3f}x "
     f"{'ok' if c <= 1.5005 else 'MISS'} (<= 1.5x)"
   )
   lines.append(
     "- overflow step / clean step, per round: "
-    + step_cost._verdict(
+    + targets._verdict(
       step_cost._paired(samples[PLAIN_OVF], samples[PLAIN]), 1.0
     )
   )
@@ -198,7 +200,7 @@ def main(argv=None):
   ]
   import jax
 
-  print(step_cost.machine() if hasattr(step_cost, "machine") else "")
+  print(step_cost.machine())
   print(f"jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   out = []
   for name, (n, num_leaves) in shapes:

@@ -1,0 +1,623 @@
+#!/usr/bin/env python3
+"""One unattended check of fp16_scaling on a GPU machine: one command, one
+folder of results.
+
+  python3 benchmarks/gpu_check.py OUTDIR
+
+It needs Python's standard library, jax (with its CUDA backend), optax, flax
+and this repository; jmp is optional (its rows are skipped when it is not
+installed); no network. Each part runs in its own subprocess with its own
+time limit (killed with its children when the limit runs out), so a slow
+compile or a hung test costs only its own row:
+
+  env          jax, jaxlib, optax, flax and jmp versions; the devices.
+  bandwidth    copy bandwidth: ``a * 1.0001`` on a 2 GiB float32 array
+               (read + write, donated), median and best of 20 calls.
+  step_cost_*  benchmarks/step_cost.py at 500M/500 and 20M/1000 (recipes
+               floor, fp16, apply_if_finite and jmp), each with XLA's command
+               buffers on (the default) and off
+               (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``); XLA reads
+               XLA_FLAGS when the backend starts, so each setting is its own
+               process.
+  train_step   benchmarks/train_step_cost.py: the whole train step of
+               examples/train_lm.py, fp16_scaling against plain optax.
+  tests        the test suite, less tests/peers, tests/mesh and
+               tests/multihost, as ``python -m pytest``: pass and fail counts
+               and the failing test ids.
+
+OUTDIR gets ``gpu_check.json`` (every part with its status: ok, failed,
+timed out, skipped or not selected; rewritten after each part, so a run
+that is itself killed keeps what it finished), ``gpu_check.md`` (a table
+with a row per part, then the step_cost tables) and ``logs/`` (each part's
+output). The default limits add up to 470 s, and ``--total`` (default 470 s)
+caps the whole run: a part never gets more than what is left of it. The exit
+status is 0 when every selected part is ok, 1 otherwise.
+
+  python3 benchmarks/gpu_check.py /tmp/gpu                     # the check
+  python3 benchmarks/gpu_check.py /tmp/gpu --parts bandwidth,step_cost
+  python3 benchmarks/gpu_check.py /tmp/gpu --limit tests=600 --total 900
+  python3 benchmarks/gpu_check.py /tmp/smoke --tiny            # CPU, seconds
+"""
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+CB_OFF = "--xla_gpu_enable_command_buffer="
+STEP_RECIPES = ("floor", "fp16", "apply_if_finite", "jmp")
+TINY_STEP_RECIPES = ("floor", "fp16")
+TEST_IGNORES = ("tests/peers", "tests/mesh", "tests/multihost")
+TINY_TESTS = ("tests/test_scaler.py",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  name: str
+  limit_s: float  # the default time limit
+  what: str
+  shape: str = ""  # step_cost parts: the shape, and at --tiny
+  tiny_shape: str = ""
+  command_buffers: bool = True
+
+
+PARTS = (
+  Part("env", 15, "versions and devices"),
+  Part("bandwidth", 20, "copy bandwidth, a * 1.0001 on 2 GiB float32"),
+  Part(
+    "step_cost_500M_500_cb_on",
+    75,
+    "step_cost 500M/500, command buffers on",
+    "500M/500",
+    "16K/16",
+  ),
+  Part(
+    "step_cost_500M_500_cb_off",
+    75,
+    "step_cost 500M/500, command buffers off",
+    "500M/500",
+    "16K/16",
+    False,
+  ),
+  Part(
+    "step_cost_20M_1000_cb_on",
+    75,
+    "step_cost 20M/1000, command buffers on",
+    "20M/1000",
+    "4K/32",
+  ),
+  Part(
+    "step_cost_20M_1000_cb_off",
+    75,
+    "step_cost 20M/1000, command buffers off",
+    "20M/1000",
+    "4K/32",
+    False,
+  ),
+  Part("train_step", 40, "whole train step, fp16_scaling / plain optax"),
+  Part("tests", 95, "test suite less peers, mesh and multihost"),
+)
+BY_NAME = {p.name: p for p in PARTS}
+TOTAL_S = 470.0  # the whole run; the default limits add up to this
+
+
+# --------------------------------------------------------------------------
+# Workers: the parts that are not another script, run in a subprocess of
+# this file (``--worker NAME --result FILE``).
+
+
+def worker_env(args):
+  import jax
+
+  def version(name):
+    try:
+      module = __import__(name)
+    except ImportError:
+      return None
+    return getattr(module, "__version__", "?")
+
+  devices = jax.devices()
+  return dict(
+    jax=jax.__version__,
+    jaxlib=version("jaxlib"),
+    optax=version("optax"),
+    flax=version("flax"),
+    jmp=version("jmp"),
+    backend=jax.default_backend(),
+    devices=[f"{d.platform}:{d.id} {d.device_kind}" for d in devices],
+    python=platform.python_version(),
+    machine=platform.machine(),
+    cpus=os.cpu_count(),
+    summary=(
+      f"jax {jax.__version__} on {jax.default_backend()}, "
+      f"{len(devices)} x {devices[0].device_kind}; jmp "
+      f"{version('jmp') or 'not installed'}"
+    ),
+  )
+
+
+def worker_bandwidth(args):
+  import jax
+  import jax.numpy as jnp
+
+  n = args.bytes // 4
+  a = jnp.ones((n,), jnp.float32)
+  scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
+  a = scale(a).block_until_ready()  # compile and warm up
+  times = []
+  for _ in range(args.calls):
+    t0 = time.perf_counter()
+    a = scale(a)
+    a.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  moved = 2 * n * 4  # read and write
+  med, best = statistics.median(times), min(times)
+  return dict(
+    bytes=n * 4,
+    calls=args.calls,
+    seconds=times,
+    median_gb_s=moved / med / 1e9,
+    best_gb_s=moved / best / 1e9,
+    device=jax.devices()[0].device_kind,
+    summary=(
+      f"{moved / med / 1e9:,.1f} GB/s median, {moved / best / 1e9:,.1f} GB/s "
+      f"best ({n * 4 / 2**30:.3g} GiB float32, read + write, {args.calls} "
+      "calls)"
+    ),
+  )
+
+
+def worker_train_step(args):
+  sys.path.insert(0, HERE)
+  import train_step_cost
+
+  out = train_step_cost.main(args.argv)
+  ratios, cpu = out["ratios"], out["cpu_ratios"]
+  med, cpu_med = statistics.median(ratios), statistics.median(cpu)
+  return dict(
+    wall_ratios=ratios,
+    cpu_ratios=cpu,
+    wall_ratio_median=med,
+    cpu_ratio_median=cpu_med,
+    times=out["times"],
+    optimizer_parts=out["optimizer_parts"],
+    summary=(
+      f"fp16_scaling / plain optax, per round: wall {med:.3f}x, process CPU "
+      f"{cpu_med:.3f}x ({len(ratios)} rounds)"
+    ),
+  )
+
+
+WORKERS = {
+  "env": worker_env,
+  "bandwidth": worker_bandwidth,
+  "train_step": worker_train_step,
+}
+
+
+def run_worker(argv):
+  p = argparse.ArgumentParser()
+  p.add_argument("--worker", choices=sorted(WORKERS))
+  p.add_argument("--result")
+  p.add_argument("--bytes", type=int, default=2**31)
+  p.add_argument("--calls", type=int, default=20)
+  p.add_argument("argv", nargs="*")
+  args = p.parse_args(argv)
+  result = WORKERS[args.worker](args)
+  with open(args.result, "w") as f:
+    json.dump(result, f, indent=1)
+  return 0
+
+
+# --------------------------------------------------------------------------
+# The parts, as commands.
+
+
+def has_jmp():
+  return importlib.util.find_spec("jmp") is not None
+
+
+def command(part, args, outdir):
+  """(argv, the file its result lands in, or None)."""
+  me = os.path.abspath(__file__)
+  result = os.path.join(outdir, "parts", f"{part.name}.json")
+  if part.name == "env":
+    return [sys.executable, me, "--worker", "env", "--result", result], result
+  if part.name == "bandwidth":
+    size = 8 * 2**20 if args.tiny else 2**31
+    calls = 5 if args.tiny else 20
+    return [
+      sys.executable,
+      me,
+      "--worker",
+      "bandwidth",
+      "--result",
+      result,
+      "--bytes",
+      str(size),
+      "--calls",
+      str(calls),
+    ], result
+  if part.name == "train_step":
+    sizes = (
+      ["--size", "tiny", "--rounds", "2", "--inner", "1", "--warmup", "0"]
+      if args.tiny
+      else ["--size", "medium", "--rounds", "10", "--inner", "5"]
+    )
+    return [
+      sys.executable,
+      me,
+      "--worker",
+      "train_step",
+      "--result",
+      result,
+      "--",
+      *sizes,
+    ], result
+  if part.name == "tests":
+    paths = list(TINY_TESTS) if args.tiny else ["tests", "fp16_scaling"]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "not peers"]
+    cmd += ["-p", "no:cacheprovider", *paths]
+    cmd += [f"--ignore={p}" for p in TEST_IGNORES]
+    return cmd, None
+  if part.shape:
+    recipes = TINY_STEP_RECIPES if args.tiny else STEP_RECIPES
+    if not has_jmp():
+      recipes = tuple(r for r in recipes if r != "jmp")
+    timing = (
+      ["--repeats", "2", "--warmup", "0", "--inner", "2"]
+      if args.tiny
+      else ["--repeats", "10", "--warmup", "2", "--inner", "10"]
+    )
+    return [
+      sys.executable,
+      os.path.join(HERE, "step_cost.py"),
+      "--shape",
+      part.tiny_shape if args.tiny else part.shape,
+      "--recipes",
+      ",".join(recipes),
+      "--budget",
+      "60" if args.tiny else "15",
+      *timing,
+      "--json",
+      result,
+    ], result
+  raise KeyError(part.name)
+
+
+def part_env(part):
+  env = dict(os.environ)
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  env["PYTHONPATH"] = os.pathsep.join(
+    [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  )
+  if part.shape and not part.command_buffers:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CB_OFF).strip()
+  return env
+
+
+def run_part(part, cmd, env, limit, log_path):
+  """(status, seconds, return code). The part runs in its own session, so
+  that at its limit it is killed with every process it started."""
+  t0 = time.monotonic()
+  with open(log_path, "w") as log:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(
+      cmd,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      stdin=subprocess.DEVNULL,
+      cwd=ROOT,
+      env=env,
+      start_new_session=True,
+    )
+    try:
+      rc = proc.wait(timeout=max(limit, 0.01))
+      status = "ok" if rc == 0 else "failed"
+    except subprocess.TimeoutExpired:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      rc = proc.wait()
+      status = "timed out"
+  return status, time.monotonic() - t0, rc
+
+
+# --------------------------------------------------------------------------
+# Reading what a part left.
+
+_TEST_LINE = re.compile(
+  r"^(\S+::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b"
+)
+_TEST_ERROR = re.compile(r"^ERROR (\S+)")
+
+
+def read_tests(log_text):
+  """Counts and failing ids from ``pytest -v``'s lines; whatever ran before
+  a timeout counts too."""
+  outcomes = {}
+  for line in log_text.splitlines():
+    m = _TEST_LINE.match(line)
+    if m:
+      outcomes[m.group(1)] = m.group(2)
+      continue
+    m = _TEST_ERROR.match(line)  # collection errors, in the -rE summary
+    if m and "::" not in m.group(1):
+      outcomes[m.group(1)] = "ERROR"
+  counts = {}
+  for outcome in outcomes.values():
+    counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+  failing = sorted(k for k, v in outcomes.items() if v in ("FAILED", "ERROR"))
+  closing = [
+    x.strip("= ")
+    for x in log_text.splitlines()
+    if re.match(r"^=+ .*\b(passed|failed|error|skipped)\b.* in ", x)
+  ]
+  return dict(
+    counts=counts,
+    failing=failing,
+    pytest_summary=closing[-1] if closing else None,
+    summary=", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    or "no test finished",
+  )
+
+
+def read_step_cost(result):
+  """Per recipe: step ms, per-round wall and CPU ratio to the floor, bytes
+  and the bandwidth they imply."""
+  rows = {}
+  for shape in result.get("shapes", []):
+    for label, row in shape["rows"].items():
+      if row.get("status") != "ok":
+        rows[label] = dict(status=row.get("status"))
+        continue
+      step = row["step_s_median"]
+      wall = row.get("wall_vs_floor_per_round")
+      cpu = row.get("cpu_vs_floor_per_round")
+      rows[label] = dict(
+        status="ok",
+        shape=shape["shape"],
+        step_ms=step * 1e3,
+        cpu_ms=(row.get("cpu_s_median") or 0.0) * 1e3,
+        wall_vs_floor=statistics.median(wall) if wall else None,
+        cpu_vs_floor=statistics.median(cpu) if cpu else None,
+        bytes_accessed=row["bytes_accessed"],
+        gb_s=row["bytes_accessed"] / step / 1e9 if step else None,
+        compile_s=row["lower_s"] + row["compile_s"],
+      )
+  short = []
+  for label, r in rows.items():
+    name = label.split(" ", 1)[0].rstrip(".")
+    if r["status"] != "ok":
+      short.append(f"{name} {r['status']}")
+    elif r["wall_vs_floor"] is not None and not label.startswith("a."):
+      short.append(f"{name} {r['wall_vs_floor']:.3f}x")
+  return dict(rows=rows, summary="wall / floor, per round: " + ", ".join(short))
+
+
+def read_part(part, status, log_path, result_path):
+  with open(log_path, errors="replace") as f:
+    log_text = f.read()
+  if part.name == "tests":
+    return read_tests(log_text)
+  if status != "ok" or not result_path or not os.path.exists(result_path):
+    tail = log_text.strip().splitlines()[-1:] or [""]
+    return dict(summary=tail[0][:200])
+  with open(result_path) as f:
+    result = json.load(f)
+  if part.shape:
+    return read_step_cost(result)
+  return result
+
+
+# --------------------------------------------------------------------------
+# The report.
+
+
+def markdown(report):
+  lines = [
+    "# gpu_check",
+    "",
+    f"Command: `{report['command']}`",
+    f"Started {report['started']}; "
+    f"{'tiny sizes (smoke test); ' if report['tiny'] else ''}"
+    f"total limit {report['total_limit_s']:g} s.",
+  ]
+  env = report["parts"]["env"].get("result", {})
+  if env.get("summary"):
+    lines.append(f"Machine: {env['summary']}.")
+  lines += [
+    "",
+    "| part | status | seconds (limit) | result |",
+    "|---|---|---:|---|",
+  ]
+  for name, r in report["parts"].items():
+    secs = (
+      f"{r['seconds']:.1f} ({r['limit_s']:g})"
+      if r.get("seconds") is not None
+      else "–"
+    )
+    summary = r.get("result", {}).get("summary", "")
+    summary = summary.replace("|", "/").replace("\n", " ")
+    lines.append(f"| {name} | {r['status']} | {secs} | {summary} |")
+  for name, r in report["parts"].items():
+    rows = r.get("result", {}).get("rows")
+    if not rows:
+      continue
+    lines += [
+      "",
+      f"## {name}" + (f" ({r['xla_flags']})" if r.get("xla_flags") else ""),
+      "",
+      "| recipe | compile s | step ms | wall / floor | CPU ms | CPU / floor "
+      "| bytes accessed | GB/s |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, row in rows.items():
+      if row["status"] != "ok":
+        lines.append(f"| {label} | {row['status']} |" + " – |" * 6)
+        continue
+
+      def x(v):
+        return "–" if v is None else f"{v:.3f}x"
+
+      gb_s = "–" if row["gb_s"] is None else f"{row['gb_s']:,.1f}"
+      lines.append(
+        f"| {label} | {row['compile_s']:.1f} | {row['step_ms']:.3f} | "
+        f"{x(row['wall_vs_floor'])} | {row['cpu_ms']:.3f} | "
+        f"{x(row['cpu_vs_floor'])} | {row['bytes_accessed']:,.0f} | "
+        f"{gb_s} |"
+      )
+  failing = report["parts"]["tests"].get("result", {}).get("failing")
+  if failing:
+    lines += ["", "## Failing tests", ""] + [f"- `{t}`" for t in failing]
+  return "\n".join(lines) + "\n"
+
+
+def write(report, outdir):
+  path = os.path.join(outdir, "gpu_check.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(report, f, indent=1)
+  os.replace(path + ".tmp", path)
+  with open(os.path.join(outdir, "gpu_check.md"), "w") as f:
+    f.write(markdown(report))
+
+
+def select_parts(text, parser):
+  chosen = []
+  for word in (w.strip() for w in text.split(",")):
+    names = [p.name for p in PARTS if p.name == word]
+    if not names and word == "step_cost":
+      names = [p.name for p in PARTS if p.shape]
+    if not names:
+      parser.error(
+        f"unknown part {word!r}; choose from {list(BY_NAME)} or 'step_cost'"
+      )
+    chosen += [n for n in names if n not in chosen]
+  return chosen
+
+
+def parse_limit(text):
+  name, _, secs = text.partition("=")
+  if name not in BY_NAME:
+    raise argparse.ArgumentTypeError(f"unknown part {name!r} in {text!r}")
+  try:
+    return name, float(secs)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"need PART=SECONDS: {text!r}") from None
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["--worker"]:
+    return run_worker(argv)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("outdir", help="folder for the results (created)")
+  parser.add_argument(
+    "--tiny",
+    action="store_true",
+    help="shrink every part to seconds on a CPU (the smoke test): 8 MiB "
+    "copy, step_cost at 16K/16 and 4K/32 with floor and fp16, the tiny "
+    f"train step, the tests in {', '.join(TINY_TESTS)}",
+  )
+  parser.add_argument(
+    "--parts",
+    default=",".join(p.name for p in PARTS),
+    help="comma-separated parts to run, in this order: "
+    + ", ".join(BY_NAME)
+    + " ('step_cost' is all four step_cost parts). Default: all",
+  )
+  parser.add_argument(
+    "--limit",
+    action="append",
+    type=parse_limit,
+    default=[],
+    metavar="PART=SECONDS",
+    help="a part's time limit (repeatable). Defaults: "
+    + ", ".join(f"{p.name} {p.limit_s:g}" for p in PARTS),
+  )
+  parser.add_argument(
+    "--total",
+    type=float,
+    default=TOTAL_S,
+    help=f"seconds for the whole run (default {TOTAL_S:g}); a part gets "
+    "at most what is left, and none starts with under 2 s left",
+  )
+  args = parser.parse_args(argv)
+  chosen = select_parts(args.parts, parser)
+  limits = {p.name: p.limit_s for p in PARTS}
+  limits.update(dict(args.limit))
+  outdir = os.path.abspath(args.outdir)
+  os.makedirs(os.path.join(outdir, "logs"), exist_ok=True)
+  os.makedirs(os.path.join(outdir, "parts"), exist_ok=True)
+
+  report = dict(
+    command="python3 benchmarks/gpu_check.py " + " ".join(argv),
+    started=datetime.datetime.now().isoformat(timespec="seconds"),
+    tiny=args.tiny,
+    total_limit_s=args.total,
+    python=sys.version.split()[0],
+    xla_flags=os.environ.get("XLA_FLAGS", ""),
+    parts={
+      p.name: dict(status="not selected", what=p.what, limit_s=limits[p.name])
+      for p in PARTS
+    },
+  )
+  write(report, outdir)
+  start = time.monotonic()
+  for part in (p for p in PARTS if p.name in chosen):
+    entry = report["parts"][part.name]
+    left = args.total - (time.monotonic() - start)
+    if left < 2:
+      entry.update(status="skipped", result=dict(summary="no time left"))
+      write(report, outdir)
+      continue
+    limit = min(limits[part.name], left)
+    cmd, result_path = command(part, args, outdir)
+    env = part_env(part)
+    log = os.path.join(outdir, "logs", f"{part.name}.log")
+    print(f"gpu_check: {part.name} (limit {limit:g} s) ...", flush=True)
+    status, secs, rc = run_part(part, cmd, env, limit, log)
+    entry.update(
+      status=status,
+      seconds=secs,
+      limit_s=limit,
+      returncode=rc,
+      log=os.path.relpath(log, outdir),
+      command=cmd,
+    )
+    if part.shape:
+      entry["xla_flags"] = env.get("XLA_FLAGS", "")
+    entry["result"] = read_part(part, status, log, result_path)
+    if part.name == "tests" and status == "ok" and entry["result"]["failing"]:
+      entry["status"] = "failed"
+    print(
+      f"gpu_check: {part.name}: {entry['status']} in {secs:.1f} s: "
+      f"{entry['result'].get('summary', '')}",
+      flush=True,
+    )
+    write(report, outdir)
+  report["seconds"] = time.monotonic() - start
+  write(report, outdir)
+  print(f"gpu_check: wrote {outdir}/gpu_check.json and gpu_check.md")
+  ok = all(report["parts"][n]["status"] == "ok" for n in chosen)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,247 @@
+"""The optimizer steps that the benchmarks compare, and their inputs.
+
+Every recipe takes the same float16 gradients (already multiplied by the
+loss scale where the recipe has one) and float32 parameters, clips at a
+global norm of 1.0, runs AdamW and applies the updates:
+
+  a  ``optax.chain(clip_by_global_norm(1.0), adamw)``, no scaling: the floor.
+  b  ``fp16_scaling``: ``skip_on_overflow(chain(fp16_loss_scale(dynamic
+     preset), clip_by_unscaled_norm(1.0), adamw))``, with and without an
+     expert mask.
+  c  jmp's ``DynamicLossScale``: ``unscale``, ``all_finite``, ``adjust``,
+     ``select_tree`` of params and optimizer state.
+  d  ``optax.apply_if_finite`` around clip + AdamW, static loss scale.
+  e  Flax's ``DynamicScale`` with the ``jnp.where`` skip of its examples.
+
+and b's options, priced against b on clean steps:
+
+  f  b with ``fp16_loss_scale(..., grad_range=True)``.
+  g  b with ``fp16_loss_scale(..., log_overflows=True)``.
+  i  ``accumulate_gradients(b, 1)``: every call is a window's last, so it
+     prices the wrapper on an optimizer step.
+  j  ``accumulate_gradients(b, 4)``: the mean call over whole windows
+     (three accumulating calls and one optimizer step).
+
+This module holds no timer: ``step_cost.py`` times these steps and
+``targets.py`` judges them. ``build(key, num_leaves)`` returns ``(init,
+step)``; ``jitted`` the same with the step jitted and its parameters and
+state donated, as a training step is.
+"""
+
+import dataclasses
+import functools
+
+LR = 1e-3
+WEIGHT_DECAY = 1e-4
+MAX_NORM = 1.0
+LOSS_SCALE = 2.0**16  # the initial (or static) scale of every scaled recipe
+ACCUMULATE_K = 4  # microbatches per window of recipe j
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  key: str
+  label: str
+  module: str  # the third-party package it needs ("" for none)
+  calls: int = 1  # calls that make one unit of work (a window for j)
+
+
+RECIPES = (
+  Recipe("floor", "a. optax clip + adamw, no scaling (floor)", ""),
+  Recipe("fp16", "b. fp16_scaling", ""),
+  Recipe("fp16_expert", "b. fp16_scaling, expert mask", ""),
+  Recipe("jmp", "c. jmp DynamicLossScale + select_tree", "jmp"),
+  Recipe("apply_if_finite", "d. optax.apply_if_finite, static scale", ""),
+  Recipe("flax", "e. flax DynamicScale + jnp.where", "flax"),
+)
+# b's options. Not in the default set: ``--recipes options`` selects them.
+OPTIONS = (
+  Recipe("grad_range", "f. b + grad_range=True", ""),
+  Recipe("log_overflows", "g. b + log_overflows=True", ""),
+  Recipe("accumulate1", "i. accumulate_gradients(b, 1)", ""),
+  Recipe(
+    "accumulate4",
+    f"j. accumulate_gradients(b, {ACCUMULATE_K}), mean call of a window",
+    "",
+    calls=ACCUMULATE_K,
+  ),
+)
+BY_KEY = {r.key: r for r in RECIPES + OPTIONS}
+OVERFLOW_ROW = "b. fp16_scaling, overflow step"
+
+
+def leaf_sizes(n, leaves):
+  sizes = [n // leaves] * leaves
+  sizes[0] += n - sum(sizes)
+  return sizes
+
+
+def _fp16_tx(num_leaves, expert=False, **scale_kwargs):
+  import optax
+
+  import fp16_scaling as fs
+
+  mask = [i % 2 == 1 for i in range(num_leaves)] if expert else None
+  return fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(
+        fs.deepspeed_scaler(init_scale=LOSS_SCALE), **scale_kwargs
+      ),
+      fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
+      optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+    )
+  )
+
+
+def build(key, num_leaves):
+  """``(init(params) -> state, step(params, state, grads) -> (params,
+  state))`` of recipe ``key``, not jitted."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  f32 = jnp.float32
+
+  def clip_adamw():
+    return optax.chain(
+      optax.clip_by_global_norm(MAX_NORM),
+      optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+    )
+
+  def to_f32(grads):
+    return jax.tree.map(lambda g: g.astype(f32), grads)
+
+  def plain(tx, prepare=lambda g: g):
+    def step(params, state, grads):
+      updates, state = tx.update(prepare(grads), state, params)
+      return optax.apply_updates(params, updates), state
+
+    return tx.init, step
+
+  if key == "floor":
+    return plain(clip_adamw(), to_f32)
+
+  if key in ("fp16", "fp16_expert"):
+    return plain(_fp16_tx(num_leaves, expert=key == "fp16_expert"))
+
+  if key == "grad_range":
+    return plain(_fp16_tx(num_leaves, grad_range=True))
+
+  if key == "log_overflows":
+    return plain(_fp16_tx(num_leaves, log_overflows=True))
+
+  if key in ("accumulate1", "accumulate4"):
+    import fp16_scaling as fs
+
+    k = 1 if key == "accumulate1" else ACCUMULATE_K
+    return plain(fs.accumulate_gradients(_fp16_tx(num_leaves), k))
+
+  if key == "jmp":
+    import jmp
+
+    tx = clip_adamw()
+
+    # The loss scale travels as its two arrays: jmp's DynamicLossScale pytree
+    # validates its leaves on unflatten and so cannot be an argument of
+    # ``jit(...).lower`` in current JAX; it is rebuilt inside the step.
+    def init(params):
+      return tx.init(params), (
+        jnp.asarray(LOSS_SCALE, f32),
+        jnp.zeros([], jnp.int32),
+      )
+
+    def step(params, state, grads):
+      opt_state, (scale, counter) = state
+      loss_scale = jmp.DynamicLossScale(scale, counter)
+      grads = loss_scale.unscale(to_f32(grads))  # cast_to_param, then unscale
+      grads_finite = jmp.all_finite(grads)
+      loss_scale = loss_scale.adjust(grads_finite)
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      params, opt_state = jmp.select_tree(
+        grads_finite, (new_params, new_opt_state), (params, opt_state)
+      )
+      return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
+
+    return init, step
+
+  if key == "apply_if_finite":
+    inv_scale = 1.0 / LOSS_SCALE
+    return plain(
+      optax.apply_if_finite(clip_adamw(), max_consecutive_errors=5),
+      lambda grads: jax.tree.map(lambda g: g.astype(f32) * inv_scale, grads),
+    )
+
+  if key == "flax":
+    from flax.training.dynamic_scale import DynamicScale
+
+    tx = clip_adamw()
+
+    # DynamicScale.value_and_grad differentiates ``scale * loss``. Its
+    # backward pass here hands back the precomputed (already scaled) float16
+    # gradients, so everything DynamicScale does to them afterwards (float32
+    # cast, unscale, all-finite check, scale update) runs as written.
+    @jax.custom_vjp
+    def present(g):
+      del g
+      return jnp.zeros([], f32)
+
+    present.defvjp(lambda g: (jnp.zeros([], f32), g), lambda g, ct: (g,))
+
+    def init(params):
+      return tx.init(params), DynamicScale(
+        fin_steps=jnp.zeros([], jnp.int32), scale=jnp.asarray(LOSS_SCALE, f32)
+      )
+
+    def step(params, state, grads):
+      opt_state, dynamic_scale = state
+      dynamic_scale, is_fin, _, grads = dynamic_scale.value_and_grad(present)(
+        grads
+      )
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      select = functools.partial(jnp.where, is_fin)  # as Flax's examples do
+      params = jax.tree.map(select, new_params, params)
+      opt_state = jax.tree.map(select, new_opt_state, opt_state)
+      return params, (opt_state, dynamic_scale)
+
+    return init, step
+
+  raise KeyError(key)
+
+
+def jitted(key, num_leaves):
+  """``build``'s pair with the step jitted, params and state donated."""
+  import jax
+
+  init, step = build(key, num_leaves)
+  return init, jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_inputs(n, num_leaves, seed=0):
+  """float32 params and two float16 gradient trees: clean and one inf."""
+  import jax
+  import jax.numpy as jnp
+
+  sizes = leaf_sizes(n, num_leaves)
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * num_leaves)
+  params = [
+    0.02 * jax.random.normal(keys[i], (s,), jnp.float32)
+    for i, s in enumerate(sizes)
+  ]
+  grads = [
+    jax.random.normal(keys[num_leaves + i], (s,), jnp.float16)
+    for i, s in enumerate(sizes)
+  ]
+  overflow = list(grads)
+  overflow[0] = overflow[0].at[0].set(jnp.inf)
+  return params, grads, overflow
+
+
+def copy_tree(tree):
+  """Distinct buffers: an init may return one array in two leaves, which
+  cannot be donated twice."""
+  import jax
+  import jax.numpy as jnp
+
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
