@@ -44,6 +44,7 @@ must cost next to (a)) are judged on the same measurement by
 """
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -279,8 +280,7 @@ def time_rows(units, repeats, inner, warmup, cpu=None):
 def run_shape(shape_name, n, num_leaves, keys, args):
   import jax
 
-  cache_dir = tempfile.mkdtemp(prefix="step_cost_cache_")
-  configure_cache(cache_dir)
+  cache_dir = _process_cache()
   results = {}
   for key in keys:
     recipe = BY_KEY[key]
@@ -358,8 +358,25 @@ def run_shape(shape_name, n, num_leaves, keys, args):
   cpu = {}
   samples = time_rows(rows, args.repeats, args.inner, args.warmup, cpu)
   jax.clear_caches()
-  shutil.rmtree(cache_dir, ignore_errors=True)
   return results, samples, cpu
+
+
+_CACHE = []
+
+
+def _process_cache():
+  """One compilation cache directory for the whole process, removed at exit.
+
+  JAX opens its persistent cache once, at the first compile, and keeps that
+  directory: a second shape given a directory of its own found no
+  executable there and compiled every recipe again in this process.
+  Executables of different shapes have different keys, so they share it.
+  """
+  if not _CACHE:
+    _CACHE.append(tempfile.mkdtemp(prefix="step_cost_cache_"))
+    configure_cache(_CACHE[0])
+    atexit.register(shutil.rmtree, _CACHE[0], ignore_errors=True)
+  return _CACHE[0]
 
 
 def _median_low(values):

@@ -309,7 +309,11 @@ def fp16_loss_scale(
       own (+35% bytes accessed at 20M/200; benchmarks/README.md).
     log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line,
       with the scale change and the non-finite leaves, from inside the step
-      through ``jax.debug.callback``, on overflow steps only.
+      through ``jax.debug.callback``, on overflow steps only. For debugging:
+      the callback is an effect, and JAX dispatches a step with effects
+      through Python on every call (7.8x the step time at 500 tiny leaves
+      on XLA:CPU; docs/diagnostics.md). In training, print
+      :func:`overflow_report` on the host instead.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
