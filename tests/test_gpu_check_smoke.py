@@ -15,15 +15,15 @@ import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PARTS = (
+PARTS = (  # the priority order: the tests first
   "env",
+  "tests",
   "bandwidth",
   "step_cost_500M_500_cb_on",
   "step_cost_500M_500_cb_off",
+  "train_step",
   "step_cost_20M_1000_cb_on",
   "step_cost_20M_1000_cb_off",
-  "train_step",
-  "tests",
 )
 RAN = ("env", "bandwidth", "step_cost_20M_1000_cb_off", "tests")
 
