@@ -43,6 +43,7 @@ for path in (ROOT, HERE):
     sys.path.insert(0, path)
 
 import hlo_traffic  # noqa: E402
+import recipes  # noqa: E402
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 1e-4, 1.0
 TARGET_WALL, TARGET_BYTES = 1.03, 1.00
@@ -92,20 +93,8 @@ def build(k):
 
 
 def make_inputs(n, num_leaves):
-  import jax
-  import jax.numpy as jnp
-
-  sizes = [n // num_leaves] * num_leaves
-  sizes[0] += n - sum(sizes)
-  keys = jax.random.split(jax.random.PRNGKey(0), 2 * num_leaves)
-  params = [
-    0.02 * jax.random.normal(keys[i], (s,), jnp.float32)
-    for i, s in enumerate(sizes)
-  ]
-  grads = [
-    jax.random.normal(keys[num_leaves + i], (s,), jnp.float16)
-    for i, s in enumerate(sizes)
-  ]
+  """float32 params and clean float16 gradients: step_cost.py's inputs."""
+  params, grads, _ = recipes.make_inputs(n, num_leaves)
   return params, grads
 
 
