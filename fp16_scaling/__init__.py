@@ -11,16 +11,11 @@ Usage::
 """
 
 from fp16_scaling._accumulate import accumulate_gradients
-from fp16_scaling._accumulation_state import AccumulationState
-from fp16_scaling._clipping import ClipState
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._deepspeed_config import DeepSpeedFP16
 from fp16_scaling._deepspeed_config import from_deepspeed_config
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
-from fp16_scaling._loss_scale import KINDS as OVERFLOW_KINDS
-from fp16_scaling._loss_scale import GradRange
-from fp16_scaling._loss_scale import LossScaleState
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import MinLossScaleError
 from fp16_scaling._metrics import ScaleMetrics
@@ -42,6 +37,11 @@ from fp16_scaling._state_dict import scaler_from_state_dict
 from fp16_scaling._state_dict import scaler_state_dict
 from fp16_scaling._state_dict import set_loss_scale
 from fp16_scaling._state_dict import to_peer_state_dict
+from fp16_scaling._states import KINDS as OVERFLOW_KINDS
+from fp16_scaling._states import AccumulationState
+from fp16_scaling._states import ClipState
+from fp16_scaling._states import GradRange
+from fp16_scaling._states import LossScaleState
 
 __version__ = "0.1.0"
 

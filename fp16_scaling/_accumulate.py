@@ -42,8 +42,8 @@ from fp16_scaling import _guard
 from fp16_scaling import _lookup
 from fp16_scaling import _norm
 from fp16_scaling import _validate
-from fp16_scaling._accumulation_state import AccumulationState
 from fp16_scaling._loss_scale import _scalar_value
+from fp16_scaling._states import AccumulationState
 
 POLICIES = ("skip_step", "drop_microbatch")
 

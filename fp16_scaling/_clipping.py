@@ -6,7 +6,7 @@ Here the norm is always that of the unscaled gradients, expert and shared
 leaves together, and both parts are reported apart as well.
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 from jax import lax
@@ -18,27 +18,9 @@ from fp16_scaling import _donation
 from fp16_scaling import _guard
 from fp16_scaling import _norm
 from fp16_scaling import _validate
-
-SHARED, EXPERT = 0, 1
-
-
-class ClipState(NamedTuple):
-  """Norms measured by :func:`clip_by_unscaled_norm` on the last step.
-
-  Attributes:
-    grad_norm: float32 global 2-norm of the unscaled gradients before
-      clipping, expert and shared leaves together.
-    expert_grad_norm: float32 2-norm of the expert leaves alone.
-    shared_grad_norm: float32 2-norm of the other leaves.
-
-  A norm over a leaf that held an inf or NaN does not exist and is reported
-  as 0.0 (never NaN); on an overflow step a group that stayed finite still
-  reports its true norm.
-  """
-
-  grad_norm: jax.Array
-  expert_grad_norm: jax.Array
-  shared_grad_norm: jax.Array
+from fp16_scaling._states import EXPERT
+from fp16_scaling._states import SHARED
+from fp16_scaling._states import ClipState
 
 
 def _expert_groups(expert_mask, tree) -> tuple:

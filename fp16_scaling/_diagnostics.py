@@ -17,8 +17,8 @@ import numpy as np
 
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
-from fp16_scaling._loss_scale import KINDS
 from fp16_scaling._scaler import F16_MAX
+from fp16_scaling._states import KINDS
 
 _ADVICE = {
   "none": "Nothing to do: the last step was clean.",

@@ -17,9 +17,9 @@ from typing import Any, Optional
 import jax
 import optax
 
-from fp16_scaling._accumulation_state import AccumulationState
-from fp16_scaling._clipping import ClipState
-from fp16_scaling._loss_scale import LossScaleState
+from fp16_scaling._states import AccumulationState
+from fp16_scaling._states import ClipState
+from fp16_scaling._states import LossScaleState
 
 _UNTYPED_KEYS = frozenset({"scaler", "prev_loss_scale", "skipped_steps"})
 

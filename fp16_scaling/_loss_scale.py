@@ -8,8 +8,7 @@ fp16 optimizers (0.19) update the scale before unscaling and so apply half
 the gradient on every growth step; here that ordering cannot be written.
 """
 
-import sys
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Optional
 import warnings
 
 import jax
@@ -22,131 +21,16 @@ from fp16_scaling import _guard
 from fp16_scaling import _norm
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
-from fp16_scaling._scaler import ScalerState
-
-# LossScaleState.overflow_kind codes, indexes into KINDS.
-NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
-KINDS = ("none", "unknown", "forward", "backward", "persistent")
-
-
-@jax.tree_util.register_pytree_node_class
-class LeafPaths:
-  """The gradient tree's leaf names and sizes, held statically in the
-  state's treedef.
-
-  A pytree node with no children: the paths (``jax.tree_util.keystr``
-  strings, in tree order) and element counts live in the tree structure,
-  not in arrays. They cost nothing per step, survive ``jit``, ``scan`` and
-  ``jax.tree.map``, and come back from any checkpoint restored into a target
-  built by ``tx.init(params)`` (the restore that keeps the state's types).
-  Paths built from a tree without leaves (``optax.tree_map_params``'
-  placeholder) compare equal to any, so specs laid out that way match.
-  """
-
-  def __init__(self, paths: Tuple[str, ...], sizes: Tuple[int, ...]):
-    self.paths = tuple(paths)
-    self.sizes = tuple(int(n) for n in sizes)
-
-  def tree_flatten(self):
-    # The node itself is the treedef's metadata, compared by __eq__ below.
-    return (), self
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del children
-    return aux
-
-  def __eq__(self, other):
-    # Empty paths come from an init without leaves: optax.tree_map_params
-    # calls init with a placeholder to lay a state's specs out, and then
-    # matches that state against the real one. They match any paths.
-    if self is other:  # every call of a jitted step: no per-leaf work
-      return True
-    return isinstance(other, LeafPaths) and (
-      not self.paths
-      or not other.paths
-      or (self.paths == other.paths and self.sizes == other.sizes)
-    )
-
-  def __hash__(self):
-    return hash(LeafPaths)  # equal objects must hash equal; see __eq__
-
-  def __len__(self):
-    return len(self.paths)
-
-  def __repr__(self):
-    return f"LeafPaths({len(self.paths)} leaves)"
-
-
-def _register_with_flax() -> None:
-  """Lets ``flax.serialization`` save a state holding :class:`LeafPaths`.
-
-  It saves nothing for it and restores the target's paths. Done only when
-  the user has loaded flax: fp16_scaling does not import it.
-  """
-  serialization = sys.modules.get("flax.serialization")
-  if serialization is not None:
-    serialization.register_serialization_state(
-      LeafPaths, lambda _: {}, lambda target, _: target, override=True
-    )
-
-
-class GradRange(NamedTuple):
-  """Per-leaf gradient range of the last step (opt-in telemetry).
-
-  Attributes:
-    max_abs: float32 vector, per leaf the largest finite ``|g|`` of the
-      unscaled gradient (0.0 for an all-zero or all-non-finite leaf).
-    zero_fraction: float32 vector, per leaf the fraction of the scaled
-      gradient's elements (float16 in fp16 training) that are exactly zero:
-      an underflow proxy.
-  """
-
-  max_abs: jax.Array
-  zero_fraction: jax.Array
-
-
-class LossScaleState(NamedTuple):
-  """State of :func:`fp16_loss_scale`.
-
-  Attributes:
-    scaler: the loss-scale machine's state; ``scaler.loss_scale`` is the scale
-      for the next backward pass (also available as ``.loss_scale``).
-    prev_loss_scale: float32 scale the last step's gradients were made with
-      and divided by.
-    overflow: bool, whether the last step's gradients had an inf or NaN (and
-      so were skipped by :func:`skip_on_overflow`).
-    skipped_steps: int32 total of overflowing steps so far.
-    grad_norm: float32 true (unscaled) global 2-norm of the last step's
-      gradients, before clipping; 0.0 on an overflow step, where no norm
-      exists (``overflow`` says so). Never NaN.
-    leaf_nonfinite: bool vector, one entry per gradient leaf in tree order:
-      whether that leaf held an inf or NaN on the last step.
-    leaf_nonfinite_steps: int32 vector, per leaf the number of steps so far
-      on which it held an inf or NaN.
-    overflow_kind: int32 code of the last step's overflow, an index into
-      ``KINDS``: "none", "unknown" (no loss given), "forward" (the loss given
-      as ``value`` was not finite), "backward" (finite loss, non-finite
-      gradients), "persistent" (overflowed with the scale at its floor).
-    grad_range: a :class:`GradRange` with ``grad_range=True``, else None.
-    leaf_paths: :class:`LeafPaths`, static: the leaves' names.
-  """
-
-  scaler: ScalerState
-  prev_loss_scale: jax.Array
-  overflow: jax.Array
-  skipped_steps: jax.Array
-  grad_norm: jax.Array
-  leaf_nonfinite: jax.Array
-  leaf_nonfinite_steps: jax.Array
-  overflow_kind: jax.Array
-  grad_range: Optional[GradRange]
-  leaf_paths: LeafPaths
-
-  @property
-  def loss_scale(self) -> jax.Array:
-    return self.scaler.loss_scale
-
+from fp16_scaling._states import BACKWARD
+from fp16_scaling._states import FORWARD
+from fp16_scaling._states import KINDS
+from fp16_scaling._states import NONE
+from fp16_scaling._states import PERSISTENT
+from fp16_scaling._states import UNKNOWN
+from fp16_scaling._states import GradRange
+from fp16_scaling._states import LeafPaths
+from fp16_scaling._states import LossScaleState
+from fp16_scaling._states import register_with_flax
 
 _UNGUARDED = (
   "fp16_loss_scale ran outside skip_on_overflow. In a bare optax.chain the "
@@ -364,7 +248,7 @@ def fp16_loss_scale(
   measure_range = grad_range or scaler.needs_grad_max
 
   def init_fn(params):
-    _register_with_flax()
+    register_with_flax()
     params = _gradient_tree(params)
     leaves = jax.tree.leaves(params)
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")

@@ -33,8 +33,8 @@ from fp16_scaling import _guard
 from fp16_scaling import _inplace
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
-from fp16_scaling._clipping import ClipState
-from fp16_scaling._loss_scale import LossScaleState
+from fp16_scaling._states import ClipState
+from fp16_scaling._states import LossScaleState
 
 _BOOKKEEPING = (LossScaleState, ClipState)
 

@@ -20,8 +20,8 @@ import pytest
 import fp16_scaling as fs
 from fp16_scaling import _guard
 from fp16_scaling import _inplace
-from fp16_scaling._clipping import ClipState
-from fp16_scaling._loss_scale import LossScaleState
+from fp16_scaling._states import ClipState
+from fp16_scaling._states import LossScaleState
 
 U, S, K, F = (
   _inplace.UPDATE,
