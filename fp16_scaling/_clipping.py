@@ -68,8 +68,10 @@ def clip_by_unscaled_norm(
   below 1 and left alone otherwise: the formula of
   ``torch.nn.utils.clip_grad_norm_`` and of DeepSpeed's fp16 optimizers.
   Placed right after :func:`fp16_loss_scale` inside
-  :func:`skip_on_overflow`, it reuses the sums of squares that
-  ``fp16_loss_scale`` computed and folds unscale and clip into one multiply.
+  :func:`skip_on_overflow`, it receives the very arrays ``fp16_loss_scale``
+  returned and takes their norm from the pass ``fp16_loss_scale`` made over
+  the gradients: the step reads them once. With anything in between, it
+  measures what it receives itself; the result is the same as a plain clip's.
 
   Args:
     max_norm: the largest global norm let through; positive.
@@ -137,29 +139,20 @@ def clip_by_unscaled_norm(
     guard = _guard.current()
     if guard is not None:
       guard.check_clip_order()
-    seen = guard.lookup(leaves) if guard is not None else None
-    if seen is not None:
-      # The unscaled gradients straight from fp16_loss_scale: reuse its sums
-      # and multiply the scaled gradients once by unscale * clip.
-      norms = _norm.reduce_norms(
-        seen.sums,
-        seen.scaled,
-        leaf_groups=groups,
-        num_groups=2,
-        leaf_axes=leaf_axes,
-      )
-      unscale, safe = seen.inv_scale, seen.discarded
+    # The norm of ``updates``: straight from fp16_loss_scale (the very arrays
+    # it returned), the pass it made over the scaled gradients; otherwise
+    # (no guard, or a transformation in between) a pass of our own.
+    measured = guard.published_pass(leaves) if guard is not None else None
+    if measured is None:
+      measured = _norm.NormPass.over(leaves)
+    norms = measured.norms(
+      leaf_groups=groups, num_groups=2, leaf_axes=leaf_axes
+    )
+    if measured.zeroed_on_overflow:
+      safe = leaves
     else:
-      norms = _norm.reduce_norms(
-        _norm.leaf_sums(leaves),
-        leaves,
-        leaf_groups=groups,
-        num_groups=2,
-        leaf_axes=leaf_axes,
-      )
-      unscale = jnp.float32(1)
       safe = _norm.discard_if(norms.overflow, leaves)
-    norm = norms.norm * unscale
+    norm = norms.norm
     # On an overflow step the norm is NaN and the gradients hold an inf; the
     # result is discarded by skip_on_overflow. A finite norm for the factor
     # (a scalar select) and, when differentiated, zeros for the gradients
@@ -169,13 +162,11 @@ def clip_by_unscaled_norm(
     factor = jnp.minimum(
       jnp.float32(1), jnp.float32(max_norm) / (safe_norm + jnp.float32(eps))
     )
-    multiplier = unscale * factor
-    clipped = [x * multiplier.astype(x.dtype) for x in safe]
-    group_norms = norms.group_norms * unscale
+    clipped = [x * factor.astype(x.dtype) for x in safe]
     new_state = ClipState(
       grad_norm=norm,
-      expert_grad_norm=group_norms[EXPERT],
-      shared_grad_norm=group_norms[SHARED],
+      expert_grad_norm=norms.group_norms[EXPERT],
+      shared_grad_norm=norms.group_norms[SHARED],
     )
     return jax.tree.unflatten(treedef, clipped), _donation.written_over(
       state, new_state

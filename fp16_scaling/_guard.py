@@ -11,19 +11,25 @@ It exists only while the inner ``init`` or ``update`` is being called
   ``skip_on_overflow`` records the gradients it received, and
   ``fp16_loss_scale`` must receive exactly those arrays (nothing before it
   changed them) and run once; ``clip_by_unscaled_norm`` must come after it;
-* ``fp16_loss_scale`` leaves in it the per-leaf sums of squares it computed,
-  keyed by the exact unscaled arrays it returned. When
-  ``clip_by_unscaled_norm`` receives those very arrays it reuses the sums and
-  folds unscale and clip into one multiply, so a step reads the gradients once
-  for the norm. Anything else in between produces new arrays, the lookup
-  misses and the clip computes its own norm: never wrong, only slower.
+* it carries the one norm pass from ``fp16_loss_scale`` to
+  ``clip_by_unscaled_norm``. optax's chain hands each element only the
+  previous one's updates, so ``fp16_loss_scale`` publishes here the
+  :class:`~fp16_scaling._norm.NormPass` it made, together with the very
+  arrays it returned (:meth:`Guard.publish`). The clip asks for the pass
+  over the arrays it was given (:meth:`Guard.published_pass`): it gets one
+  only when they are those arrays, object for object, so the sums it reduces
+  are always of what it clips. A transformation in between (``optax.scale``,
+  ``add_decayed_weights``) returns new arrays; the clip then finds nothing
+  and measures them itself: never wrong, one more read of the gradients.
 """
 
 import contextlib
 import contextvars
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
+
+from fp16_scaling._norm import NormPass
 
 _FIX = (
   "The order is skip_on_overflow(optax.chain(fp16_loss_scale(...), "
@@ -47,21 +53,11 @@ _CLIP_FIRST = (
 )
 
 
-class UnscaledGrads(NamedTuple):
-  """What ``fp16_loss_scale`` computed, for the clip that follows it."""
-
-  outputs: tuple  # the unscaled leaves it returned (matched by identity)
-  scaled: tuple  # the gradients it was given, scaled by the loss scale
-  inv_scale: jax.Array
-  sums: tuple  # per-leaf local sums of squares of ``scaled``
-  discarded: tuple  # ``scaled`` promoted to float32, zeros on an overflow
-
-
 class Guard:
   """Per-call scratch space; see module docstring."""
 
   def __init__(self):
-    self._unscaled = []
+    self._passes = []
     self._received = None
     self.loss_scale_ran = False
 
@@ -86,15 +82,18 @@ class Guard:
     if not self.loss_scale_ran:
       raise ValueError(_CLIP_FIRST)
 
-  def record(self, entry: UnscaledGrads) -> None:
-    self._unscaled.append(entry)
+  def publish(self, norm_pass: NormPass) -> None:
+    """Offers ``norm_pass`` to whoever receives ``norm_pass.leaves``."""
+    self._passes.append(norm_pass)
 
-  def lookup(self, leaves: Sequence[jax.Array]) -> Optional[UnscaledGrads]:
-    for entry in self._unscaled:
-      if len(entry.outputs) == len(leaves) and all(
-        a is b for a, b in zip(entry.outputs, leaves)
+  def published_pass(self, leaves: Sequence[jax.Array]) -> Optional[NormPass]:
+    """The published pass over exactly ``leaves`` (the same objects), or
+    None."""
+    for norm_pass in self._passes:
+      if len(norm_pass.leaves) == len(leaves) and all(
+        a is b for a, b in zip(norm_pass.leaves, leaves)
       ):
-        return entry
+        return norm_pass
     return None
 
 

@@ -300,8 +300,10 @@ def fp16_loss_scale(
       [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves],
     )
     outputs = tuple(x * inv_scale for x in safe)
-    guard.record(
-      _guard.UnscaledGrads(outputs, tuple(leaves), inv_scale, tuple(sums), safe)
+    # The clip after us reduces this pass instead of reading the gradients
+    # again, if it receives ``outputs`` themselves.
+    guard.publish(
+      _norm.NormPass(outputs, tuple(leaves), tuple(sums), inv_scale, True)
     )
     overflow = norms.overflow
     new_range, grad_max = None, None

@@ -357,6 +357,49 @@ def reduce_norms(
   )
 
 
+class NormPass(NamedTuple):
+  """One read of a gradient tree: the per-leaf sums of squares of ``leaves``.
+
+  ``fp16_loss_scale`` makes the pass over the scaled gradients it receives
+  and describes with it the unscaled ones it returns; a clip that receives
+  those very arrays reduces these sums instead of reading the gradients a
+  second time.
+
+  Attributes:
+    leaves: the arrays whose norm the pass gives.
+    read: the arrays the pass read; ``leaves == read * scale`` elementwise.
+    sums: per-leaf local sums of squares of ``read``, from :func:`leaf_sums`.
+    scale: float32 scalar, the factor from ``read`` to ``leaves``.
+    zeroed_on_overflow: static; True when ``leaves`` are already zeros on an
+      overflow (:func:`discard_if` applied), so users of the pass need not
+      discard again.
+  """
+
+  leaves: tuple
+  read: tuple
+  sums: tuple
+  scale: jax.Array
+  zeroed_on_overflow: bool
+
+  @classmethod
+  def over(cls, leaves: Sequence[jax.Array]) -> "NormPass":
+    """A new pass over ``leaves`` themselves."""
+    leaves = tuple(leaves)
+    return cls(leaves, leaves, tuple(leaf_sums(leaves)), jnp.float32(1), False)
+
+  def norms(self, **grouping) -> Norms:
+    """:func:`reduce_norms` of the sums, in the units of ``leaves``.
+
+    Args:
+      **grouping: ``leaf_groups``, ``num_groups`` and ``leaf_axes``, as
+        :func:`reduce_norms` takes them.
+    """
+    norms = reduce_norms(self.sums, self.read, **grouping)
+    return norms._replace(
+      norm=norms.norm * self.scale, group_norms=norms.group_norms * self.scale
+    )
+
+
 def _is_spec(s) -> bool:
   return s is None or isinstance(s, jax.sharding.PartitionSpec)
 

@@ -1,0 +1,176 @@
+"""The hand-off from fp16_loss_scale to clip_by_unscaled_norm.
+
+fp16_loss_scale publishes its one pass over the gradients with the arrays it
+returned; clip_by_unscaled_norm reduces that pass only when it receives those
+very arrays. Pinned here from both sides: with a transformation in between,
+the clip is exactly a plain optax clip of what it receives (oracle: optax's
+own chain); right after fp16_loss_scale, or after a transformation that
+returns its input unchanged, the step reads the gradients once, as plain
+optax's does.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+SCALE = 2.0**9
+PARAMS = {
+  "w": jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float32).reshape(4, 6),
+  "b": jnp.linspace(0.5, 2.0, 16, dtype=jnp.float32),
+}
+GRADS = {
+  "w": jnp.cos(jnp.arange(24, dtype=jnp.float32)).reshape(4, 6),
+  "b": jnp.sin(jnp.arange(16, dtype=jnp.float32)) * 0.5,
+}
+EXPERT_MASK = {"w": True, "b": False}
+
+# Between the two: (transformation, whether it returns its input arrays).
+BETWEEN = {
+  "scale": (lambda: optax.scale(2.0), False),
+  "decayed_weights": (lambda: optax.add_decayed_weights(0.1), False),
+  "identity": (optax.identity, True),
+  "none": (None, True),
+}
+
+
+def _guarded(between, max_norm, expert_mask=None):
+  parts = [fs.fp16_loss_scale(fs.static_scaler(SCALE))]
+  if between is not None:
+    parts.append(between())
+  parts.append(fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask))
+  return fs.skip_on_overflow(optax.chain(*parts))
+
+
+def _oracle(between, max_norm):
+  """Plain optax: unscale, the same transformation, optax's global clip."""
+  parts = [optax.scale(1.0 / SCALE)]
+  if between is not None:
+    parts.append(between())
+  parts.append(optax.clip_by_global_norm(max_norm))
+  return optax.chain(*parts)
+
+
+def _scaled(grads=GRADS, dtype=jnp.float32):
+  return jax.tree.map(lambda g: (g * SCALE).astype(dtype), grads)
+
+
+def _count_big_reductions(fn, *args):
+  """Reductions over gradient-sized arrays (every leaf has >= 16 elements;
+  the per-leaf partial sums that get combined are fewer) in the traced step,
+  outside any lax.cond branch: the rare-case rescue is not a common step."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+
+  def walk(jaxpr):
+    n = 0
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "cond":
+        continue
+      name = eqn.primitive.name  # reduce_precision is elementwise
+      if (
+        name.startswith("reduce_")
+        and name != "reduce_precision"
+        and any(np.prod(v.aval.shape) >= 16 for v in eqn.invars)
+      ):
+        n += 1
+      for p in eqn.params.values():
+        for sub in p if isinstance(p, (list, tuple)) else [p]:
+          if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            n += walk(sub.jaxpr)
+          elif hasattr(sub, "eqns"):
+            n += walk(sub)
+    return n
+
+  return walk(jaxpr.jaxpr)
+
+
+def _np_norm(tree):
+  return float(
+    np.sqrt(
+      sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree))
+    )
+  )
+
+
+@pytest.mark.parametrize("between", sorted(BETWEEN))
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_the_clip_is_a_plain_clip_of_what_it_receives(between, max_norm):
+  make, _ = BETWEEN[between]
+  tx = _guarded(make, max_norm)
+  oracle = _oracle(make, max_norm)
+  state = tx.init(PARAMS)
+  updates, state = jax.jit(tx.update)(_scaled(), state, PARAMS)
+  expected, _ = oracle.update(_scaled(), oracle.init(PARAMS), PARAMS)
+  for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+  # The clip reports the norm of what it received, before clipping.
+  received, _ = _oracle(make, 1e30).update(
+    _scaled(), oracle.init(PARAMS), PARAMS
+  )
+  clip_state = state[-1]
+  assert float(clip_state.grad_norm) == pytest.approx(
+    _np_norm(received), rel=1e-6
+  )
+
+
+@pytest.mark.parametrize("between", sorted(BETWEEN))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_the_gradients_are_read_once_exactly_when_the_arrays_are_handed_on(
+  between, dtype
+):
+  make, unchanged = BETWEEN[between]
+  tx = _guarded(make, 1.0, expert_mask=EXPERT_MASK)
+  leaves = len(jax.tree.leaves(GRADS))
+  found = _count_big_reductions(
+    lambda g, s, p: tx.update(g, s, p),
+    _scaled(dtype=dtype),
+    tx.init(PARAMS),
+    PARAMS,
+  )
+  # One sum of squares per leaf from fp16_loss_scale; the clip adds one per
+  # leaf only when it got arrays the pass did not describe.
+  assert found == (leaves if unchanged else 2 * leaves)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_one_pass_over_the_gradients_like_plain_optax(dtype):
+  grads = jax.tree.map(lambda x: x.astype(dtype), GRADS)
+  ours = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.torch_scaler()),
+      fs.clip_by_unscaled_norm(1.0, expert_mask=EXPERT_MASK),
+      optax.adamw(1e-3),
+    )
+  )
+  floor = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+  def count(tx):
+    step = lambda g, s, p: tx.update(g, s, p)
+    return _count_big_reductions(step, grads, tx.init(PARAMS), PARAMS)
+
+  assert count(floor) == len(jax.tree.leaves(grads))  # one sum per leaf
+  assert count(ours) == count(floor)
+
+
+def test_an_overflow_in_between_is_caught_by_the_clip_and_skipped():
+  # A transformation in between that makes an inf from finite gradients: the
+  # pass of fp16_loss_scale saw none, the clip's own pass does. The step is
+  # skipped only by fp16_loss_scale's decision, so it is applied; the clip
+  # keeps its output finite (zeros) and reports no norm.
+  blow_up = optax.stateless(lambda u, p: jax.tree.map(lambda x: x * 1e38, u))
+  tx = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.static_scaler(SCALE)),
+      blow_up,
+      fs.clip_by_unscaled_norm(1.0),
+    )
+  )
+  big = jax.tree.map(lambda g: g * 1e3, _scaled())
+  updates, state = jax.jit(tx.update)(big, tx.init(PARAMS), PARAMS)
+  assert not bool(fs.scale_metrics(state)["overflow"])
+  for u in jax.tree.leaves(updates):
+    np.testing.assert_array_equal(u, np.zeros_like(u))
+  assert float(state[-1].grad_norm) == 0.0
