@@ -84,7 +84,7 @@ class _Eager(Exception):
 
 
 class _InnerError(Exception):
-  """An exception of the inner update or of ``labels_and_olds``: not ours."""
+  """An exception of the inner update: not ours."""
 
 
 def _is_array(x) -> bool:
@@ -94,31 +94,39 @@ def _is_array(x) -> bool:
 def call_selecting(
   fn: Callable[..., Any],
   args: Sequence[Any],
-  labels_and_olds: Callable[[Any], tuple],
+  out_tree: Any,
+  labels: Sequence[str],
+  olds: Sequence[Any],
   *,
   early: bool = True,
 ) -> Any:
   """Calls ``fn(*args)`` and applies the skip, with the selects moved early.
 
   Args:
-    fn: the inner update; returns a pytree.
+    fn: the inner update; returns a pytree of structure ``out_tree``.
     args: its positional arguments (pytrees). Array leaves are traced; any
       other leaf (a function such as ``optax.lbfgs``'s ``value_fn``, a
       Python number) is passed to ``fn`` as it is.
-    labels_and_olds: given ``fn``'s output shape tree, returns
-      ``(labels, olds)``: for every flat output one of ``UPDATE``,
-      ``SELECT``, ``KEEP`` or ``OVERFLOW`` (exactly one), and for every
-      ``SELECT`` output the old value it falls back to (``None`` elsewhere).
+    out_tree: the treedef ``fn`` must return.
+    labels: for every flat output of ``fn``, one of ``UPDATE``, ``SELECT``,
+      ``KEEP`` or ``OVERFLOW`` (exactly one).
+    olds: for every ``SELECT`` output the old value it falls back to
+      (``None`` elsewhere).
     early: False: always select after the call.
 
   Returns:
     ``fn``'s output pytree, with ``UPDATE`` leaves ``-0.0`` and ``SELECT``
     leaves their old values when the overflow flag is set.
+
+  Raises:
+    ValueError: ``fn`` returned another structure than ``out_tree``, or
+      ``labels`` holds no single ``OVERFLOW``.
   """
+  labels_olds = _checked(labels, olds)
   failure = None
   if early:
     try:
-      return _call_early(fn, args, labels_and_olds)
+      return _call_early(fn, args, out_tree, labels_olds)
     except _Eager:
       pass
     except _InnerError as e:
@@ -126,7 +134,7 @@ def call_selecting(
     except Exception as e:  # any change in JAX internals: fall back
       failure = e
   out = fn(*args)
-  labels_olds = _checked(labels_and_olds(out))
+  _check_structure(out, out_tree)
   if failure is not None:
     _warn_fallback(failure)
   return _finish(
@@ -150,7 +158,7 @@ def _warn_fallback(failure: Exception) -> None:
   )
 
 
-def _call_early(fn, args, labels_and_olds):
+def _call_early(fn, args, out_tree, labels_olds):
   leaves, treedef = jax.tree.flatten(args)
   traced = [_is_array(x) for x in leaves]
   in_vals = [x for x, t in zip(leaves, traced) if t]
@@ -171,8 +179,8 @@ def _call_early(fn, args, labels_and_olds):
     *in_vals
   )
   try:
-    labels_olds = _checked(labels_and_olds(out_shape))
-  except Exception as e:
+    _check_structure(out_shape, out_tree)
+  except ValueError as e:
     raise _InnerError from e
   call = _single_jit_call(outer)
   if call is None:
@@ -201,13 +209,23 @@ def _call_early(fn, args, labels_and_olds):
   )
 
 
-def _checked(labels_olds):
-  labels, olds = map(list, labels_olds)
-  if labels.count(OVERFLOW) != 1:
+def _checked(labels, olds):
+  labels, olds = list(labels), list(olds)
+  if labels.count(OVERFLOW) != 1 or len(olds) != len(labels):
     raise ValueError(
-      f"expected one overflow output, got {labels.count(OVERFLOW)}"
+      f"expected one overflow output and an old value per label, got "
+      f"{labels.count(OVERFLOW)} and {len(olds)} for {len(labels)}"
     )
   return labels, olds
+
+
+def _check_structure(out, out_tree) -> None:
+  if jax.tree.structure(out) != out_tree:
+    raise ValueError(
+      "skip_on_overflow: the inner update returned updates and a state "
+      "whose structure differs from those it was given: "
+      f"{jax.tree.structure(out)} against {out_tree}"
+    )
 
 
 def _finish(outs, treedef, labels_olds, done):

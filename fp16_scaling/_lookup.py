@@ -10,6 +10,10 @@ types, or holds the wrong number of them, gets the same message everywhere.
 the states found here come back with plain arrays (:func:`unwrap`), and
 :func:`replace_loss_scale_state` writes new values back into Variables of the
 same kind.
+
+A :class:`LossScaleState` inside an ``optax.MultiStepsState`` is refused
+here, by type: ``current_scale`` and every other helper go through
+:func:`loss_scale_state`, so the first step that scales its loss raises.
 """
 
 from typing import Any, Optional
@@ -66,15 +70,34 @@ def _looks_untyped(tree: Any) -> bool:
   return bool(found)
 
 
+_MULTISTEPS = (
+  "opt_state is optax.MultiSteps' state around skip_on_overflow: MultiSteps "
+  "resets its accumulator by multiplying it by 0, so one inf or NaN "
+  "microbatch poisons every later window (NaN * 0 is NaN), the scale halves "
+  "every window and training stops. Use fp16_scaling.accumulate_gradients("
+  "tx, every_k_schedule) in its place: microbatches at one scale, one "
+  "overflow decision and one exact skip per window."
+)
+
+
+def _refuse_multisteps(opt_state: Any) -> None:
+  """Raises when a :class:`LossScaleState` sits inside a MultiSteps state."""
+  for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
+    if all_with_path(wrapper, LossScaleState):
+      raise ValueError(_MULTISTEPS)
+
+
 def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   """The one :class:`LossScaleState` in ``opt_state``.
 
   Raises:
     ValueError: there is none (saying so differently when the state lost its
-      types in a restore without a target) or more than one.
+      types in a restore without a target) or more than one; or it is
+      inside ``optax.MultiSteps``' state.
   """
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
+    _refuse_multisteps(opt_state)
     return unwrap(found[0][1])
   if not found:
     if _looks_untyped(opt_state):

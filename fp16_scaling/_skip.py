@@ -14,17 +14,10 @@ costs no more than a clean one. The selects are placed by ``_inplace``, early
 enough that the optimizer's update reads the selected state: XLA can then
 write every donated state buffer in place, as it does for plain optax.
 
-``optax.MultiSteps`` around the guarded chain is refused at ``init``.
-MultiSteps (optax 0.2.8) resets its accumulator by multiplying it by 0, so
-one inf or NaN microbatch leaves NaN in it for good: every later window
-overflows, the scale halves every window and the parameters never move
-again. Nothing inside the wrapped chain can repair the wrapper's state, so
-``init`` looks at its Python callers (once, at ``init``; never in a step)
-and raises when one is ``MultiSteps.init``, naming ``accumulate_gradients``,
-which accumulates the way the peers do.
+``optax.MultiSteps`` around the guarded chain is refused by the state
+lookup (``_lookup.loss_scale_state``) that ``current_scale`` and the other
+helpers share: the first step that scales its loss raises.
 """
-
-import sys
 
 import jax
 import optax
@@ -102,49 +95,20 @@ def skip_on_overflow(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    _refuse_multisteps()
     with _guard.guarded():
       state = inner.init(params)
     _single_loss_scale_state(state)
     return state
 
   def update_fn(updates, state, params=None, **extra_args):
-
-    def run_inner(updates, state, params, extra_args):
-      with _guard.guarded() as guard:
-        guard.receive(jax.tree.leaves(updates))
-        return inner.update(updates, state, params, **extra_args)
-
-    def labels_and_olds(out_shape):
-      _, new_state = out_shape
-      if jax.tree.structure(new_state) != jax.tree.structure(state):
-        raise ValueError(
-          "skip_on_overflow: the inner update returned a state whose "
-          "structure differs from its input state"
-        )
-      labels = [_inplace.UPDATE] * len(jax.tree.leaves(out_shape[0]))
-      olds = [None] * len(labels)
-      for new, old in zip(
-        jax.tree.leaves(new_state, is_leaf=_is_bookkeeping),
-        jax.tree.leaves(state, is_leaf=_is_bookkeeping),
-      ):
-        if _is_bookkeeping(new):
-          tags = jax.tree.map(lambda _: _inplace.KEEP, new)
-          if isinstance(new, LossScaleState):
-            tags = tags._replace(overflow=_inplace.OVERFLOW)
-          tags = jax.tree.leaves(tags)
-          labels += tags
-          olds += [None] * len(tags)
-        else:
-          labels.append(_inplace.SELECT)
-          olds.append(old)
-      return labels, olds
-
     _single_loss_scale_state(state)
+    labels, olds = _labels_and_olds(updates, state)
     return _inplace.call_selecting(
-      run_inner,
+      _guarded_update(inner),
       (updates, state, params, extra_args),
-      labels_and_olds,
+      jax.tree.structure((updates, state)),
+      labels,
+      olds,
       early=early_select,
     )
 
@@ -162,25 +126,37 @@ def _single_loss_scale_state(state) -> None:
     )
 
 
-_MULTISTEPS = (
-  "skip_on_overflow cannot run inside optax.MultiSteps: MultiSteps resets "
-  "its accumulator by multiplying it by 0, so one inf or NaN microbatch "
-  "poisons every later window (NaN * 0 is NaN), the scale halves every "
-  "window and training stops. Use fp16_scaling.accumulate_gradients(tx, "
-  "every_k_schedule) in its place: microbatches at one scale, one overflow "
-  "decision and one exact skip per window."
-)
+def _guarded_update(inner: optax.GradientTransformationExtraArgs):
+  """``inner.update`` inside the guard, told the gradients it starts from."""
+
+  def update(updates, state, params, extra_args):
+    with _guard.guarded() as guard:
+      guard.receive(jax.tree.leaves(updates))
+      return inner.update(updates, state, params, **extra_args)
+
+  return update
 
 
-def _refuse_multisteps() -> None:
-  """Raises when an ``optax.MultiSteps.init`` is among the Python callers."""
-  getframe = getattr(sys, "_getframe", None)
-  if getframe is None:  # not CPython: no call stack to read, no check
-    return
-  frame = getframe(2)
-  while frame is not None:
-    if frame.f_code.co_name == "init" and isinstance(
-      frame.f_locals.get("self"), optax.MultiSteps
-    ):
-      raise ValueError(_MULTISTEPS)
-    frame = frame.f_back
+def _labels_and_olds(updates, state) -> tuple:
+  """What the skip does to each flat output of the inner update.
+
+  The inner update returns ``(updates, state)`` of its inputs' structure:
+  every update leaf becomes ``-0.0`` on an overflow (``UPDATE``), every
+  state leaf its old value (``SELECT``, with that old value), except the
+  bookkeeping, returned as computed (``KEEP``; the overflow flag itself is
+  ``OVERFLOW``).
+  """
+  labels = [_inplace.UPDATE] * len(jax.tree.leaves(updates))
+  olds = [None] * len(labels)
+  for old in jax.tree.leaves(state, is_leaf=_is_bookkeeping):
+    if _is_bookkeeping(old):
+      tags = jax.tree.map(lambda _: _inplace.KEEP, old)
+      if isinstance(old, LossScaleState):
+        tags = tags._replace(overflow=_inplace.OVERFLOW)
+      tags = jax.tree.leaves(tags)
+      labels += tags
+      olds += [None] * len(tags)
+    else:
+      labels.append(_inplace.SELECT)
+      olds.append(old)
+  return labels, olds

@@ -278,19 +278,6 @@ def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
   assert ends == [False, True, False, False, True, False, False, True]
 
 
-def test_optax_multisteps_around_a_guarded_chain_is_refused():
-  params = _params()
-  for ms in (
-    optax.MultiSteps(_guarded(), K),
-    optax.MultiSteps(
-      _guarded(), K, should_skip_update_fn=optax.skip_not_finite
-    ),
-    optax.MultiSteps(optax.chain(_guarded()), K).gradient_transformation(),
-  ):
-    with pytest.raises(ValueError, match="accumulate_gradients"):
-      ms.init(params)
-
-
 @pytest.mark.parametrize("k", [0, -1])
 def test_every_k_schedule_below_one(k):
   with pytest.raises(ValueError, match="every_k_schedule"):
@@ -326,25 +313,6 @@ def test_tx_without_a_loss_scale():
   tx = fs.accumulate_gradients(optax.sgd(1.0), 2)
   with pytest.raises(ValueError, match="fp16_loss_scale"):
     tx.init(_params())
-
-
-def test_why_multisteps_is_refused():
-  """optax.MultiSteps alone (no loss scaling): one NaN microbatch stays in
-  its accumulator for good; with skip_not_finite it vanishes uncounted."""
-  params = {"w": jnp.zeros(2)}
-  nan, one = {"w": jnp.array([jnp.nan, 1.0])}, {"w": jnp.ones(2)}
-  ms = optax.MultiSteps(optax.sgd(1.0), 2)
-  state = ms.init(params)
-  update = jax.jit(ms.update)
-  for g in [nan, one] + [one] * 6:  # one bad window, then three clean ones
-    updates, state = update(g, state, params)
-  assert np.isnan(state.acc_grads["w"][0]) and np.isnan(updates["w"][0])
-  ms = optax.MultiSteps(
-    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
-  )
-  state = ms.init(params)
-  _, state = jax.jit(ms.update)(nan, state, params)
-  assert int(state.mini_step) == 0 and not np.any(state.acc_grads["w"])
 
 
 def test_float32_microbatches_keep_the_norm_rescue():

@@ -35,8 +35,9 @@ def _run(fn, args, labels, olds_of_args):
   """call_selecting with fixed labels; ``olds_of_args(args)`` gives olds."""
 
   def jitted(*args):
+    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
     return _inplace.call_selecting(
-      fn, args, lambda _: (labels, olds_of_args(args))
+      fn, args, out_tree, labels, olds_of_args(args)
     )
 
   return jax.jit(jitted)(*args)

@@ -1,0 +1,106 @@
+"""optax.MultiSteps around skip_on_overflow is refused, by the state's type.
+
+The reason, shown on MultiSteps alone, and the refusal: every helper finds
+the loss-scale state through one lookup, which raises for a LossScaleState
+inside a MultiStepsState, so the first step that scales its loss fails with
+a message naming accumulate_gradients. Wrapped the other way, or with no
+MultiSteps, nothing is refused.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+PARAMS = {"w": jnp.zeros(2)}
+
+
+def _guarded():
+  return fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=2.0**10)),
+      fs.clip_by_unscaled_norm(1.0),
+      optax.sgd(1.0),
+    )
+  )
+
+
+def test_why_multisteps_is_refused():
+  """optax.MultiSteps alone (no loss scaling): one NaN microbatch stays in
+  its accumulator for good; with skip_not_finite it vanishes uncounted."""
+  nan, one = {"w": jnp.array([jnp.nan, 1.0])}, {"w": jnp.ones(2)}
+  ms = optax.MultiSteps(optax.sgd(1.0), 2)
+  state = ms.init(PARAMS)
+  update = jax.jit(ms.update)
+  for g in [nan, one] + [one] * 6:  # one bad window, then three clean ones
+    updates, state = update(g, state, PARAMS)
+  assert np.isnan(state.acc_grads["w"][0]) and np.isnan(updates["w"][0])
+  ms = optax.MultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+  )
+  state = ms.init(PARAMS)
+  _, state = jax.jit(ms.update)(nan, state, PARAMS)
+  assert int(state.mini_step) == 0 and not np.any(state.acc_grads["w"])
+
+
+WRAPPERS = {
+  "MultiSteps": lambda: optax.MultiSteps(_guarded(), 2),
+  "skip_not_finite": lambda: optax.MultiSteps(
+    _guarded(), 2, should_skip_update_fn=optax.skip_not_finite
+  ),
+  "chain in MultiSteps": lambda: optax.MultiSteps(
+    optax.chain(_guarded()), 2
+  ).gradient_transformation(),
+}
+HELPERS = {
+  "current_scale": fs.current_scale,
+  "scale_metrics": fs.scale_metrics,
+  "overflow_report": fs.overflow_report,
+  "scaler_state_dict": fs.scaler_state_dict,
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("helper", sorted(HELPERS))
+def test_every_helper_refuses_a_loss_scale_inside_multisteps(wrapper, helper):
+  state = WRAPPERS[wrapper]().init(PARAMS)
+  with pytest.raises(ValueError, match="accumulate_gradients"):
+    HELPERS[helper](state)
+
+
+def test_the_first_step_that_scales_its_loss_raises():
+  tx = WRAPPERS["MultiSteps"]()
+  state = tx.init(PARAMS)
+
+  @jax.jit
+  def step(params, state):
+    loss = lambda p: jnp.sum(p["w"] ** 2) * fs.current_scale(state)
+    grads = jax.grad(loss)(params)
+    return tx.update(grads, state, params)
+
+  with pytest.raises(ValueError, match="MultiSteps"):
+    step(PARAMS, state)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    _guarded,
+    lambda: fs.accumulate_gradients(_guarded(), 2),
+    # MultiSteps inside the guarded chain holds no loss-scale state.
+    lambda: fs.skip_on_overflow(
+      optax.chain(
+        fs.fp16_loss_scale(fs.static_scaler(4.0)),
+        optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation(),
+      )
+    ),
+  ],
+  ids=["guarded", "accumulate_gradients", "MultiSteps inside"],
+)
+def test_without_the_loss_scale_inside_multisteps_nothing_is_refused(make):
+  state = make().init(PARAMS)
+  scale = float(fs.current_scale(state))
+  assert scale in (4.0, 2.0**10)
