@@ -41,6 +41,7 @@ from fp16_scaling import _donation
 from fp16_scaling import _guard
 from fp16_scaling import _lookup
 from fp16_scaling import _norm
+from fp16_scaling import _sharding
 from fp16_scaling import _validate
 from fp16_scaling._loss_scale import _scalar_value
 from fp16_scaling._states import AccumulationState
@@ -53,9 +54,7 @@ def _skip_like(s) -> jax.Array:
   axes as the updates of a window's last microbatch (``lax.cond`` wants the
   same type from both branches)."""
   x = jnp.full(s.shape, -0.0, s.dtype)
-  mat = getattr(s, "manual_axis_type", None)  # jax >= 0.9
-  axes = getattr(mat, "varying", None) if mat is not None else None
-  axes = tuple(sorted(axes if axes is not None else getattr(s, "vma", ())))
+  axes = _sharding.varying_axes(s)
   return lax.pcast(x, axes, to="varying") if axes else x
 
 
@@ -189,7 +188,7 @@ def accumulate_gradients(
     ends = state.mini_step + 1 >= k
     if drop:
       # The one pass of _norm decides whether this microbatch is clean.
-      leaf_axes = _norm.leaf_axes_from_specs(
+      leaf_axes = _sharding.leaf_axes_from_specs(
         partition_specs, updates, "accumulate_gradients"
       )
       bad = _norm.reduce_norms(

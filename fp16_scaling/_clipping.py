@@ -17,6 +17,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _guard
 from fp16_scaling import _norm
+from fp16_scaling import _sharding
 from fp16_scaling import _validate
 from fp16_scaling._states import EXPERT
 from fp16_scaling._states import SHARED
@@ -41,7 +42,7 @@ def _expert_groups(expert_mask, tree) -> tuple:
         f"{type(m).__name__}"
       )
   try:
-    return _norm.broadcast_prefix(
+    return _sharding.broadcast_prefix(
       [EXPERT if bool(m) else SHARED for m in jax.tree.leaves(mask)],
       mask,
       tree,
@@ -123,7 +124,9 @@ def clip_by_unscaled_norm(
       jax.tree.leaves(params), "clip_by_unscaled_norm params"
     )
     _expert_groups(expert_mask, params)
-    _norm.leaf_axes_from_specs(partition_specs, params, "clip_by_unscaled_norm")
+    _sharding.leaf_axes_from_specs(
+      partition_specs, params, "clip_by_unscaled_norm"
+    )
     # Three buffers: a donating step reuses each for its own field.
     zero = lambda: jnp.zeros([], jnp.float32)
     return ClipState(zero(), zero(), zero())
@@ -133,7 +136,7 @@ def clip_by_unscaled_norm(
     leaves, treedef = jax.tree.flatten(updates)
     _norm.check_float_leaves(leaves, "clip_by_unscaled_norm gradients")
     groups = _expert_groups(expert_mask, updates)
-    leaf_axes = _norm.leaf_axes_from_specs(
+    leaf_axes = _sharding.leaf_axes_from_specs(
       partition_specs, updates, "clip_by_unscaled_norm"
     )
     guard = _guard.current()

@@ -19,6 +19,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _guard
 from fp16_scaling import _norm
+from fp16_scaling import _sharding
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._states import BACKWARD
@@ -253,7 +254,7 @@ def fp16_loss_scale(
     leaves = jax.tree.leaves(params)
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
-    _norm.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
+    _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
     if _guard.current() is None:
       raise RuntimeError(_UNGUARDED)
     state = scaler.init()
@@ -286,7 +287,7 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
     _warn_bfloat16_grads(leaves, scaler)
     fit = _leaf_fitter(state.leaf_paths, leaves)
-    leaf_axes = _norm.leaf_axes_from_specs(
+    leaf_axes = _sharding.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
     )
     scale = state.scaler.loss_scale

@@ -36,8 +36,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-AxisNames = tuple  # tuple[str, ...], sorted; () for an unsharded leaf
-
+from fp16_scaling._sharding import AxisNames
+from fp16_scaling._sharding import leaf_vector
 
 # Cap on a wide element's square and on any leaf's sum: 2**31 capped squares
 # (or leaf sums) still add up to less than float32's maximum, so no sum is
@@ -193,38 +193,6 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
   """
   # select_n takes the scalar flag as is; full_like keeps x's sharding.
   return tuple(lax.select_n(overflow, x, lax.full_like(x, 0)) for x in leaves)
-
-
-def leaf_vector(values, leaf_axes, collective) -> jax.Array:
-  """Per-leaf scalars as one vector, each combined across its mesh axes.
-
-  One ``collective`` per distinct set of axes, on the vector of the leaves
-  that share it; leaves with no axes take none.
-  """
-  out = list(values)
-  by_axes = {}
-  for i, axes in enumerate(leaf_axes):
-    if axes:
-      by_axes.setdefault(axes, []).append(i)
-  for axes, idx in by_axes.items():
-    combined = collective(jnp.stack([out[i] for i in idx]), axes)
-    for k, i in enumerate(idx):
-      out[i] = combined[k]
-  if not out:
-    return jnp.zeros([0], jnp.float32)
-  return jnp.stack(out)
-
-
-def spec_axes(spec) -> AxisNames:
-  """Mesh axes a ``PartitionSpec`` splits an array over."""
-  if spec is None:
-    return ()
-  names = []
-  for entry in spec:
-    if entry is None:
-      continue
-    names.extend(entry if isinstance(entry, tuple) else (entry,))
-  return tuple(sorted(set(names)))
 
 
 def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
@@ -398,129 +366,6 @@ class NormPass(NamedTuple):
     return norms._replace(
       norm=norms.norm * self.scale, group_norms=norms.group_norms * self.scale
     )
-
-
-def _is_spec(s) -> bool:
-  return s is None or isinstance(s, jax.sharding.PartitionSpec)
-
-
-def _varying_axes(x) -> frozenset:
-  """Manual mesh axes over which ``x`` may differ (or hold unreduced partial
-  sums), as ``shard_map``'s ``check_vma`` types it; empty when unchecked."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-  if mat is not None:
-    return frozenset(mat.varying) | frozenset(mat.unreduced)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def _leaf_specs(partition_specs, tree, what: str) -> list:
-  """The ``PartitionSpec`` (or None) of each leaf of ``tree``, in leaf order."""
-  for spec in jax.tree.leaves(partition_specs, is_leaf=_is_spec):
-    if not _is_spec(spec):
-      raise TypeError(
-        f"{what}: partition_specs must hold a jax.sharding.PartitionSpec or "
-        f"None at each leaf, got {spec!r} ({type(spec).__name__})"
-      )
-  try:
-    return list(
-      broadcast_prefix(
-        jax.tree.leaves(partition_specs, is_leaf=_is_spec),
-        partition_specs,
-        tree,
-        is_leaf=_is_spec,
-      )
-    )
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      f"{what}: partition_specs must have the structure of the gradients "
-      f"(or a prefix of it), with a PartitionSpec or None at each leaf: "
-      f"{e}"
-    ) from None
-
-
-class _Repeated:
-  """``value`` for each of ``count`` leaves; a pytree leaf itself."""
-
-  def __init__(self, value, count):
-    self.value, self.count = value, count
-
-
-def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
-  """One of ``values`` (given per leaf of ``prefix``) per leaf of ``tree``.
-
-  ``prefix`` has the structure of ``tree`` or a prefix of it, as
-  ``optax.masked``'s mask: a leaf of ``prefix`` stands for every leaf of the
-  subtree of ``tree`` at its place.
-
-  Raises:
-    ValueError: ``prefix`` is not a prefix of ``tree``'s structure.
-  """
-  it = iter(values)
-  repeated = jax.tree.map(
-    lambda _, sub: _Repeated(next(it), len(jax.tree.leaves(sub))),
-    prefix,
-    tree,
-    is_leaf=is_leaf,
-  )
-  return tuple(
-    r.value
-    for r in jax.tree.leaves(
-      repeated, is_leaf=lambda x: isinstance(x, _Repeated)
-    )
-    for _ in range(r.count)
-  )
-
-
-def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
-  """Static per-leaf mesh axes to sum each leaf's squares over, from specs.
-
-  ``partition_specs`` is what the user gives ``shard_map`` for the gradients:
-  the gradients' structure with a ``PartitionSpec`` (or None) per leaf, or a
-  prefix of it (one spec for a whole subtree).
-
-  Only the *manual* axes of the mesh being traced under are kept: inside
-  ``shard_map`` each device holds a block and the blocks' sums are added
-  with ``psum``; under plain ``jit`` (sharded or not) the arrays are global,
-  their sums already are, and the same transformation needs no collective.
-
-  Raises:
-    TypeError: a leaf of ``partition_specs`` is not a PartitionSpec or None.
-    ValueError: ``partition_specs`` does not match the structure of ``tree``;
-      a spec names an axis the current mesh does not have; or (under
-      ``shard_map`` with ``check_vma``) a leaf varies over a mesh axis its spec
-      says it is replicated over, so its blocks would disagree across it.
-  """
-  leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  if partition_specs is None or not leaves_with_paths:
-    # No leaves, nothing to sum (optax.tree_map_params, the usual way to build
-    # the optimizer state's specs, calls init with such a placeholder).
-    return ((),) * len(leaves_with_paths)
-  specs = _leaf_specs(partition_specs, tree, what)
-  mesh = jax.sharding.get_abstract_mesh()
-  mesh_axes = tuple(mesh.axis_names)
-  manual = frozenset(mesh.manual_axes) if mesh_axes else frozenset()
-  axes = []
-  for (path, x), spec in zip(leaves_with_paths, specs):
-    named = spec_axes(spec)
-    missing = [a for a in named if a not in mesh_axes]
-    if mesh_axes and missing:
-      raise ValueError(
-        f"{what}: partition_specs give gradient leaf "
-        f"{jax.tree_util.keystr(path)} the spec {spec}, which names mesh "
-        f"axis {missing[0]!r}; the mesh has axes {mesh_axes}"
-      )
-    unnamed = sorted(_varying_axes(x) - set(named))
-    if unnamed:
-      raise ValueError(
-        f"{what}: partition_specs give gradient leaf "
-        f"{jax.tree_util.keystr(path)} the spec {spec}, replicated over "
-        f"mesh axis {unnamed[0]!r}, but under shard_map it varies over that "
-        f"axis: reduce it over {unnamed[0]!r} first (lax.psum or lax.pmean) "
-        f"or name {unnamed[0]!r} in its PartitionSpec"
-      )
-    axes.append(tuple(a for a in named if a in manual))
-  return tuple(axes)
 
 
 def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
