@@ -14,13 +14,13 @@ from fp16_scaling._accumulate import accumulate_gradients
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._deepspeed_config import DeepSpeedFP16
 from fp16_scaling._deepspeed_config import from_deepspeed_config
+from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
+from fp16_scaling._diagnostics import raise_if_min_scale_reached
 from fp16_scaling._loss_scale import fp16_loss_scale
-from fp16_scaling._metrics import MinLossScaleError
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
-from fp16_scaling._metrics import raise_if_min_scale_reached
 from fp16_scaling._metrics import scale_metrics
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState

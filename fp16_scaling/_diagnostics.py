@@ -1,10 +1,12 @@
-"""``overflow_report``: which gradient leaves overflow, how often, and why.
+"""Host-side reports and checks: ``overflow_report`` (which gradient leaves
+overflow, how often, and why) and ``raise_if_min_scale_reached``.
 
-Host side. Everything it reads was recorded by ``fp16_loss_scale`` in its one
-pass over the gradients: the per-leaf overflow flags and counts, the kind of
-the last overflow, and (opt-in) the per-leaf gradient range. The leaves'
-names come from the state's static :class:`LeafPaths`, so the report needs
-nothing but the optimizer state.
+They read concrete values, outside ``jit``. Everything they read was
+recorded by ``fp16_loss_scale`` in its one pass over the gradients: the
+per-leaf overflow flags and counts, the kind of the last overflow, and
+(opt-in) the per-leaf gradient range. The leaves' names come from the
+state's static :class:`LeafPaths`, so the report needs nothing but the
+optimizer state.
 """
 
 import dataclasses
@@ -12,12 +14,11 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
-from fp16_scaling._scaler import F16_MAX
+from fp16_scaling._metrics import headroom_bits
 from fp16_scaling._states import KINDS
 
 _ADVICE = {
@@ -57,20 +58,15 @@ _ADVICE = {
 }
 
 
-def headroom_bits(max_abs, scale):
-  """``log2(65504 / (max_abs * scale))``: how many doublings of ``scale`` the
-  largest gradient could still take in float16; +inf where it is 0.
+class MinLossScaleError(RuntimeError):
+  """An overflow wanted to lower a loss scale already at its minimum.
 
-  Args:
-    max_abs: largest finite unscaled ``|g|`` (scalar or per-leaf vector).
-    scale: the loss scale the gradients were made with.
-
-  Returns:
-    float32 array of ``max_abs``'s shape; never NaN.
+  Raised on the host by :func:`raise_if_min_scale_reached`; public as
+  ``fp16_scaling.MinLossScaleError``.
   """
-  top = jnp.asarray(max_abs, jnp.float32) * jnp.asarray(scale, jnp.float32)
-  safe = jnp.where(top > 0, top, 1.0)
-  return jnp.where(top > 0, jnp.log2(jnp.float32(F16_MAX) / safe), jnp.inf)
+
+
+MinLossScaleError.__module__ = "fp16_scaling"  # its public name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,4 +255,79 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     floor_overflows=int(host.scaler.floor_overflows),
     grad_range=grad_range,
     top=top,
+  )
+
+
+def raise_if_min_scale_reached(
+  opt_state: Any, *, max_floor_overflows: Optional[int] = None
+) -> None:
+  """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale``
+  would, or for any preset once its scale keeps overflowing at its floor.
+
+  DeepSpeed raises inside its step when an overflow would lower a scale that
+  already equals ``min_scale``. A jitted step cannot raise, so the state
+  counts those overflows; call this on the host (for instance every N steps,
+  or when logging) to fail the run the same way. The message names the
+  gradient leaves that overflowed most often and the kind of the last
+  overflow (see :func:`overflow_report`).
+
+  Args:
+    opt_state: an optax state holding one :class:`LossScaleState`.
+    max_floor_overflows: if set (an integer >= 1), also raise once this many
+      overflows hit the floor, whatever the preset: torch, Megatron and Flax
+      never raise there themselves.
+
+  Raises:
+    TypeError: called inside ``jit`` (``opt_state`` holds tracers).
+    MinLossScaleError: if any overflow hit the floor with
+      ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` of them
+      did.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(fs.fp16_loss_scale(
+    ...     fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)))
+    >>> state = tx.init({"w": jnp.ones(1)})
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan])}, state)
+    >>> fs.raise_if_min_scale_reached(state)
+    Traceback (most recent call last):
+    ...
+    fp16_scaling.MinLossScaleError: Current loss scale already at
+    minimum (1.0) - cannot decrease scale anymore: 1 overflowing step(s) ...
+  """
+  if max_floor_overflows is not None:
+    max_floor_overflows = _validate.count(
+      "max_floor_overflows", max_floor_overflows
+    )
+  _lookup.require_host(opt_state, "raise_if_min_scale_reached")
+  ls = _lookup.loss_scale_state(opt_state)
+  # Summed, so that a batched (vmapped) state raises if any member would.
+  errors = int(np.sum(jax.device_get(ls.scaler.min_scale_errors)))
+  at_floor = int(np.max(jax.device_get(ls.scaler.floor_overflows)))
+  if errors:
+    why = (
+      f"{errors} overflowing step(s) hit the floor (DeepSpeed raises here; "
+      "raise_error_at_min_scale=True)"
+    )
+  elif max_floor_overflows is not None and at_floor >= max_floor_overflows:
+    why = (
+      f"{at_floor} overflowing step(s) hit the floor "
+      f"(max_floor_overflows={max_floor_overflows})"
+    )
+  else:
+    return
+  if np.ndim(jax.device_get(ls.scaler.loss_scale)) == 0:
+    report = overflow_report(opt_state, top=5)
+    detail = (
+      f" Last overflow: {report.kind}. Leaves that kept overflowing: "
+      f"{report.top_leaves_text()}. {report.advice()}"
+    )
+  else:  # a batched state: the report reads one member's leaves
+    detail = " Call overflow_report on one member to see its leaves."
+  raise MinLossScaleError(
+    f"Current loss scale already at minimum "
+    f"({float(np.min(jax.device_get(ls.scaler.loss_scale)))}) - cannot "
+    f"decrease scale anymore: {why}.{detail}"
   )
