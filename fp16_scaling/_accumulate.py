@@ -30,7 +30,7 @@ and the accumulator and writes the accumulator; the optimizer does not run.
 
 import contextlib
 import numbers
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 from jax import lax
@@ -148,13 +148,13 @@ def accumulate_gradients(
     == "drop_microbatch"
   )
   tx = optax.with_extra_args_support(tx)
-  zero = lambda dtype: jnp.zeros([], dtype)
 
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
     _refuse_inside_guard()
     inner_state = tx.init(params)
     _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
+    zero = lambda dtype: jnp.zeros([], dtype)
     return AccumulationState(
       mini_step=zero(jnp.int32),
       windows=zero(jnp.int32),
@@ -171,118 +171,173 @@ def accumulate_gradients(
 
   def update_fn(updates, state, params=None, **extra_args):
     _refuse_inside_guard()
-    leaves, treedef = jax.tree.flatten(updates)
-    acc_leaves, acc_def = jax.tree.flatten(state.acc_grads)
-    if treedef != acc_def or any(
-      jnp.shape(g) != a.shape for g, a in zip(leaves, acc_leaves)
-    ):
-      raise ValueError(
-        "accumulate_gradients: the microbatch gradients must have the tree "
-        f"structure and leaf shapes of the params; got {treedef} with shapes "
-        f"{[jnp.shape(g) for g in leaves]}, params {acc_def} with shapes "
-        f"{[a.shape for a in acc_leaves]}"
-      )
-    _norm.check_float_leaves(leaves, "accumulate_gradients gradients")
+    leaves = _checked_microbatch(updates, state.acc_grads)
     k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
-    inv_k = 1.0 / k.astype(jnp.float32)
     ends = state.mini_step + 1 >= k
     if drop:
       # The one pass of _norm decides whether this microbatch is clean.
       leaf_axes = _sharding.leaf_axes_from_specs(
         partition_specs, updates, "accumulate_gradients"
       )
-      bad = _norm.reduce_norms(
-        _norm.leaf_sums(leaves), leaves, leaf_axes=leaf_axes
-      ).overflow
+      bad = _norm.NormPass.over(leaves).norms(leaf_axes=leaf_axes).overflow
     else:
       bad = jnp.bool_(False)
-    clean = state.clean_in_window + (~bad).astype(jnp.int32)
-    value = extra_args.get("value")
-    if value is not None:
-      value = _scalar_value(value).astype(jnp.float32)
-      loss_sum = state.loss_sum + value * inv_k
-      loss_sum = jnp.where(bad, state.loss_sum, loss_sum) if drop else loss_sum
-      loss_nonfinite = state.loss_nonfinite | ~jnp.isfinite(_norm.widen(value))
-      if drop:
-        # Mean of the clean microbatches' losses; with none, only whether a
-        # loss was not finite matters (the window is skipped).
-        window_loss = jnp.where(
-          clean > 0,
-          loss_sum * (k.astype(jnp.float32) / jnp.maximum(clean, 1)),
-          jnp.where(loss_nonfinite, jnp.float32(jnp.nan), value),
-        )
-      else:
-        window_loss = loss_sum
-      extra_args = {**extra_args, "value": window_loss}
-    else:
-      loss_sum, loss_nonfinite = state.loss_sum, state.loss_nonfinite
-
-    def accumulated(acc, grads):
-      def add(a, g):
-        # widen: a float16 overflow poisons the sum even where XLA kept the
-        # value in float32 (see _norm.widen).
-        new = a + _norm.widen(g).astype(jnp.float32) * inv_k
-        # A select, never a multiply: a dropped NaN must not reach the sum.
-        return jnp.where(bad, a, new) if drop else new
-
-      return [add(a, g) for a, g in zip(acc, grads)]
-
-    def mean_of(acc):
-      if not drop:
-        return acc
-      # Sum over the clean microbatches of g / k, times k / clean; with no
-      # clean microbatch a NaN, so the guarded chain skips the window.
-      factor = jnp.where(
-        clean > 0, k.astype(jnp.float32) / clean, jnp.float32(jnp.nan)
-      )
-      return [a * factor for a in acc]
-
+    window = _Window(k, bad, state.clean_in_window + (~bad).astype(jnp.int32))
+    losses = _Losses.of(extra_args.get("value"), state, window, drop)
+    if losses.window_loss is not None:
+      extra_args = {**extra_args, "value": losses.window_loss}
     # Outside the cond, so that XLA writes it into the donated accumulator in
     # place; the cond then reads it (last microbatch) or passes it through.
-    summed = accumulated(acc_leaves, leaves)
-
-    # A float32 mean of float16 gradients stays within float16's range: the
-    # norm's float32 rescue (for squares that overflow) is never needed.
-    in_range = all(jnp.result_type(g) == jnp.float16 for g in leaves)
-
-    def run_inner(acc, inner_state, params):
-      mean = jax.tree.unflatten(acc_def, mean_of(acc))
-      with _norm.float16_range() if in_range else contextlib.nullcontext():
-        return tx.update(mean, inner_state, params, **extra_args)
-
-    out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
-
-    def final(acc, inner_state, params):
-      new_updates, new_inner = run_inner(acc, inner_state, params)
-      # The reset replaces the sum (a select, in effect): a NaN in it is
-      # dropped, never multiplied by 0, which would keep it.
-      return new_updates, new_inner, [jnp.zeros_like(a) for a in acc]
-
-    def middle(acc, inner_state, params):
-      del params
-      skip = jax.tree.map(_skip_like, out_shape)
-      return skip, inner_state, acc
-
-    new_updates, inner_state, acc = lax.cond(
-      ends, final, middle, summed, state.inner_state, params
+    summed = _accumulated(
+      jax.tree.leaves(state.acc_grads), leaves, window, drop
+    )
+    new_updates, inner_state, acc = _end_window_if(
+      ends,
+      lambda acc: _mean_of(acc, window, drop),
+      tx,
+      (jax.tree.unflatten(jax.tree.structure(updates), summed), state, params),
+      extra_args,
+      in_range=all(jnp.result_type(g) == jnp.float16 for g in leaves),
     )
     overflow = _lookup.loss_scale_state(inner_state).overflow
     return new_updates, AccumulationState(
       mini_step=jnp.where(ends, 0, state.mini_step + 1),
       windows=state.windows + ends.astype(jnp.int32),
-      acc_grads=jax.tree.unflatten(acc_def, acc),
-      clean_in_window=jnp.where(ends, 0, clean),
+      acc_grads=acc,
+      clean_in_window=jnp.where(ends, 0, window.clean),
       inner_state=inner_state,
       microbatches=state.microbatches + 1,
       applied_steps=state.applied_steps + (ends & ~overflow).astype(jnp.int32),
       dropped_microbatches=state.dropped_microbatches + bad.astype(jnp.int32),
       # Write-only: read its old value so that it keeps its buffer.
       window_ended=_donation.written_over(state.window_ended, ends),
-      loss_sum=jnp.where(ends, 0.0, loss_sum),
-      loss_nonfinite=~ends & loss_nonfinite,
+      loss_sum=jnp.where(ends, 0.0, losses.loss_sum),
+      loss_nonfinite=~ends & losses.loss_nonfinite,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_microbatch(updates, acc_grads) -> list:
+  """``updates``' leaves, checked against the accumulator's tree and shapes."""
+  leaves, treedef = jax.tree.flatten(updates)
+  acc_leaves, acc_def = jax.tree.flatten(acc_grads)
+  if treedef != acc_def or any(
+    jnp.shape(g) != a.shape for g, a in zip(leaves, acc_leaves)
+  ):
+    raise ValueError(
+      "accumulate_gradients: the microbatch gradients must have the tree "
+      f"structure and leaf shapes of the params; got {treedef} with shapes "
+      f"{[jnp.shape(g) for g in leaves]}, params {acc_def} with shapes "
+      f"{[a.shape for a in acc_leaves]}"
+    )
+  _norm.check_float_leaves(leaves, "accumulate_gradients gradients")
+  return leaves
+
+
+class _Window(NamedTuple):
+  """This microbatch's place in its window."""
+
+  k: jax.Array  # int32 microbatches in the window, >= 1
+  bad: jax.Array  # bool: this microbatch is dropped ("drop_microbatch")
+  clean: jax.Array  # int32 microbatches accumulated, this one included
+
+  @property
+  def inv_k(self) -> jax.Array:
+    return 1.0 / self.k.astype(jnp.float32)
+
+
+class _Losses(NamedTuple):
+  """The window's running loss, and the loss the window's step is told."""
+
+  loss_sum: jax.Array
+  loss_nonfinite: jax.Array
+  window_loss: Optional[jax.Array]  # None without ``value=``
+
+  @classmethod
+  def of(cls, value, state: AccumulationState, window: _Window, drop: bool):
+    if value is None:
+      return cls(state.loss_sum, state.loss_nonfinite, None)
+    value = _scalar_value(value).astype(jnp.float32)
+    loss_sum = state.loss_sum + value * window.inv_k
+    if drop:
+      loss_sum = jnp.where(window.bad, state.loss_sum, loss_sum)
+    nonfinite = state.loss_nonfinite | ~jnp.isfinite(_norm.widen(value))
+    if not drop:
+      return cls(loss_sum, nonfinite, loss_sum)
+    # Mean of the clean microbatches' losses; with none, only whether a
+    # loss was not finite matters (the window is skipped).
+    window_loss = jnp.where(
+      window.clean > 0,
+      loss_sum * (window.k.astype(jnp.float32) / jnp.maximum(window.clean, 1)),
+      jnp.where(nonfinite, jnp.float32(jnp.nan), value),
+    )
+    return cls(loss_sum, nonfinite, window_loss)
+
+
+def _accumulated(acc, grads, window: _Window, drop: bool) -> list:
+  """The accumulator plus ``grads / k`` (unchanged for a dropped one)."""
+
+  def add(a, g):
+    # widen: a float16 overflow poisons the sum even where XLA kept the
+    # value in float32 (see _norm.widen).
+    new = a + _norm.widen(g).astype(jnp.float32) * window.inv_k
+    # A select, never a multiply: a dropped NaN must not reach the sum.
+    return jnp.where(window.bad, a, new) if drop else new
+
+  return [add(a, g) for a, g in zip(acc, grads)]
+
+
+def _mean_of(acc, window: _Window, drop: bool):
+  """The window's mean gradient from its accumulated sum of ``g / k``."""
+  if not drop:
+    return acc
+  # Times k / clean; with no clean microbatch a NaN, so the guarded chain
+  # skips the window.
+  factor = jnp.where(
+    window.clean > 0,
+    window.k.astype(jnp.float32) / window.clean,
+    jnp.float32(jnp.nan),
+  )
+  return jax.tree.map(lambda a: a * factor, acc)
+
+
+def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
+  """``tx`` on the window's mean when ``ends``, else ``-0.0`` updates.
+
+  Args:
+    ends: bool, whether this microbatch ends its window.
+    mean_of: the window's mean gradient from the accumulated sum.
+    tx: the guarded chain.
+    operands: ``(summed, state, params)``: the accumulated sum (this
+      microbatch included), the AccumulationState, the params.
+    extra_args: for ``tx.update``, on the window's last microbatch.
+    in_range: every microbatch is float16, so the mean is within float16's
+      range and the norm's float32 rescue is not compiled in.
+
+  Returns:
+    ``(updates, inner_state, acc_grads)``, the accumulator reset to zeros
+    when the window ended.
+  """
+  summed, state, params = operands
+
+  def run_inner(acc, inner_state, params):
+    with _norm.float16_range() if in_range else contextlib.nullcontext():
+      return tx.update(mean_of(acc), inner_state, params, **extra_args)
+
+  out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
+
+  def final(acc, inner_state, params):
+    new_updates, new_inner = run_inner(acc, inner_state, params)
+    # The reset replaces the sum (a select, in effect): a NaN in it is
+    # dropped, never multiplied by 0, which would keep it.
+    return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
+
+  def middle(acc, inner_state, params):
+    del params
+    return jax.tree.map(_skip_like, out_shape), inner_state, acc
+
+  return lax.cond(ends, final, middle, summed, state.inner_state, params)
 
 
 _INSIDE_GUARD = (
