@@ -152,22 +152,7 @@ def accumulate_gradients(
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
     _refuse_inside_guard()
-    inner_state = tx.init(params)
-    _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
-    zero = lambda dtype: jnp.zeros([], dtype)
-    return AccumulationState(
-      mini_step=zero(jnp.int32),
-      windows=zero(jnp.int32),
-      acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-      clean_in_window=zero(jnp.int32),
-      inner_state=inner_state,
-      microbatches=zero(jnp.int32),
-      applied_steps=zero(jnp.int32),
-      dropped_microbatches=zero(jnp.int32),
-      window_ended=jnp.bool_(False),
-      loss_sum=zero(jnp.float32),
-      loss_nonfinite=jnp.bool_(False),
-    )
+    return _initial_state(tx.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     _refuse_inside_guard()
@@ -216,6 +201,24 @@ def accumulate_gradients(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _initial_state(inner_state, params) -> AccumulationState:
+  _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
+  zero = lambda dtype: jnp.zeros([], dtype)
+  return AccumulationState(
+    mini_step=zero(jnp.int32),
+    windows=zero(jnp.int32),
+    acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+    clean_in_window=zero(jnp.int32),
+    inner_state=inner_state,
+    microbatches=zero(jnp.int32),
+    applied_steps=zero(jnp.int32),
+    dropped_microbatches=zero(jnp.int32),
+    window_ended=jnp.bool_(False),
+    loss_sum=zero(jnp.float32),
+    loss_nonfinite=jnp.bool_(False),
+  )
 
 
 def _checked_microbatch(updates, acc_grads) -> list:

@@ -8,7 +8,7 @@ fp16 optimizers (0.19) update the scale before unscaling and so apply half
 the gradient on every growth step; here that ordering cannot be written.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 import warnings
 
 import jax
@@ -246,7 +246,6 @@ def fp16_loss_scale(
     )
   grad_range = _validate.flag("grad_range", grad_range)
   log_overflows = _validate.flag("log_overflows", log_overflows)
-  measure_range = grad_range or scaler.needs_grad_max
 
   def init_fn(params):
     register_with_flax()
@@ -257,23 +256,7 @@ def fp16_loss_scale(
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
     if _guard.current() is None:
       raise RuntimeError(_UNGUARDED)
-    state = scaler.init()
-    n = len(leaves)
-    zeros = lambda: jnp.zeros([n], jnp.float32)
-    # Every field its own buffer: a donating step gives each field's buffer
-    # to its successor, and one buffer cannot be donated twice.
-    return LossScaleState(
-      scaler=state,
-      prev_loss_scale=jnp.array(state.loss_scale, copy=True),
-      overflow=jnp.bool_(False),
-      skipped_steps=jnp.zeros([], jnp.int32),
-      grad_norm=jnp.zeros([], jnp.float32),
-      leaf_nonfinite=jnp.zeros([n], jnp.bool_),
-      leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
-      overflow_kind=jnp.int32(NONE),
-      grad_range=GradRange(zeros(), zeros()) if grad_range else None,
-      leaf_paths=_leaf_paths(params),
-    )
+    return _initial_state(scaler.init(), params, grad_range)
 
   def update_fn(updates, state, params=None, *, value=None, **extra_args):
     del params, extra_args
@@ -286,70 +269,125 @@ def fp16_loss_scale(
     guard.check_loss_scale_input(leaves)
     _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
     _warn_bfloat16_grads(leaves, scaler)
-    fit = _leaf_fitter(state.leaf_paths, leaves)
     leaf_axes = _sharding.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
     )
-    scale = state.scaler.loss_scale
-    inv_scale = 1.0 / scale
-    sums = _norm.leaf_sums(leaves)
-    norms = _norm.reduce_norms(sums, leaves, leaf_axes=leaf_axes)
-    # Differentiated, an overflow step's gradients are zeros before the
-    # multiply: gradients through the discarded step stay finite.
-    safe = _norm.discard_if(
-      norms.overflow,
-      [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves],
-    )
-    outputs = tuple(x * inv_scale for x in safe)
+    measured, norms = _unscaled(leaves, state.scaler.loss_scale, leaf_axes)
     # The clip after us reduces this pass instead of reading the gradients
-    # again, if it receives ``outputs`` themselves.
-    guard.publish(
-      _norm.NormPass(outputs, tuple(leaves), tuple(sums), inv_scale, True)
-    )
-    overflow = norms.overflow
-    new_range, grad_max = None, None
-    if measure_range:
-      peaks, zero_fraction = _norm.leaf_range(leaves, leaf_axes)
-      max_abs = peaks * inv_scale
-      grad_max = jnp.max(max_abs, initial=0.0)
-      if grad_range:
-        new_range = GradRange(fit(max_abs), fit(zero_fraction))
-    leaf_nonfinite = fit(norms.leaf_nonfinite)
-    new_scaler = scaler.update(state.scaler, overflow, grad_max)
-    kind = _overflow_kind(overflow, value, scaler.at_floor(scale))
-    new_state = LossScaleState(
-      scaler=new_scaler,
-      prev_loss_scale=scale,
-      overflow=overflow,
-      skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
-      grad_norm=norms.norm * inv_scale,
-      leaf_nonfinite=leaf_nonfinite,
-      leaf_nonfinite_steps=state.leaf_nonfinite_steps
-      + leaf_nonfinite.astype(jnp.int32),
-      overflow_kind=kind,
-      grad_range=new_range,
-      leaf_paths=state.leaf_paths,
+    # again, if it receives ``measured.leaves`` themselves.
+    guard.publish(measured)
+    grad_range_now = None
+    if grad_range or scaler.needs_grad_max:
+      grad_range_now = _grad_range(leaves, measured.scale, leaf_axes)
+    new_state = _next_state(
+      scaler, state, norms, value, grad_range_now, keep_range=grad_range
     )
     if log_overflows:
-      paths = state.leaf_paths.paths
-
-      def log(skipped, kind, old, new, nonfinite):
-        _log_overflow(paths, skipped, kind, old, new, nonfinite)
-
-      jax.lax.cond(
-        overflow,
-        lambda: jax.debug.callback(
-          log,
-          new_state.skipped_steps,
-          kind,
-          scale,
-          new_scaler.loss_scale,
-          leaf_nonfinite,
-        ),
-        lambda: None,
-      )
-    return jax.tree.unflatten(treedef, outputs), _donation.written_over(
-      state, new_state
-    )
+      _log_if_overflow(state, new_state)
+    outputs = jax.tree.unflatten(treedef, measured.leaves)
+    return outputs, _donation.written_over(state, new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _initial_state(scaler_state, params, grad_range: bool) -> LossScaleState:
+  n = len(jax.tree.leaves(params))
+  zeros = lambda: jnp.zeros([n], jnp.float32)
+  # Every field its own buffer: a donating step gives each field's buffer
+  # to its successor, and one buffer cannot be donated twice.
+  return LossScaleState(
+    scaler=scaler_state,
+    prev_loss_scale=jnp.array(scaler_state.loss_scale, copy=True),
+    overflow=jnp.bool_(False),
+    skipped_steps=jnp.zeros([], jnp.int32),
+    grad_norm=jnp.zeros([], jnp.float32),
+    leaf_nonfinite=jnp.zeros([n], jnp.bool_),
+    leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
+    overflow_kind=jnp.int32(NONE),
+    grad_range=GradRange(zeros(), zeros()) if grad_range else None,
+    leaf_paths=_leaf_paths(params),
+  )
+
+
+def _unscaled(leaves, scale, leaf_axes) -> Tuple[_norm.NormPass, _norm.Norms]:
+  """The one pass over the scaled gradients, and the unscaled gradients.
+
+  Returns:
+    ``(measured, norms)``: ``measured.leaves`` are the gradients divided by
+    ``scale``, promoted to at least float32, zeros on an overflow;
+    ``norms`` are those of the scaled gradients (overflow, per leaf).
+  """
+  inv_scale = 1.0 / scale
+  sums = _norm.leaf_sums(leaves)
+  norms = _norm.reduce_norms(sums, leaves, leaf_axes=leaf_axes)
+  # Differentiated, an overflow step's gradients are zeros before the
+  # multiply: gradients through the discarded step stay finite.
+  safe = _norm.discard_if(
+    norms.overflow,
+    [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves],
+  )
+  outputs = tuple(x * inv_scale for x in safe)
+  measured = _norm.NormPass(
+    outputs, tuple(leaves), tuple(sums), inv_scale, True
+  )
+  return measured, norms
+
+
+def _grad_range(leaves, inv_scale, leaf_axes) -> GradRange:
+  """Per leaf the largest finite unscaled ``|g|`` and the zero fraction."""
+  peaks, zero_fraction = _norm.leaf_range(leaves, leaf_axes)
+  return GradRange(peaks * inv_scale, zero_fraction)
+
+
+def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
+  """The state after a step whose scaled gradients have ``norms``.
+
+  Args:
+    scaler: the :class:`Scaler`.
+    state: the :class:`LossScaleState` the gradients were made under.
+    norms: the scaled gradients' :class:`~fp16_scaling._norm.Norms`.
+    value: the loss passed as ``value=``, or None.
+    grad_range: this step's :class:`GradRange`, or None when not measured.
+    keep_range: whether the state records ``grad_range``.
+  """
+  scale = state.scaler.loss_scale
+  overflow = norms.overflow
+  fit = _leaf_fitter(state.leaf_paths, norms.leaf_nonfinite)
+  grad_max = None
+  if grad_range is not None:
+    grad_max = jnp.max(grad_range.max_abs, initial=0.0)
+  leaf_nonfinite = fit(norms.leaf_nonfinite)
+  return LossScaleState(
+    scaler=scaler.update(state.scaler, overflow, grad_max),
+    prev_loss_scale=scale,
+    overflow=overflow,
+    skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
+    grad_norm=norms.norm * (1.0 / scale),  # as the clip unscales it
+    leaf_nonfinite=leaf_nonfinite,
+    leaf_nonfinite_steps=state.leaf_nonfinite_steps
+    + leaf_nonfinite.astype(jnp.int32),
+    overflow_kind=_overflow_kind(overflow, value, scaler.at_floor(scale)),
+    grad_range=jax.tree.map(fit, grad_range) if keep_range else None,
+    leaf_paths=state.leaf_paths,
+  )
+
+
+def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:
+  """Prints the overflow line from inside the step, on overflow steps only."""
+  paths = old.leaf_paths.paths
+
+  def log(skipped, kind, old_scale, new_scale, nonfinite):
+    _log_overflow(paths, skipped, kind, old_scale, new_scale, nonfinite)
+
+  jax.lax.cond(
+    new.overflow,
+    lambda: jax.debug.callback(
+      log,
+      new.skipped_steps,
+      new.overflow_kind,
+      old.scaler.loss_scale,
+      new.scaler.loss_scale,
+      new.leaf_nonfinite,
+    ),
+    lambda: None,
+  )
