@@ -12,7 +12,7 @@ the states found here come back with plain arrays (:func:`unwrap`), and
 same kind.
 """
 
-from typing import Any, Optional
+from typing import Any, Optional, get_type_hints
 
 import jax
 import optax
@@ -21,7 +21,21 @@ from fp16_scaling._accumulation_state import AccumulationState
 from fp16_scaling._clipping import ClipState
 from fp16_scaling._loss_scale import LossScaleState
 
-_UNTYPED_KEYS = frozenset({"scaler", "prev_loss_scale", "skipped_steps"})
+
+def _array_fields(cls: type) -> frozenset:
+  """The fields of the NamedTuple ``cls`` that always hold arrays (typed
+  ``jax.Array`` or a NamedTuple): the keys a restore without a target keeps,
+  where an optional (None) or static field may be dropped."""
+  hints = get_type_hints(cls)
+  return frozenset(
+    name
+    for name in cls._fields
+    if hints[name] is jax.Array or hasattr(hints[name], "_fields")
+  )
+
+
+# The keys of a LossScaleState restored as a plain dict.
+_UNTYPED_KEYS = _array_fields(LossScaleState)
 
 
 def _is_wrapped(x: Any) -> bool:

@@ -84,6 +84,77 @@ def _config(scaler: Scaler) -> dict:
   return {f.name: getattr(scaler, f.name) for f in dataclasses.fields(Scaler)}
 
 
+# fp16_scaling's own format is read off the state: one key per array of the
+# LossScaleState, named by its field. A nested NamedTuple's fields are
+# flattened in, with this prefix (its field name and "_" when not listed).
+# A field that is None (grad_range off) is left out, and so is one that holds
+# no arrays (leaf_paths, static in the treedef): the target state keeps its
+# own. A field added to the states is saved and loaded with no change here.
+_NESTED_PREFIX = {"scaler": "", "grad_range": "grad_"}
+
+# Every dict the format ever saved holds these; fields added since are
+# optional on load (older dicts lack them, and the state's own are kept).
+_FIRST_KEYS = frozenset(
+  {
+    "loss_scale",
+    "prev_loss_scale",
+    "growth_tracker",
+    "hysteresis_left",
+    "min_scale_errors",
+    "skipped_steps",
+    "overflow",
+    "grad_norm",
+  }
+)
+
+# Checked on load as loss scales: positive, normal, finite float32.
+_SCALES = ("loss_scale", "prev_loss_scale")
+
+
+def _own_fields(state: tuple, prefix: str = "", path: tuple = ()) -> dict:
+  """``{key: (path, array)}`` for every array of ``state`` (a NamedTuple),
+  in field order; ``path`` is the field names down to the array."""
+  out = {}
+  for name, value in zip(state._fields, state):
+    if value is None or not jax.tree.leaves(value):
+      continue  # an optional part that is off, or static metadata
+    if hasattr(value, "_fields"):
+      nested = prefix + _NESTED_PREFIX.get(name, name + "_")
+      out.update(_own_fields(value, nested, path + (name,)))
+    else:
+      out[prefix + name] = (path + (name,), value)
+  return out
+
+
+def _own_dict(state: tuple) -> dict:
+  """The own format's entries of ``state``, as Python numbers."""
+  return {key: _plain(x) for key, (_, x) in _own_fields(state).items()}
+
+
+def _per_leaf(fields: Mapping) -> dict:
+  """The fields with one entry per gradient leaf: an axis more than the
+  scalars (which carry only the batch axes of a batched state)."""
+  batch = min(np.ndim(x) for _, x in fields.values())
+  return {k: v for k, v in fields.items() if np.ndim(v[1]) > batch}
+
+
+def _put_own(state: tuple, fields: Mapping, values: Mapping) -> tuple:
+  """``state`` with each field of ``fields`` that ``values`` holds set to its
+  value, broadcast to the field's shape and dtype; the others are kept."""
+  for key, (path, x) in fields.items():
+    if key in values:
+      v = jnp.asarray(values[key], x.dtype)
+      state = _replace_at(state, path, jnp.broadcast_to(v, x.shape))
+  return state
+
+
+def _replace_at(node: tuple, path: tuple, value: Any) -> tuple:
+  head, rest = path[0], path[1:]
+  if rest:
+    value = _replace_at(getattr(node, head), rest, value)
+  return node._replace(**{head: value})
+
+
 def _same(mine: Any, value: Any) -> bool:
   """Whether a scaler field equals a saved one (floats as float32)."""
   if mine is None or value is None:
@@ -171,7 +242,7 @@ def _source(state_dict: Any) -> tuple:
     return "torch", state_dict
   if _MEGATRON <= keys:
     return "megatron", state_dict
-  if {"scaler", "prev_loss_scale", "skipped_steps"} <= keys:
+  if _lookup._UNTYPED_KEYS <= keys:
     raise ValueError(
       "state_dict is an fp16_scaling optimizer state that lost its types "
       "(restored without a target), not a scaler state_dict: restore the "
@@ -202,13 +273,13 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
       configuration is stored under ``"config"`` so that a load checks it.
 
   Returns:
-    A dict: ``format`` (``"fp16_scaling"``), ``loss_scale``,
-    ``prev_loss_scale``, ``growth_tracker``, ``hysteresis_left``,
-    ``min_scale_errors``, ``floor_overflows``, ``skipped_steps``,
-    ``overflow``, ``grad_norm``, ``overflow_kind``, and per gradient leaf
-    ``leaf_nonfinite`` and ``leaf_nonfinite_steps`` (with ``grad_range``
-    also ``grad_max_abs`` and ``grad_zero_fraction``)
-    (Python numbers; nested lists for a batched state) and ``config``.
+    A dict: ``format`` (``"fp16_scaling"``), one entry per array of the
+    :class:`LossScaleState` named by its field: the :class:`ScalerState`'s
+    (``loss_scale``, ``growth_tracker``, ...), then ``prev_loss_scale``,
+    ``skipped_steps`` and the others, per gradient leaf ``leaf_nonfinite``
+    and ``leaf_nonfinite_steps`` (with ``grad_range`` also ``grad_max_abs``
+    and ``grad_zero_fraction``), as Python numbers (nested lists for a
+    batched state); and with ``scaler``, ``config``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -220,25 +291,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   """
   _lookup.require_host(opt_state, "scaler_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
-  out = {
-    "format": FORMAT,
-    "loss_scale": _plain(ls.scaler.loss_scale),
-    "prev_loss_scale": _plain(ls.prev_loss_scale),
-    "growth_tracker": _plain(ls.scaler.growth_tracker),
-    "hysteresis_left": _plain(ls.scaler.hysteresis_left),
-    "min_scale_errors": _plain(ls.scaler.min_scale_errors),
-    "floor_overflows": _plain(ls.scaler.floor_overflows),
-    "skipped_steps": _plain(ls.skipped_steps),
-    "overflow": _plain(ls.overflow),
-    "grad_norm": _plain(ls.grad_norm),
-    "overflow_kind": _plain(ls.overflow_kind),
-    # Per gradient leaf, in tree order (lists).
-    "leaf_nonfinite": _plain(ls.leaf_nonfinite),
-    "leaf_nonfinite_steps": _plain(ls.leaf_nonfinite_steps),
-  }
-  if ls.grad_range is not None:
-    out["grad_max_abs"] = _plain(ls.grad_range.max_abs)
-    out["grad_zero_fraction"] = _plain(ls.grad_range.zero_fraction)
+  out = {"format": FORMAT, **_own_dict(ls)}
   if scaler is not None:
     out["config"] = _config(_scaler_arg(scaler))
   return out
@@ -258,51 +311,24 @@ def _from_own(d: Mapping, scaler: Scaler) -> dict:
     # The initial scale does not matter once a run is under way.
     config = {k: v for k, v in d["config"].items() if k != "init_scale"}
     _check(scaler, "fp16_scaling", config)
-  out = {k: d[k] for k in _OWN_FIELDS}
-  # Absent from dicts saved before they existed: the state's own are kept.
-  for k in _OWN_OPTIONAL:
-    if k in d:
-      out[k] = d[k]
-  return out
+  missing = sorted(_FIRST_KEYS - set(d))
+  if missing:
+    raise ValueError(
+      f"fp16_scaling state_dict lacks {', '.join(map(repr, missing))}: every "
+      f"scaler_state_dict() holds them ({', '.join(sorted(_FIRST_KEYS))})"
+    )
+  return dict(d)
 
 
-_OWN_OPTIONAL = (
-  "floor_overflows",
-  "overflow_kind",
-  "leaf_nonfinite",
-  "leaf_nonfinite_steps",
-  "grad_max_abs",
-  "grad_zero_fraction",
-)
-
-
-_OWN_FIELDS = (
-  "loss_scale",
-  "prev_loss_scale",
-  "growth_tracker",
-  "hysteresis_left",
-  "min_scale_errors",
-  "skipped_steps",
-  "overflow",
-  "grad_norm",
-)
-
-
-_PER_LEAF = (
-  "leaf_nonfinite",
-  "leaf_nonfinite_steps",
-  "grad_max_abs",
-  "grad_zero_fraction",
-)
-
-
-def _check_leaf_counts(values: Mapping, leaves: int) -> None:
-  """Raises unless every per-leaf field holds ``leaves`` entries (on its last
-  axis): a dict saved for another model must not be broadcast onto this one."""
-  for field in _PER_LEAF:
+def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
+  """Raises unless every per-leaf field holds as many entries (on its last
+  axis) as the state's: a dict saved for another model must not be broadcast
+  onto this one."""
+  per_leaf = _per_leaf(fields)
+  for field, (_, x) in per_leaf.items():
     if field not in values:
       continue
-    shape = np.shape(values[field])
+    shape, leaves = np.shape(values[field]), np.shape(x)[-1]
     if shape[-1:] != (leaves,):
       saved = shape[-1] if shape else "no"
       raise ValueError(
@@ -310,7 +336,7 @@ def _check_leaf_counts(values: Mapping, leaves: int) -> None:
         f"state {leaves}: the dict was saved for a model with other "
         "parameters. Load it into the optimizer state of the model it was "
         "saved from, or delete its per-leaf fields "
-        f"({', '.join(f for f in _PER_LEAF if f in values)}) to take only "
+        f"({', '.join(f for f in per_leaf if f in values)}) to take only "
         "the scale and its counters."
       )
 
@@ -466,65 +492,17 @@ def load_scaler_state_dict(
   old = _lookup.loss_scale_state(opt_state)
   source, d = _source(state_dict)
   values = _peer_values(source, d, scaler)
-  _check_leaf_counts(values, np.shape(old.leaf_nonfinite)[-1])
+  fields = _own_fields(old)
+  _check_leaf_counts(values, fields)
   if source == "fp16_scaling":
-    for field in ("loss_scale", "prev_loss_scale"):
+    for field in _SCALES:
       for v in np.ravel(values[field]):
         _validate.scale(f"state_dict[{field!r}]", float(v))
   else:
+    # No peer keeps these: the last step's scale was the loaded one.
     values["prev_loss_scale"] = values["loss_scale"]
     values["min_scale_errors"] = 0
-
-  def put(x, v):
-    return jnp.broadcast_to(jnp.asarray(v, x.dtype), x.shape)
-
-  # _replace keeps the fields no state dict carries (per-leaf attribution,
-  # the overflow kind, the gradient range).
-  new = old._replace(
-    scaler=old.scaler._replace(
-      loss_scale=put(old.scaler.loss_scale, values["loss_scale"]),
-      growth_tracker=put(old.scaler.growth_tracker, values["growth_tracker"]),
-      hysteresis_left=put(
-        old.scaler.hysteresis_left, values["hysteresis_left"]
-      ),
-      min_scale_errors=put(
-        old.scaler.min_scale_errors, values["min_scale_errors"]
-      ),
-      floor_overflows=put(
-        old.scaler.floor_overflows,
-        values.get("floor_overflows", old.scaler.floor_overflows),
-      ),
-    ),
-    prev_loss_scale=put(old.prev_loss_scale, values["prev_loss_scale"]),
-    overflow=put(old.overflow, values.get("overflow", old.overflow)),
-    skipped_steps=put(
-      old.skipped_steps, values.get("skipped_steps", old.skipped_steps)
-    ),
-    grad_norm=put(old.grad_norm, values.get("grad_norm", old.grad_norm)),
-    overflow_kind=put(
-      old.overflow_kind, values.get("overflow_kind", old.overflow_kind)
-    ),
-    leaf_nonfinite=put(
-      old.leaf_nonfinite, values.get("leaf_nonfinite", old.leaf_nonfinite)
-    ),
-    leaf_nonfinite_steps=put(
-      old.leaf_nonfinite_steps,
-      values.get("leaf_nonfinite_steps", old.leaf_nonfinite_steps),
-    ),
-  )
-  if old.grad_range is not None:
-    new = new._replace(
-      grad_range=old.grad_range._replace(
-        max_abs=put(
-          old.grad_range.max_abs,
-          values.get("grad_max_abs", old.grad_range.max_abs),
-        ),
-        zero_fraction=put(
-          old.grad_range.zero_fraction,
-          values.get("grad_zero_fraction", old.grad_range.zero_fraction),
-        ),
-      )
-    )
+  new = _put_own(old, fields, values)
   return _lookup.replace_loss_scale_state(opt_state, new)
 
 
