@@ -2,30 +2,15 @@
 
 ``scaler_state_dict`` reads the scaler out of an optax state as Python numbers;
 ``load_scaler_state_dict`` writes one back, from fp16_scaling's own dict or
-from a PyTorch peer's, recognised by its keys:
+from a PyTorch peer's (torch ``GradScaler``, Megatron ``DynamicGradScaler``,
+DeepSpeed's fp16 optimizers and ZeRO ``loss_scaler``), recognised by its keys.
+Each peer is one record in ``_peers``, which also says how its counters map
+to :class:`ScalerState`.
 
-* ``torch.amp.GradScaler.state_dict()``: ``scale``, ``growth_factor``,
-  ``backoff_factor``, ``growth_interval``, ``_growth_tracker``;
-* Megatron-core ``DynamicGradScaler.state_dict()``: ``scale``,
-  ``growth_tracker``, ``hysteresis_tracker``;
-* DeepSpeed ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer.state_dict()``:
-  ``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
-  ``scale_factor``, ``scale_window``, and ``cur_hysteresis`` from DeepSpeed
-  releases after 0.19.8;
-* a ZeRO checkpoint's ``loss_scaler`` (DeepSpeed's ``DynamicLossScaler``, or
-  its attributes as a dict), or a dict holding it under ``loss_scaler``.
-
-The peers count differently from :class:`ScalerState`; each mapping below is
-exact, so that a run continued here takes the same decisions as the peer:
-
-* DeepSpeed grows when ``cur_iter - last_overflow_iter - 1`` (``k`` for the
-  next step) is a positive multiple of ``scale_window``; here the tracker is
-  ``-1`` when ``k == 0`` and ``(k - 1) % scale_window`` otherwise.
-  ``cur_hysteresis`` (1 to ``delayed_shift``) is ``hysteresis_left + 1``.
-* Megatron's ``hysteresis_tracker`` goes on falling below 1 while it backs
-  off; every value <= 1 backs off on the next overflow, as
-  ``hysteresis_left == 0`` does here.
-* torch's ``_growth_tracker`` is the tracker here; torch has no hysteresis.
+fp16_scaling's own dict is read off the state's NamedTuples: one entry per
+array of the :class:`LossScaleState`, named by its field, and the
+:class:`Scaler`'s fields under ``config``. A field added to either is saved
+and loaded with no change here.
 
 The scaler's configuration is not part of the optax state (it is the
 :class:`Scaler` the transformation was built with), so these functions take
@@ -33,8 +18,6 @@ that ``scaler``: the peer's configuration is checked against it, and
 :func:`scaler_from_state_dict` builds the preset a peer's state describes.
 """
 
-import dataclasses
-import math
 from typing import Any, Mapping, Optional
 
 import jax
@@ -42,47 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _lookup
+from fp16_scaling import _peers
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
-from fp16_scaling._scaler import deepspeed_scaler
-from fp16_scaling._scaler import static_scaler
-from fp16_scaling._scaler import torch_scaler
 
 FORMAT = "fp16_scaling"
-PEERS = ("torch", "megatron", "deepspeed")
-
-_TORCH = frozenset(
-  {
-    "scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "_growth_tracker",
-  }
-)
-_MEGATRON = frozenset({"scale", "growth_tracker", "hysteresis_tracker"})
-_DS_OPTIMIZER = frozenset({"dynamic_loss_scale", "cur_scale", "cur_iter"})
-_DS_SCALER = frozenset(
-  {
-    "cur_scale",
-    "cur_iter",
-    "last_overflow_iter",
-    "scale_factor",
-    "scale_window",
-    "min_scale",
-    "delayed_shift",
-    "cur_hysteresis",
-    "consecutive_hysteresis",
-  }
-)
-_DS_STATIC = frozenset({"cur_scale", "dynamic"})
-
-
-def _config(scaler: Scaler) -> dict:
-  """Every field of ``scaler``: a field added to :class:`Scaler` is saved and
-  checked on load without a change here."""
-  return {f.name: getattr(scaler, f.name) for f in dataclasses.fields(Scaler)}
-
 
 # fp16_scaling's own format is read off the state: one key per array of the
 # LossScaleState, named by its field. A nested NamedTuple's fields are
@@ -155,93 +102,34 @@ def _replace_at(node: tuple, path: tuple, value: Any) -> tuple:
   return node._replace(**{head: value})
 
 
-def _same(mine: Any, value: Any) -> bool:
-  """Whether a scaler field equals a saved one (floats as float32)."""
-  if mine is None or value is None:
-    return mine is None and value is None
-  if isinstance(mine, float) and not isinstance(value, bool):
-    return bool(np.float32(mine) == np.float32(value))
-  return mine == value
-
-
 def _plain(x: Any) -> Any:
   """A host copy of ``x`` as Python numbers (nested lists when batched)."""
   return np.asarray(jax.device_get(x)).tolist()
 
 
-def _number(x: Any) -> float:
-  """A Python float from a number, a one-element tensor or array."""
-  if hasattr(x, "detach"):  # a torch tensor, read without importing torch
-    x = x.detach().cpu().numpy()
-  a = np.asarray(x)
-  if a.size != 1:
-    raise ValueError(f"expected one number, got an array of shape {a.shape}")
-  return float(a.reshape(()))
-
-
-def _integer(field: str, x: Any) -> int:
-  v = _number(x)
-  if not math.isfinite(v) or v != int(v):
-    raise ValueError(f"state_dict[{field!r}] must be an integer, got {x!r}")
-  return int(v)
-
-
-def _scale(field: str, x: Any) -> float:
-  return _validate.scale(f"state_dict[{field!r}]", _number(x))
-
-
-def _check(scaler: Scaler, source: str, expected: Mapping[str, Any]) -> None:
-  """Raises if ``scaler``'s fields differ from what the peer state implies."""
-  have = _config(scaler)
-  for field, value in expected.items():
-    if field not in have:
-      raise ValueError(
-        f"{source} state holds a scaler field this version does not know: "
-        f"{field}={value!r}. Load it with the fp16_scaling version that "
-        f"saved it, or delete state_dict['config'][{field!r}] if it does not "
-        "matter to this run."
-      )
-    mine = have[field]
-    if not _same(mine, value):
-      fix = (
-        "Build the optimizer with the scaler the dict was saved with (its "
-        "state_dict['config']), or load into a matching scaler."
-        if source == "fp16_scaling"
-        else "Build the optimizer with the peer's configuration "
-        "(fs.scaler_from_state_dict(state_dict) gives it as a preset) or "
-        "load into a matching scaler."
-      )
-      raise ValueError(
-        f"{source} state disagrees with the scaler on {field}: the state "
-        f"implies {value!r}, the scaler has {mine!r}. {fix}"
-      )
-
-
-def _source(state_dict: Any) -> tuple:
-  """(name, dict) of a state dict's source, recognised by its keys."""
+def _recognise(state_dict: Any) -> tuple:
+  """``(peer, dict)``: the :class:`_peers.Peer` whose state ``state_dict``
+  is (None for fp16_scaling's own), recognised by its keys."""
   if not isinstance(state_dict, Mapping):
     attrs = getattr(state_dict, "__dict__", None)
-    if isinstance(attrs, Mapping) and {"cur_scale"} <= set(attrs):
-      return _source(dict(attrs))  # a DeepSpeed loss scaler object
+    if isinstance(attrs, Mapping) and "cur_scale" in attrs:
+      return _recognise(dict(attrs))  # a DeepSpeed loss scaler object
     raise TypeError(
       "state_dict must be a dict (or DeepSpeed's loss scaler), got "
       f"{type(state_dict).__name__}"
     )
-  keys = set(map(str, state_dict))
   if state_dict.get("format") == FORMAT:
-    return "fp16_scaling", state_dict
-  if "loss_scaler" in keys:
-    return _source(state_dict["loss_scaler"])
-  if _DS_SCALER <= keys:
-    return "deepspeed_scaler", state_dict
-  if _DS_STATIC <= keys and not state_dict["dynamic"]:
-    return "deepspeed_static", state_dict
-  if _DS_OPTIMIZER <= keys:
-    return "deepspeed_optimizer", state_dict
-  if _TORCH <= keys:
-    return "torch", state_dict
-  if _MEGATRON <= keys:
-    return "megatron", state_dict
+    return None, state_dict
+  if "loss_scaler" in state_dict:
+    return _recognise(state_dict["loss_scaler"])
+  peer = _peers.recognise(state_dict)
+  if peer is None:
+    _unknown(set(map(str, state_dict)))
+  return peer, state_dict
+
+
+def _unknown(keys: set) -> None:
+  """Raises for a state dict with ``keys`` that no peer's holds."""
   if _lookup._UNTYPED_KEYS <= keys:
     raise ValueError(
       "state_dict is an fp16_scaling optimizer state that lost its types "
@@ -254,12 +142,10 @@ def _source(state_dict: Any) -> tuple:
       "state_dict is empty; torch's GradScaler saves {} when it is disabled "
       "(there is no scale to load)"
     )
+  accepted = "; ".join(p.saved_by for p in _peers.PEERS)
   raise ValueError(
     f"state_dict with keys {sorted(keys)} is not a known scaler state. "
-    "Accepted: fp16_scaling's scaler_state_dict(), torch GradScaler."
-    "state_dict(), Megatron DynamicGradScaler.state_dict(), DeepSpeed "
-    "FP16_Optimizer / FP16_UnfusedOptimizer.state_dict(), a ZeRO "
-    "checkpoint's loss_scaler."
+    f"Accepted: fp16_scaling's scaler_state_dict(); {accepted}."
   )
 
 
@@ -293,7 +179,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   ls = _lookup.loss_scale_state(opt_state)
   out = {"format": FORMAT, **_own_dict(ls)}
   if scaler is not None:
-    out["config"] = _config(_scaler_arg(scaler))
+    out["config"] = _peers.config(_scaler_arg(scaler))
   return out
 
 
@@ -306,18 +192,36 @@ def _scaler_arg(scaler: Any) -> Scaler:
   return scaler
 
 
-def _from_own(d: Mapping, scaler: Scaler) -> dict:
+_OWN_FIX = (
+  "Build the optimizer with the scaler the dict was saved with (its "
+  "state_dict['config']), or load into a matching scaler."
+)
+
+
+def _from_own(d: Mapping, scaler: Scaler) -> Mapping:
+  """fp16_scaling's own dict ``d``, checked against ``scaler``."""
   if "config" in d:
     # The initial scale does not matter once a run is under way.
     config = {k: v for k, v in d["config"].items() if k != "init_scale"}
-    _check(scaler, "fp16_scaling", config)
+    _peers.check(scaler, "fp16_scaling", config, _OWN_FIX)
   missing = sorted(_FIRST_KEYS - set(d))
   if missing:
     raise ValueError(
       f"fp16_scaling state_dict lacks {', '.join(map(repr, missing))}: every "
       f"scaler_state_dict() holds them ({', '.join(sorted(_FIRST_KEYS))})"
     )
-  return dict(d)
+  for field in _SCALES:
+    for v in np.ravel(d[field]):
+      _validate.scale(f"state_dict[{field!r}]", float(v))
+  return d
+
+
+def _from_peer(peer: _peers.Peer, d: Mapping, scaler: Scaler) -> dict:
+  """The own entries a peer's state ``d`` sets, checked against ``scaler``."""
+  values = peer.load(d, scaler)._asdict()
+  # No peer keeps these: the last step's scale was the loaded one.
+  values.update(prev_loss_scale=values["loss_scale"], min_scale_errors=0)
+  return values
 
 
 def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
@@ -341,126 +245,6 @@ def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
       )
 
 
-def _tracker(field: str, value: int, scaler: Scaler) -> int:
-  if not -scaler.growth_delay <= value < scaler.growth_interval:
-    raise ValueError(
-      f"state_dict[{field!r}] must lie in [{-scaler.growth_delay}, "
-      f"{scaler.growth_interval - 1}] for growth_interval "
-      f"{scaler.growth_interval}, got {value}"
-    )
-  return value
-
-
-def _from_torch(d: Mapping, scaler: Scaler) -> dict:
-  _check(
-    scaler,
-    "torch GradScaler",
-    {
-      "growth_factor": float(d["growth_factor"]),
-      "backoff_factor": float(d["backoff_factor"]),
-      "growth_interval": int(d["growth_interval"]),
-      "growth_delay": 0,
-      "hysteresis": 1,
-    },
-  )
-  return {
-    "loss_scale": _scale("scale", d["scale"]),
-    "growth_tracker": _tracker(
-      "_growth_tracker",
-      _integer("_growth_tracker", d["_growth_tracker"]),
-      scaler,
-    ),
-    "hysteresis_left": 0,
-  }
-
-
-def _from_megatron(d: Mapping, scaler: Scaler) -> dict:
-  # Megatron's state holds no configuration; its counters imply only these.
-  _check(scaler, "Megatron DynamicGradScaler", {"growth_delay": 0})
-  tracker = _integer("hysteresis_tracker", d["hysteresis_tracker"])
-  if tracker > scaler.hysteresis:
-    raise ValueError(
-      f"state_dict['hysteresis_tracker'] ({tracker}) exceeds the scaler's "
-      f"hysteresis ({scaler.hysteresis})"
-    )
-  return {
-    "loss_scale": _scale("scale", d["scale"]),
-    "growth_tracker": _tracker(
-      "growth_tracker", _integer("growth_tracker", d["growth_tracker"]), scaler
-    ),
-    "hysteresis_left": max(tracker - 1, 0),
-  }
-
-
-def _ds_counters(d: Mapping, scaler: Scaler, source: str) -> dict:
-  factor = _number(d["scale_factor"])
-  expected = {
-    "growth_factor": factor,
-    "backoff_factor": 1.0 / factor,
-    "growth_interval": _integer("scale_window", d["scale_window"]),
-    "growth_delay": 1,
-  }
-  if source == "deepspeed_scaler":
-    expected.update(
-      min_scale=_number(d["min_scale"]),
-      hysteresis=_integer("delayed_shift", d["delayed_shift"]),
-      consecutive_hysteresis=bool(d["consecutive_hysteresis"]),
-    )
-    if "raise_error_at_min_scale" in d:
-      expected["raise_at_min_scale"] = bool(d["raise_error_at_min_scale"])
-  _check(scaler, f"DeepSpeed {source[10:]}", expected)
-  since = (
-    _integer("cur_iter", d["cur_iter"])
-    - _integer("last_overflow_iter", d["last_overflow_iter"])
-    - 1
-  )
-  if since < 0:
-    raise ValueError(
-      "state_dict['last_overflow_iter'] must be below state_dict['cur_iter'], "
-      f"got {d['last_overflow_iter']} and {d['cur_iter']}"
-    )
-  window = scaler.growth_interval
-  # A 0.19.8 FP16_Optimizer keeps no hysteresis; DeepSpeed after 0.19.8
-  # loads such a checkpoint with its hysteresis full, and so does this.
-  cur = d.get("cur_hysteresis", scaler.hysteresis)
-  cur = _integer("cur_hysteresis", cur)
-  if not 1 <= cur <= scaler.hysteresis:
-    raise ValueError(
-      f"state_dict['cur_hysteresis'] must lie in [1, {scaler.hysteresis}] "
-      f"for the scaler's hysteresis, got {cur}"
-    )
-  return {
-    "loss_scale": _scale("cur_scale", d["cur_scale"]),
-    "growth_tracker": -1 if since == 0 else (since - 1) % window,
-    "hysteresis_left": cur - 1,
-  }
-
-
-def _from_ds_static(d: Mapping, scaler: Scaler) -> dict:
-  scale = _scale("cur_scale", d["cur_scale"])
-  if scaler.dynamic:
-    raise ValueError(
-      "DeepSpeed state disagrees with the scaler on dynamic: the state holds "
-      f"a static loss scale ({scale!r}), the scaler is dynamic. Use "
-      "fs.static_scaler(...) (fs.scaler_from_state_dict(state_dict))."
-    )
-  return {"loss_scale": scale, "growth_tracker": 0, "hysteresis_left": 0}
-
-
-def _peer_values(source: str, d: Mapping, scaler: Scaler) -> dict:
-  if source == "fp16_scaling":
-    return _from_own(d, scaler)
-  if source == "torch":
-    return _from_torch(d, scaler)
-  if source == "megatron":
-    return _from_megatron(d, scaler)
-  if source == "deepspeed_optimizer" and not d["dynamic_loss_scale"]:
-    return _from_ds_static(d, scaler)
-  if source == "deepspeed_static":
-    return _from_ds_static(d, scaler)
-  return _ds_counters(d, scaler, source)
-
-
 def load_scaler_state_dict(
   opt_state: Any, state_dict: Any, scaler: Scaler
 ) -> Any:
@@ -471,7 +255,10 @@ def load_scaler_state_dict(
       instance ``tx.init(params)``); batched states get the values
       broadcast, nnx-wrapped ones keep their Variables.
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
-      (see the module docstring), recognised by its keys.
+      (torch ``GradScaler.state_dict()``, Megatron
+      ``DynamicGradScaler.state_dict()``, DeepSpeed ``FP16_Optimizer`` /
+      ``FP16_UnfusedOptimizer.state_dict()``, a ZeRO checkpoint's
+      ``loss_scaler``), recognised by its keys.
     scaler: the :class:`Scaler` the optimizer was built with. The state's
       configuration (what it holds or implies: intervals, factors, growth
       delay, hysteresis, floor) must agree with it.
@@ -490,18 +277,10 @@ def load_scaler_state_dict(
   """
   scaler = _scaler_arg(scaler)
   old = _lookup.loss_scale_state(opt_state)
-  source, d = _source(state_dict)
-  values = _peer_values(source, d, scaler)
+  peer, d = _recognise(state_dict)
+  values = _from_own(d, scaler) if peer is None else _from_peer(peer, d, scaler)
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
-  if source == "fp16_scaling":
-    for field in _SCALES:
-      for v in np.ravel(values[field]):
-        _validate.scale(f"state_dict[{field!r}]", float(v))
-  else:
-    # No peer keeps these: the last step's scale was the loaded one.
-    values["prev_loss_scale"] = values["loss_scale"]
-    values["min_scale_errors"] = 0
   new = _put_own(old, fields, values)
   return _lookup.replace_loss_scale_state(opt_state, new)
 
@@ -528,48 +307,13 @@ def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
   Raises:
     ValueError: for Megatron's or our own state, or an unknown one.
   """
-  source, d = _source(state_dict)
-  if source == "torch":
-    kw = dict(
-      init_scale=_scale("scale", d["scale"]),
-      growth_factor=float(d["growth_factor"]),
-      backoff_factor=float(d["backoff_factor"]),
-      growth_interval=int(d["growth_interval"]),
+  peer, d = _recognise(state_dict)
+  if peer is None:
+    raise ValueError(
+      "an fp16_scaling state holds no peer configuration to build a scaler "
+      "from: load it into the scaler it was saved with (state_dict['config'])"
     )
-    return torch_scaler(**{**kw, **overrides})
-  if source == "deepspeed_static" or (
-    source == "deepspeed_optimizer" and not d["dynamic_loss_scale"]
-  ):
-    return static_scaler(_scale("cur_scale", d["cur_scale"]))
-  if source.startswith("deepspeed"):
-    if _number(d["scale_factor"]) != 2.0:
-      raise ValueError(
-        "DeepSpeed's DynamicLossScaler scales by 2; state_dict['scale_factor']"
-        f" is {d['scale_factor']!r}"
-      )
-    kw = dict(
-      init_scale=_scale("cur_scale", d["cur_scale"]),
-      scale_window=_integer("scale_window", d["scale_window"]),
-      raise_error_at_min_scale=False,
-    )
-    if source == "deepspeed_scaler":
-      kw.update(
-        min_scale=_number(d["min_scale"]),
-        delayed_shift=_integer("delayed_shift", d["delayed_shift"]),
-        consecutive_hysteresis=bool(d["consecutive_hysteresis"]),
-        raise_error_at_min_scale=bool(d.get("raise_error_at_min_scale", True)),
-      )
-    kw.update(overrides)
-    kw["min_scale"] = min(kw.get("min_scale", 1.0), kw["init_scale"])
-    return deepspeed_scaler(**kw)
-  raise ValueError(
-    f"a {source} state holds no configuration to build a scaler from"
-    + (
-      "; use fs.megatron_scaler(...) with the run's arguments"
-      if source == "megatron"
-      else ""
-    )
-  )
+  return peer.preset(d, overrides)
 
 
 def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
@@ -598,8 +342,10 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       other than the peer's).
   """
   scaler = _scaler_arg(scaler)
-  if peer not in PEERS:
-    raise ValueError(f"peer must be one of {PEERS}, got {peer!r}")
+  if peer not in _peers.EXPORTS:
+    raise ValueError(
+      f"peer must be one of {tuple(_peers.EXPORTS)}, got {peer!r}"
+    )
   _lookup.require_host(opt_state, "to_peer_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
   if np.ndim(ls.scaler.loss_scale):
@@ -607,55 +353,11 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       "to_peer_state_dict needs one state, got a batched one of shape "
       f"{np.shape(ls.scaler.loss_scale)}: index one member first"
     )
-  scale = float(jax.device_get(ls.scaler.loss_scale))
-  tracker = int(jax.device_get(ls.scaler.growth_tracker))
-  left = int(jax.device_get(ls.scaler.hysteresis_left))
-
-  def need(field, value, why):
-    if _config(scaler)[field] != value:
-      raise ValueError(
-        f"{peer} cannot continue this state: it needs {field}={value!r} "
-        f"({why}), the scaler has {_config(scaler)[field]!r}"
-      )
-
-  if peer == "torch":
-    need("growth_delay", 0, "torch grows after growth_interval clean steps")
-    need("hysteresis", 1, "torch has no hysteresis")
-    return {
-      "scale": scale,
-      "growth_factor": scaler.growth_factor,
-      "backoff_factor": scaler.backoff_factor,
-      "growth_interval": scaler.growth_interval,
-      "_growth_tracker": tracker,
-    }
-  if peer == "megatron":
-    import torch  # only for this peer, whose load calls scale.cuda()
-
-    need("growth_delay", 0, "Megatron grows after growth_interval clean steps")
-    return {
-      "scale": torch.tensor([scale], dtype=torch.float32),
-      "growth_tracker": tracker,
-      "hysteresis_tracker": left + 1,
-    }
-  if not scaler.dynamic:
-    return {"dynamic_loss_scale": False, "cur_scale": scale, "cur_iter": 0}
-  need("growth_delay", 1, "DeepSpeed's first growth is one step later")
-  need("growth_factor", 2.0, "DeepSpeed's scale_factor is 2")
-  need("backoff_factor", 0.5, "DeepSpeed divides by its scale_factor")
-  since = 0 if tracker < 0 else tracker + 1
-  return {
-    "dynamic_loss_scale": True,
-    "cur_scale": scale,
-    "cur_iter": since,
-    "last_overflow_iter": -1,
-    "scale_factor": 2.0,
-    "scale_window": scaler.growth_interval,
-    "cur_hysteresis": left + 1,
-    "min_scale": scaler.min_scale,
-    "delayed_shift": scaler.hysteresis,
-    "consecutive_hysteresis": scaler.consecutive_hysteresis,
-    "raise_error_at_min_scale": scaler.raise_at_min_scale,
-  }
+  host = jax.device_get(ls.scaler)
+  counters = _peers.Counters(
+    float(host.loss_scale), int(host.growth_tracker), int(host.hysteresis_left)
+  )
+  return _peers.exported(peer, scaler).save(counters, scaler)
 
 
 def set_loss_scale(opt_state: Any, scale: float) -> Any:
