@@ -296,11 +296,7 @@ MEGATRON = Peer(
   to_own=_megatron_to_own,
   from_own=_megatron_from_own,
   needs=(
-    (
-      "growth_delay",
-      0,
-      "Megatron grows after growth_interval clean steps",
-    ),
+    ("growth_delay", 0, "Megatron grows after growth_interval clean steps"),
   ),
   preset=_megatron_preset,
 )
@@ -471,7 +467,10 @@ def _ds_static_to_own(d: Mapping, scaler: Scaler) -> Counters:
 
 DS_STATIC = Peer(
   name="DeepSpeed static loss scale",
-  saved_by="DeepSpeed's static LossScaler",
+  saved_by=(
+    "DeepSpeed's static LossScaler, or an fp16 optimizer's state_dict() with "
+    "dynamic_loss_scale false"
+  ),
   keys=frozenset({"cur_scale"}),
   implies=lambda d: {},  # to_own checks that the scaler is static
   to_own=_ds_static_to_own,
