@@ -260,6 +260,33 @@ def from_deepspeed_config(
   """
   world_size = _validate.count("world_size", world_size)
   stage0_hysteresis = _validate.flag("stage0_hysteresis", stage0_hysteresis)
+  config = _read(config)
+  _warn_unmodelled(config)
+  accumulation = _accumulation_steps(config, world_size)
+  fp16 = _fp16_section(config)
+  stage = _zero_stage(config)
+  # The fp16 optimizers clip only when clip_grad > 0.
+  clipping = _number("gradient_clipping", config.get("gradient_clipping", 1.0))
+  max_norm = (
+    _validate.positive("gradient_clipping", clipping) if clipping > 0 else None
+  )
+  if not _flag("fp16.enabled", fp16.get("enabled", False)):
+    return DeepSpeedFP16(no_scaler(), max_norm, stage, accumulation)
+  loss_scale = _number("fp16.loss_scale", fp16.get("loss_scale", 0))
+  if loss_scale < 0:
+    raise ValueError(
+      "fp16.loss_scale must be >= 0 (0 enables dynamic loss scaling)"
+    )
+  if loss_scale > 0:
+    scaler = static_scaler(loss_scale)
+  else:
+    scaler = _dynamic_scaler(fp16, stage, stage0_hysteresis)
+  return DeepSpeedFP16(scaler, max_norm, stage, accumulation)
+
+
+def _read(config: Union[Mapping[str, Any], str, os.PathLike]) -> Mapping:
+  """The config dict (read from its JSON file when a path), with no
+  ``"auto"`` value."""
   if not isinstance(config, Mapping):
     with open(config) as f:
       config = json.load(f)
@@ -270,8 +297,10 @@ def from_deepspeed_config(
       "Hugging Face Trainer, not by DeepSpeed. Resolve them first: use the "
       "config the Trainer resolved, or write the values in."
     )
-  _warn_unmodelled(config)
-  accumulation = _accumulation_steps(config, world_size)
+  return config
+
+
+def _fp16_section(config: Mapping) -> Mapping:
   fp16 = config.get("fp16", {})
   if not isinstance(fp16, Mapping):
     raise ValueError(f"fp16 must be a JSON object, got {fp16!r}")
@@ -280,7 +309,10 @@ def from_deepspeed_config(
     raise ValueError(
       f"fp16: unknown field(s) {sorted(unknown)}; allowed: {sorted(_FP16_KEYS)}"
     )
+  return fp16
 
+
+def _zero_stage(config: Mapping) -> int:
   stage = _integer(
     "zero_optimization.stage",
     config.get("zero_optimization", {}).get("stage", 0),
@@ -289,25 +321,13 @@ def from_deepspeed_config(
     raise ValueError(
       f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}"
     )
-  # The fp16 optimizers clip only when clip_grad > 0.
-  clipping = _number("gradient_clipping", config.get("gradient_clipping", 1.0))
-  max_norm = (
-    _validate.positive("gradient_clipping", clipping) if clipping > 0 else None
-  )
+  return stage
 
-  if not _flag("fp16.enabled", fp16.get("enabled", False)):
-    return DeepSpeedFP16(no_scaler(), max_norm, stage, accumulation)
 
-  loss_scale = _number("fp16.loss_scale", fp16.get("loss_scale", 0))
-  if loss_scale < 0:
-    raise ValueError(
-      "fp16.loss_scale must be >= 0 (0 enables dynamic loss scaling)"
-    )
-  if loss_scale > 0:
-    return DeepSpeedFP16(
-      static_scaler(loss_scale), max_norm, stage, accumulation
-    )
-
+def _dynamic_scaler(
+  fp16: Mapping, stage: int, stage0_hysteresis: bool
+) -> Scaler:
+  """The ``DynamicLossScaler`` the engine builds for ``fp16.loss_scale`` 0."""
   power = _integer(
     "fp16.initial_scale_power", fp16.get("initial_scale_power", 16)
   )
@@ -330,24 +350,11 @@ def from_deepspeed_config(
       "fp16.min_loss_scale must be > 0 when dynamic loss "
       "scaling is enabled (loss_scale=0)"
     )
-  hysteresis = _integer("fp16.hysteresis", fp16.get("hysteresis", 2))
-  consecutive = _flag(
-    "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
+  hysteresis, consecutive, raise_at_min = _hysteresis(
+    fp16, stage, stage0_hysteresis
   )
-  if stage == 0 and not stage0_hysteresis:
-    # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
-    hysteresis, consecutive, raise_at_min = 1, False, False
-  elif stage == 0:
-    # The same optimizers after 0.19.8: hysteresis, still never raise.
-    if hysteresis < 1:
-      raise ValueError(f"fp16.hysteresis must be >= 1, got {hysteresis}")
-    raise_at_min = False
-  else:
-    if hysteresis < 1:
-      raise ValueError(f"fp16.hysteresis must be >= 1, got {hysteresis}")
-    raise_at_min = True
   try:
-    scaler = deepspeed_scaler(
+    return deepspeed_scaler(
       init_scale=2.0**power,
       scale_window=window,
       min_scale=float(min_scale),
@@ -360,4 +367,20 @@ def from_deepspeed_config(
       f"fp16: {e} (min_scale is fp16.min_loss_scale, "
       "init_scale is 2**fp16.initial_scale_power)"
     ) from None
-  return DeepSpeedFP16(scaler, max_norm, stage, accumulation)
+
+
+def _hysteresis(fp16: Mapping, stage: int, stage0_hysteresis: bool) -> tuple:
+  """``(hysteresis, consecutive_hysteresis, raise_at_min_scale)`` on the
+  engine path that ``stage`` selects."""
+  hysteresis = _integer("fp16.hysteresis", fp16.get("hysteresis", 2))
+  consecutive = _flag(
+    "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
+  )
+  if stage == 0 and not stage0_hysteresis:
+    # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
+    return 1, False, False
+  if hysteresis < 1:
+    raise ValueError(f"fp16.hysteresis must be >= 1, got {hysteresis}")
+  # After 0.19.8 the fp16 optimizers (stage 0) honour hysteresis but still
+  # never raise at the floor; ZeRO's DynamicLossScaler raises there.
+  return hysteresis, consecutive, stage > 0

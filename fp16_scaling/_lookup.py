@@ -16,7 +16,7 @@ here, by type: ``current_scale`` and every other helper go through
 :func:`loss_scale_state`, so the first step that scales its loss raises.
 """
 
-from typing import Any, Optional
+from typing import Any, Optional, get_type_hints
 
 import jax
 import optax
@@ -25,7 +25,21 @@ from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import LossScaleState
 
-_UNTYPED_KEYS = frozenset({"scaler", "prev_loss_scale", "skipped_steps"})
+
+def _array_fields(cls: type) -> frozenset:
+  """The fields of the NamedTuple ``cls`` that always hold arrays (typed
+  ``jax.Array`` or a NamedTuple): the keys a restore without a target keeps,
+  where an optional (None) or static field may be dropped."""
+  hints = get_type_hints(cls)
+  return frozenset(
+    name
+    for name in cls._fields
+    if hints[name] is jax.Array or hasattr(hints[name], "_fields")
+  )
+
+
+# The keys of a LossScaleState restored as a plain dict.
+_UNTYPED_KEYS = _array_fields(LossScaleState)
 
 
 def _is_wrapped(x: Any) -> bool:
