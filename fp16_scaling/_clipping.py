@@ -9,7 +9,6 @@ leaves together, and both parts are reported apart as well.
 from typing import Any, Callable, Optional, Union
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -139,35 +138,13 @@ def clip_by_unscaled_norm(
     leaf_axes = _sharding.leaf_axes_from_specs(
       partition_specs, updates, "clip_by_unscaled_norm"
     )
-    guard = _guard.current()
-    if guard is not None:
-      guard.check_clip_order()
-    # The norm of ``updates``: straight from fp16_loss_scale (the very arrays
-    # it returned), the pass it made over the scaled gradients; otherwise
-    # (no guard, or a transformation in between) a pass of our own.
-    measured = guard.published_pass(leaves) if guard is not None else None
-    if measured is None:
-      measured = _norm.NormPass.over(leaves)
+    measured = _measured(leaves)
     norms = measured.norms(
       leaf_groups=groups, num_groups=2, leaf_axes=leaf_axes
     )
-    if measured.zeroed_on_overflow:
-      safe = leaves
-    else:
-      safe = _norm.discard_if(norms.overflow, leaves)
-    norm = norms.norm
-    # On an overflow step the norm is NaN and the gradients hold an inf; the
-    # result is discarded by skip_on_overflow. A finite norm for the factor
-    # (a scalar select) and, when differentiated, zeros for the gradients
-    # (discard_if) keep gradients taken through the step finite: the
-    # backward pass multiplies zero cotangents by finite numbers only.
-    safe_norm = lax.select(norms.overflow, jnp.float32(0), norm)
-    factor = jnp.minimum(
-      jnp.float32(1), jnp.float32(max_norm) / (safe_norm + jnp.float32(eps))
-    )
-    clipped = [x * factor.astype(x.dtype) for x in safe]
+    clipped = _clipped(measured, norms, max_norm, eps)
     new_state = ClipState(
-      grad_norm=norm,
+      grad_norm=norms.norm,
       expert_grad_norm=norms.group_norms[EXPERT],
       shared_grad_norm=norms.group_norms[SHARED],
     )
@@ -176,3 +153,32 @@ def clip_by_unscaled_norm(
     )
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _measured(leaves) -> _norm.NormPass:
+  """The norm pass over ``leaves``: the one fp16_loss_scale made, when they
+  are the very arrays it returned; otherwise (no guard, or a transformation
+  in between) a pass of our own."""
+  guard = _guard.current()
+  if guard is None:
+    return _norm.NormPass.over(leaves)
+  guard.check_clip_order()
+  measured = guard.published_pass(leaves)
+  return _norm.NormPass.over(leaves) if measured is None else measured
+
+
+def _clipped(measured: _norm.NormPass, norms, max_norm, eps) -> list:
+  """``measured.leaves`` times ``max_norm / (norm + eps)`` where below 1.
+
+  On an overflow step the norm is 0.0 and the result is discarded by
+  skip_on_overflow; the gradients are zeros (``discard_if``), so gradients
+  taken through the step stay finite: the backward pass multiplies zero
+  cotangents by finite numbers only.
+  """
+  leaves = measured.leaves
+  if not measured.zeroed_on_overflow:
+    leaves = _norm.discard_if(norms.overflow, leaves)
+  factor = jnp.minimum(
+    jnp.float32(1), jnp.float32(max_norm) / (norms.norm + jnp.float32(eps))
+  )
+  return [x * factor.astype(x.dtype) for x in leaves]

@@ -243,15 +243,12 @@ def reduce_norms(
       jnp.bool_(False),
       jnp.zeros([0], jnp.bool_),
     )
-
   needs_rescue = any(_is_wide(x) for x in leaves)
   if needs_rescue:
     # A leaf's sum is at most 2**31 * CAP; capped at CAP, the total of 2**31
     # of them stays finite too.
     sums = [jnp.minimum(v, jnp.float32(CAP)) for v in sums]
   per_leaf = leaf_vector(sums, leaf_axes, lambda v, axes: lax.psum(v, axes))
-  # -inf exactly for a leaf with a non-finite element on some device.
-  leaf_nonfinite = per_leaf < 0
   groups = jnp.asarray(leaf_groups, jnp.int32)
   common = jnp.stack(
     [
@@ -262,56 +259,16 @@ def reduce_norms(
     ]
   )
   total = jnp.sum(common)
-
-  def keep(_):
-    # sqrt(|sum|): +inf exactly for a sum that met a non-finite leaf (-inf),
-    # where sqrt(sum) would make a NaN; finite otherwise (sums are capped).
-    # _sqrt's derivative is 0 where the root is 0 or inf, so gradients taken
-    # through the step stay finite.
-    root = _sqrt(jnp.abs(total))
-    return root, _sqrt(jnp.abs(common)), jnp.isinf(root)
-
   # Under float16_range() every leaf holds float16-range values: no finite
   # square can reach the cap, and the rescue is not traced.
   if needs_rescue and not _FLOAT16_RANGE.get():
-
-    def rescue(_):
-      # Each group relative to its own largest magnitude: relative to the
-      # global one, a small group's squares would underflow float32. Only
-      # entered for a finite total, so every element is finite here.
-      maxima = [
-        jnp.max(jnp.abs(x), initial=0).astype(jnp.float32) for x in leaves
-      ]
-      peaks = _grouped(
-        maxima,
-        leaf_groups,
-        leaf_axes,
-        num_groups,
-        jnp.max,
-        lambda v, axes: lax.pmax(v, axes),
-      )
-      peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
-      rel = _grouped(
-        [
-          jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
-          for x, g in zip(leaves, leaf_groups)
-        ],
-        leaf_groups,
-        leaf_axes,
-        num_groups,
-        jnp.sum,
-        lambda v, axes: lax.psum(v, axes),
-      )
-      top = jnp.max(peaks)
-      return (
-        top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
-        peaks * jnp.sqrt(rel),
-        jnp.bool_(False),  # entered only for a finite total
-      )
-
+    rescue = lambda _: _rescued_roots(
+      leaves, leaf_groups, leaf_axes, num_groups
+    )
+    keep = lambda _: _roots(total, common)
     root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
   else:
-    root, group_roots, overflow = keep(None)
+    root, group_roots, overflow = _roots(total, common)
   # The overflow flag is read off the root, behind a sqrt that XLA will not
   # duplicate (or off the cond's output): a cheap function of every leaf's
   # sum is otherwise fused, with all L sums as operands, into each of the L
@@ -321,7 +278,56 @@ def reduce_norms(
     norm=jnp.where(overflow, 0.0, root),
     group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
     overflow=overflow,
-    leaf_nonfinite=leaf_nonfinite,
+    # -inf exactly for a leaf with a non-finite element on some device.
+    leaf_nonfinite=per_leaf < 0,
+  )
+
+
+def _roots(total, common) -> tuple:
+  """``(norm, group norms, overflow)`` from the summed squares.
+
+  sqrt(|sum|): +inf exactly for a sum that met a non-finite leaf (-inf),
+  where sqrt(sum) would make a NaN; finite otherwise (sums are capped).
+  _sqrt's derivative is 0 where the root is 0 or inf, so gradients taken
+  through the step stay finite.
+  """
+  root = _sqrt(jnp.abs(total))
+  return root, _sqrt(jnp.abs(common)), jnp.isinf(root)
+
+
+def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
+  """:func:`_roots` for finite squares too large for float32's sums.
+
+  Each group relative to its own largest magnitude: relative to the global
+  one, a small group's squares would underflow float32. Only entered for a
+  finite total, so every element is finite here.
+  """
+  maxima = [jnp.max(jnp.abs(x), initial=0).astype(jnp.float32) for x in leaves]
+  peaks = _grouped(
+    maxima,
+    leaf_groups,
+    leaf_axes,
+    num_groups,
+    jnp.max,
+    lambda v, axes: lax.pmax(v, axes),
+  )
+  peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
+  rel = _grouped(
+    [
+      jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
+      for x, g in zip(leaves, leaf_groups)
+    ],
+    leaf_groups,
+    leaf_axes,
+    num_groups,
+    jnp.sum,
+    lambda v, axes: lax.psum(v, axes),
+  )
+  top = jnp.max(peaks)
+  return (
+    top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
+    peaks * jnp.sqrt(rel),
+    jnp.bool_(False),  # entered only for a finite total
   )
 
 
