@@ -159,14 +159,7 @@ def accumulate_gradients(
     leaves = _checked_microbatch(updates, state.acc_grads)
     k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
     ends = state.mini_step + 1 >= k
-    if drop:
-      # The one pass of _norm decides whether this microbatch is clean.
-      leaf_axes = _sharding.leaf_axes_from_specs(
-        partition_specs, updates, "accumulate_gradients"
-      )
-      bad = _norm.NormPass.over(leaves).norms(leaf_axes=leaf_axes).overflow
-    else:
-      bad = jnp.bool_(False)
+    bad = _dropped(updates, partition_specs) if drop else jnp.bool_(False)
     window = _Window(k, bad, state.clean_in_window + (~bad).astype(jnp.int32))
     losses = _Losses.of(extra_args.get("value"), state, window, drop)
     if losses.window_loss is not None:
@@ -236,6 +229,16 @@ def _checked_microbatch(updates, acc_grads) -> list:
     )
   _norm.check_float_leaves(leaves, "accumulate_gradients gradients")
   return leaves
+
+
+def _dropped(updates, partition_specs) -> jax.Array:
+  """Whether this microbatch holds an inf or NaN, on any device: the one
+  pass of ``_norm`` decides."""
+  leaf_axes = _sharding.leaf_axes_from_specs(
+    partition_specs, updates, "accumulate_gradients"
+  )
+  leaves = jax.tree.leaves(updates)
+  return _norm.NormPass.over(leaves).norms(leaf_axes=leaf_axes).overflow
 
 
 class _Window(NamedTuple):

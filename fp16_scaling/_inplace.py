@@ -266,17 +266,37 @@ def select_early(
   done = [False] * len(outvars)
   if _is_literal(flag_var):
     return jaxpr, done
+  candidates = _candidates(jaxpr, labels, old_positions, done)
+  if not candidates:
+    return jaxpr, done
+  protected = _backward_slice(
+    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
+  )
+  eqns, selected = _with_selects(jaxpr, flag_var, candidates, protected)
+  new_outvars = list(outvars)
+  for i, (v, label) in enumerate(zip(outvars, labels)):
+    if label == SELECT and not _is_literal(v) and v in selected:
+      new_outvars[i] = selected[v]
+      done[i] = True
+  return jaxpr.replace(eqns=eqns, outvars=new_outvars), done
 
-  # The new state leaves to select early: a Var returned as the replacement
-  # of exactly one old value (a Var returned for two different old values
-  # has no single selected value), of the very same type: shape, dtype and,
-  # under explicit sharding or shard_map, sharding and varying axes. Scalar
-  # state (a step count) is selected after: copying it is free, and an
-  # optimizer may divide by a function of its count that is 0 on the old
-  # state (Adam's bias correction at step 0), a discarded NaN that would
-  # still reach gradients taken through the step.
+
+def _candidates(jaxpr, labels, old_positions, done) -> dict:
+  """The new state leaves to select early, each mapped to its old value.
+
+  A Var returned as the replacement of exactly one old value (a Var
+  returned for two different old values has no single selected value), of
+  the very same type: shape, dtype and, under explicit sharding or
+  shard_map, sharding and varying axes. Scalar state (a step count) is
+  selected after: copying it is free, and an optimizer may divide by a
+  function of its count that is 0 on the old state (Adam's bias correction
+  at step 0), a discarded NaN that would still reach gradients taken
+  through the step. Marks in ``done`` the outputs returned unchanged.
+  """
   candidates, shared = {}, set()
-  for i, (v, label, pos) in enumerate(zip(outvars, labels, old_positions)):
+  for i, (v, label, pos) in enumerate(
+    zip(jaxpr.outvars, labels, old_positions)
+  ):
     if label != SELECT or pos is None or _is_literal(v):
       continue
     old_var = jaxpr.invars[pos]
@@ -290,12 +310,17 @@ def select_early(
     candidates[v] = old_var
   for v in shared:
     del candidates[v]
-  if not candidates:
-    return jaxpr, done
+  return candidates
 
-  protected = _backward_slice(
-    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
-  )
+
+def _with_selects(jaxpr, flag_var, candidates, protected) -> tuple:
+  """``jaxpr``'s equations with a select after each candidate's definition
+  (once the flag exists), read by every later equation not ``protected``.
+
+  Returns:
+    ``(eqns, selected)``: the new equations, and each candidate's selected
+    Var.
+  """
   defined = set(jaxpr.constvars) | set(jaxpr.invars)
   selected, eqns = {}, []
 
@@ -332,13 +357,7 @@ def select_early(
     elif flag_var in defined:
       flag_known = True
       emit_selects(list(candidates), eqn.source_info)
-
-  new_outvars = list(outvars)
-  for i, (v, label) in enumerate(zip(outvars, labels)):
-    if label == SELECT and not _is_literal(v) and v in selected:
-      new_outvars[i] = selected[v]
-      done[i] = True
-  return jaxpr.replace(eqns=eqns, outvars=new_outvars), done
+  return eqns, selected
 
 
 def _single_jit_call(closed):
