@@ -1,13 +1,16 @@
 """The one global-norm routine: overflow and norm from a single pass.
 
-``leaf_sums(leaves)`` reads every gradient element once and sums ``x * x``
-where ``x`` is finite and ``-inf`` where it is not. A sum of non-negative
-numbers is never negative, so each leaf's sum says exactly whether the leaf
-held an inf or NaN (it is ``-inf``) and otherwise gives its squared norm. The
-pass creates no NaN from an inf (``jax_debug_nans`` stays quiet on an
-ordinary overflow step):
+``leaf_sums(leaves)`` reads every gradient element once and sums the
+squares: a leaf that held an inf or NaN sums to an inf or NaN (a float16
+square cannot overflow float32; a wide element that is not finite squares
+to ``-inf``), and :func:`reduce_norms` turns every non-finite sum into
+``-inf``. A sum of non-negative numbers is never negative, so each leaf's
+``-inf`` says exactly whether the leaf held an inf or NaN, and otherwise
+the sum is its squared norm. The pass creates no NaN from an inf
+(``jax_debug_nans`` stays quiet on an ordinary overflow step):
 
-* a non-finite leaf sums to ``-inf``: an *overflow*, recorded per leaf;
+* a non-finite leaf's sum becomes ``-inf``: an *overflow*, recorded per
+  leaf;
 * squares of wide (float32, bfloat16) elements are capped at ``2**96`` and
   each leaf's sum at ``2**96``, so no sum reaches ``+inf`` and ``-inf`` never
   meets ``+inf``. A total at the cap means some squares were too large for
@@ -126,12 +129,13 @@ def _as_float16(wide: jax.Array) -> jax.Array:
 def _squares(x: jax.Array) -> jax.Array:
   wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   sq = wide * wide
-  if _is_wide(x):
-    sq = jnp.minimum(sq, jnp.float32(CAP))
-    finite = lax.is_finite(wide)
-  else:  # what widen(x) is finite on, without its select
-    finite = lax.is_finite(_as_float16(wide))
-  return lax.select(finite, sq, lax.full_like(sq, -jnp.inf))
+  if not _is_wide(x):
+    # +inf where float16 cannot hold x (see widen), NaN for a NaN; else
+    # x * x, subnormals included (their float16 rounding flushes to 0).
+    held = _as_float16(wide)
+    return jnp.maximum(sq, held * held)
+  sq = jnp.minimum(sq, jnp.float32(CAP))
+  return lax.select(lax.is_finite(wide), sq, lax.full_like(sq, -jnp.inf))
 
 
 @jax.custom_jvp
@@ -154,8 +158,8 @@ def _sqrt_jvp(primals, tangents):
 
 
 def leaf_sums(leaves: Sequence[jax.Array]) -> list:
-  """Per-leaf local sums of squares, ``-inf`` for a leaf with a non-finite
-  element.
+  """Per-leaf local sums of squares, not finite (``-inf``, ``+inf`` or NaN)
+  exactly for a leaf with a non-finite element.
 
   This is the one pass over the gradients; everything else works on scalars.
   Its derivative treats a non-finite element as 0 (see :func:`discard_if`).
@@ -180,7 +184,8 @@ def _leaf_sums_jvp(primals, tangents):
 
 
 def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
-  """``leaves``, or zeros when ``overflow`` (a step whose result is discarded).
+  """``leaves``; differentiated, zeros when ``overflow`` (a step whose result
+  is discarded).
 
   On an overflow step the gradients hold an inf, and everything computed
   from them is discarded by ``skip_on_overflow``. A derivative taken through
@@ -188,11 +193,39 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
   closes over) still multiplies the discarded values' zero cotangents by
   those infs: 0 * inf = NaN. Selected *before* the multiply, the optimizer
   sees zeros instead, and gradients through an overflow step are finite:
-  zero through the discarded update. Elementwise, with the scalar flag: XLA
-  fuses it into the optimizer's own pass.
+  zero through the discarded update.
+
+  Only a derivative needs the zeros: the values of an overflow step are
+  discarded whatever they are. So the select is in the rule JAX uses when it
+  differentiates (a ``custom_jvp``), and a step that is not differentiated
+  gets ``leaves`` as they are: two fewer operations per leaf to trace and
+  compile.
   """
+  return _discard_if(overflow, tuple(leaves))
+
+
+def zeros_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
+  """``leaves``, or zeros when ``overflow``: :func:`discard_if` for a pass
+  whose overflow no guard skips (a clip that measured its own input)."""
+  return _zeros_if(overflow, leaves)
+
+
+def _zeros_if(overflow, leaves):
   # select_n takes the scalar flag as is; full_like keeps x's sharding.
   return tuple(lax.select_n(overflow, x, lax.full_like(x, 0)) for x in leaves)
+
+
+@jax.custom_jvp
+def _discard_if(overflow, leaves):
+  del overflow
+  return leaves
+
+
+@_discard_if.defjvp
+def _discard_if_jvp(primals, tangents):
+  overflow, leaves = primals
+  _, dleaves = tangents
+  return _zeros_if(overflow, leaves), _zeros_if(overflow, dleaves)
 
 
 def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
@@ -244,11 +277,17 @@ def reduce_norms(
       jnp.zeros([0], jnp.bool_),
     )
   needs_rescue = any(_is_wide(x) for x in leaves)
-  if needs_rescue:
-    # A leaf's sum is at most 2**31 * CAP; capped at CAP, the total of 2**31
-    # of them stays finite too.
-    sums = [jnp.minimum(v, jnp.float32(CAP)) for v in sums]
-  per_leaf = leaf_vector(sums, leaf_axes, lambda v, axes: lax.psum(v, axes))
+
+  def marked(local):
+    # Every non-finite sum becomes -inf, whatever it met. A leaf's sum is at
+    # most 2**31 * CAP; capped at CAP, the total of 2**31 of them stays
+    # finite too. On the vector of sums: a few operations, not a few a leaf.
+    local = jnp.where(lax.is_finite(local), local, -jnp.inf)
+    return jnp.minimum(local, jnp.float32(CAP)) if needs_rescue else local
+
+  per_leaf = leaf_vector(
+    sums, leaf_axes, lambda v, axes: lax.psum(v, axes), marked
+  )
   groups = jnp.asarray(leaf_groups, jnp.int32)
   common = jnp.stack(
     [
@@ -269,17 +308,18 @@ def reduce_norms(
     root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
   else:
     root, group_roots, overflow = _roots(total, common)
-  # The overflow flag is read off the root, behind a sqrt that XLA will not
-  # duplicate (or off the cond's output): a cheap function of every leaf's
-  # sum is otherwise fused, with all L sums as operands, into each of the L
-  # per-leaf selects of skip_on_overflow: O(L**2) HLO and compile time (27x
-  # optax's at 200 leaves).
+  # -inf exactly for a leaf with a non-finite element on some device.
+  leaf_nonfinite = per_leaf < 0
+  # The overflow flag is a reduction of the per-leaf vector, which XLA
+  # computes once: a cheap function of the sums (the root's isinf) is fused
+  # into, and recomputed by, each of the per-leaf passes that read it (the
+  # skip's selects, the discard): three instructions more in each.
+  overflow = jnp.any(leaf_nonfinite)
   return Norms(
     norm=jnp.where(overflow, 0.0, root),
     group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
     overflow=overflow,
-    # -inf exactly for a leaf with a non-finite element on some device.
-    leaf_nonfinite=per_leaf < 0,
+    leaf_nonfinite=leaf_nonfinite,
   )
 
 
@@ -344,16 +384,17 @@ class NormPass(NamedTuple):
     read: the arrays the pass read; ``leaves == read * scale`` elementwise.
     sums: per-leaf local sums of squares of ``read``, from :func:`leaf_sums`.
     scale: float32 scalar, the factor from ``read`` to ``leaves``.
-    zeroed_on_overflow: static; True when ``leaves`` are already zeros on an
-      overflow (:func:`discard_if` applied), so users of the pass need not
-      discard again.
+    skipped_on_overflow: static; True when an overflow this pass finds
+      skips the step (``fp16_loss_scale``'s pass, inside
+      ``skip_on_overflow``), and :func:`discard_if` already gives ``leaves``
+      the zeros a derivative needs: users of the pass need not zero them.
   """
 
   leaves: tuple
   read: tuple
   sums: tuple
   scale: jax.Array
-  zeroed_on_overflow: bool
+  skipped_on_overflow: bool
 
   @classmethod
   def over(cls, leaves: Sequence[jax.Array]) -> "NormPass":

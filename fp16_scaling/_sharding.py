@@ -12,28 +12,33 @@ set of axes.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 AxisNames = tuple  # tuple[str, ...], sorted; () for an unsharded leaf
 
 
-def leaf_vector(values, leaf_axes, collective) -> jax.Array:
+def leaf_vector(values, leaf_axes, collective, prepare=None) -> jax.Array:
   """Per-leaf scalars as one vector, each combined across its mesh axes.
 
-  One ``collective`` per distinct set of axes, on the vector of the leaves
-  that share it; leaves with no axes take none.
+  The leaves are grouped by their set of axes; each group's scalars are
+  stacked once, passed through ``prepare`` (before any collective) and
+  combined with one ``collective``; leaves with no axes take none. With one
+  group (the common case, plain ``jit``) the vector is that group's.
   """
-  out = list(values)
+  if not values:
+    return jnp.zeros([0], jnp.float32)
   by_axes = {}
   for i, axes in enumerate(leaf_axes):
-    if axes:
-      by_axes.setdefault(axes, []).append(i)
+    by_axes.setdefault(axes, []).append(i)
+  parts, order = [], []
   for axes, idx in by_axes.items():
-    combined = collective(jnp.stack([out[i] for i in idx]), axes)
-    for k, i in enumerate(idx):
-      out[i] = combined[k]
-  if not out:
-    return jnp.zeros([0], jnp.float32)
-  return jnp.stack(out)
+    part = jnp.stack([values[i] for i in idx])
+    part = prepare(part) if prepare is not None else part
+    parts.append(collective(part, axes) if axes else part)
+    order += idx
+  if len(parts) == 1:
+    return parts[0]
+  return jnp.concatenate(parts)[np.argsort(order)]
 
 
 def spec_axes(spec) -> AxisNames:

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Cold compile time of fp16_scaling's step next to plain optax's.
+
+For each shape, ``--rounds`` rounds; each round compiles the floor (``a``,
+``optax.chain(clip_by_global_norm, adamw)``) and fp16_scaling's step (``b``,
+``skip_on_overflow(chain(fp16_loss_scale, clip_by_unscaled_norm, adamw))``),
+in alternating order (a, b; then b, a; ...), each in a fresh worker process
+with an empty compilation cache, so that every compile is cold and drift
+falls on both alike. Trace + lower and XLA's compile are timed apart. The
+steps are ``recipes.py``'s; the worker is ``step_cost.py``'s.
+
+Printed per shape: the median of each part for each recipe, the ratio of
+the medians, and the median [min, max] of the per-round paired ratios b / a
+of the total (trace + lower + compile).
+
+  python benchmarks/compile_cost.py                  # 10M/200 and 2M/1000
+  python benchmarks/compile_cost.py --shape 2M/1000 --rounds 2
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import step_cost  # noqa: E402
+
+DEFAULT_SHAPES = ("10M/200", "2M/1000")
+PAIR = ("floor", "fp16")
+
+
+def compile_once(key, shape, budget):
+  """One cold compile of ``key`` at ``shape``: (trace + lower s, compile s)."""
+  with tempfile.TemporaryDirectory() as cache_dir:
+    res = step_cost.compile_in_worker(key, shape, cache_dir, budget, None)
+  if res is None:
+    raise RuntimeError(f"{key} at {shape}: compile past {budget:g} s")
+  return res["lower_s"], res["compile_s"]
+
+
+def measure(shape, rounds, budget, log=print):
+  """Per recipe the list of (lower, compile) seconds, one entry a round."""
+  times = {key: [] for key in PAIR}
+  for r in range(rounds):
+    order = PAIR if r % 2 == 0 else PAIR[::-1]
+    for key in order:
+      lower, comp = compile_once(key, shape, budget)
+      times[key].append((lower, comp))
+      log(
+        f"[{shape}] round {r + 1} {key}: lower {lower:.2f} s, "
+        f"compile {comp:.2f} s"
+      )
+  return times
+
+
+def summary(shape, times):
+  """Markdown rows and the per-round ratio line for one shape."""
+  med = {
+    key: [statistics.median(part) for part in zip(*rows)]
+    for key, rows in times.items()
+  }
+  a, b = PAIR
+  totals = {key: [lo + co for lo, co in rows] for key, rows in times.items()}
+  paired = sorted(tb / ta for ta, tb in zip(totals[a], totals[b]))
+  lines = []
+  for key in PAIR:
+    lower, comp = med[key]
+    total = statistics.median(totals[key])
+    ratio = total / statistics.median(totals[a])
+    lines.append(
+      f"| {shape} | {key} | {lower:.2f} | {comp:.2f} | {total:.2f} | "
+      f"{ratio:.3f}x |"
+    )
+  per_round = (
+    f"{shape}: per-round b/a median {statistics.median(paired):.3f}x "
+    f"[{paired[0]:.3f}, {paired[-1]:.3f}] over {len(paired)} rounds"
+  )
+  return lines, per_round, statistics.median(paired)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--shape",
+    action="append",
+    help="params/leaves, e.g. 10M/200 (default: "
+    f"{' and '.join(DEFAULT_SHAPES)})",
+  )
+  parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--budget", type=float, default=600.0)
+  args = parser.parse_args(argv)
+  if args.rounds < 1:
+    parser.error("--rounds must be >= 1")
+  shapes = args.shape or list(DEFAULT_SHAPES)
+  for shape in shapes:
+    step_cost.parse_shape(shape)
+  header = (
+    "| shape | recipe | trace + lower s | compile s | total s | vs floor |\n"
+    "|---|---|---:|---:|---:|---:|"
+  )
+  rows, notes = [], []
+  for shape in shapes:
+    lines, per_round, _ = summary(
+      shape, measure(shape, args.rounds, args.budget)
+    )
+    rows += lines
+    notes.append(per_round)
+  print()
+  print(f"Cold compiles, median of {args.rounds}, alternating order:")
+  print(header)
+  print("\n".join(rows))
+  print()
+  print("\n".join(notes))
+
+
+if __name__ == "__main__":
+  main()
