@@ -362,7 +362,7 @@ def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
     prev_loss_scale=scale,
     overflow=overflow,
     skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
-    grad_norm=norms.norm * (1.0 / scale),  # as the clip unscales it
+    grad_norm=_own_norm(overflow, norms.norm * (1.0 / scale)),
     leaf_nonfinite=leaf_nonfinite,
     leaf_nonfinite_steps=state.leaf_nonfinite_steps
     + leaf_nonfinite.astype(jnp.int32),
@@ -370,6 +370,19 @@ def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
     grad_range=jax.tree.map(fit, grad_range) if keep_range else None,
     leaf_paths=state.leaf_paths,
   )
+
+
+def _own_norm(overflow, norm) -> jax.Array:
+  """``norm`` (the clip's, unscaled as the clip unscales it), as a value of
+  its own.
+
+  ``clip_by_unscaled_norm`` reports the very same expression in its
+  ``ClipState``, and XLA merges the two into one value: two donated output
+  buffers then hold one value and the step copies it into the second. The
+  select is a no-op (``norm`` is already 0.0 on an overflow) that XLA cannot
+  prove to be one, so each state writes its own buffer.
+  """
+  return jnp.where(overflow, 0.0, norm)
 
 
 def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:
