@@ -81,6 +81,40 @@ def test_toy_values_match_a_select_after_the_call(overflow):
     assert np.asarray(got[6])[0] == -1.0 * 2 + 1.0 + 0.5
 
 
+def _counter_toy(x, count, flag):
+  # Outputs: (update, count_new, flag). The update divides by the new count,
+  # which is 0 at the old count of a fresh state (Adam's bias correction).
+  flag = flag | jnp.isnan(x).any()
+  count_new = jnp.where(count < 7, count + 1, count)
+  return x / count_new.astype(jnp.float32), count_new, flag
+
+
+def test_a_counter_is_selected_in_place_its_readers_see_the_new_count():
+  def step(x, count):
+    out_tree = jax.tree.structure(jax.eval_shape(_counter_toy, x, count, True))
+    update, count, _ = _inplace.call_selecting(
+      _counter_toy,
+      (x, count, jnp.bool_(False)),
+      out_tree,
+      [U, S, F],
+      [None, count, None],
+    )
+    return jnp.sum(update), count
+
+  x, count = jnp.array([1.0, jnp.nan]), jnp.int32(0)
+  # On the overflow step the count keeps its old value, and the gradient
+  # through the discarded update is 0: the division read the new count (1),
+  # not the selected old one (0), which would make 0 / 0.
+  (_, kept), grad = jax.value_and_grad(step, has_aux=True)(x, count)
+  assert int(kept) == 0
+  np.testing.assert_array_equal(np.asarray(grad), [0.0, 0.0])
+  (total, moved), _ = jax.value_and_grad(step, has_aux=True)(x[:1], count)
+  assert int(moved) == 1 and float(total) == 1.0
+  # The select is the one reader of the donated count: no copy of it.
+  compiled = jax.jit(step, donate_argnums=1).lower(x, count).compile()
+  assert hlo.entry_copies(compiled.as_text()) == []
+
+
 def test_exactly_one_overflow_output_is_required():
   with pytest.raises(ValueError, match="one overflow output"):
     _run(lambda x: (x, x), (jnp.ones(2),), [U, U], lambda args: [None, None])
