@@ -47,3 +47,32 @@ def written_over(old: Any, new: Any) -> Any:
     ``new``, value for value.
   """
   return jax.tree.map(_written_over, old, new)
+
+
+def after(x: jax.Array, *reads: jax.Array) -> jax.Array:
+  """``x`` (an integer or bool), computed after ``reads``.
+
+  XLA writes a donated buffer in place only once every other reader of its
+  old value has run, and it orders instructions by their data alone (copy
+  insertion runs before scheduling). Where the new value of a state field
+  does not depend on the other fields that read its old value, XLA copies
+  the old value first. ``max(x, min(x, r))`` is ``x`` for every ``r`` of an
+  integer or bool dtype (a lattice identity XLA does not fold), and makes
+  ``x`` depend on ``reads``. It is also one instruction of two operands,
+  which XLA computes once when it is an output, where it would recompute a
+  cheap function of one value inside each reader.
+
+  Args:
+    x: an integer or bool array.
+    *reads: scalars computed from the old value that ``x`` overwrites (any
+      dtype; only their dependency counts).
+
+  Returns:
+    ``x``, bit for bit.
+  """
+  r = jnp.zeros([], x.dtype)
+  for y in reads:
+    if jnp.issubdtype(y.dtype, jnp.floating):
+      y = lax.bitcast_convert_type(y, jnp.dtype(f"int{y.dtype.itemsize * 8}"))
+    r = r + y.astype(x.dtype)
+  return jnp.maximum(x, jnp.minimum(x, r))
