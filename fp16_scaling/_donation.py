@@ -49,6 +49,23 @@ def written_over(old: Any, new: Any) -> Any:
   return jax.tree.map(_written_over, old, new)
 
 
+def snapshot(x: jax.Array) -> jax.Array:
+  """``x`` (a float), as a value of its own that every reader reads.
+
+  XLA recomputes a cheap scalar expression inside each fusion that reads
+  it, so a donated scalar read by several fusions is read from its input
+  buffer by each of them; when one of them writes that buffer in place, XLA
+  copies the old value first. The snapshot is one instruction that XLA
+  neither folds away nor duplicates once it is also an output (returned as
+  another field, ``prev_loss_scale``): every reader reads the snapshot, and
+  the donated buffer has one reader.
+
+  Returns:
+    ``x``, bit for bit, where it is not NaN; a NaN stays a NaN.
+  """
+  return jnp.where(jnp.isnan(x), jnp.nan, x)
+
+
 def after(x: jax.Array, *reads: jax.Array) -> jax.Array:
   """``x`` (an integer or bool), computed after ``reads``.
 

@@ -272,6 +272,7 @@ def fp16_loss_scale(
     leaf_axes = _sharding.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
     )
+    state = _scale_read_once(state)
     measured, norms = _unscaled(leaves, state.scaler.loss_scale, leaf_axes)
     # The clip after us reduces this pass instead of reading the gradients
     # again, if it receives ``measured.leaves`` themselves.
@@ -288,6 +289,23 @@ def fp16_loss_scale(
     return outputs, _donation.written_over(state, new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _scale_read_once(state: LossScaleState) -> LossScaleState:
+  """``state``, its loss scale read once, into ``prev_loss_scale``.
+
+  The scale the gradients were made with is read by the unscale, the floor
+  checks and the scale machine, and becomes ``prev_loss_scale``: one value
+  for two donated buffers, which XLA copied out of the old scale's buffer
+  before the new scale overwrote it. Read through one snapshot
+  (:func:`_donation.snapshot`), it is written into ``prev_loss_scale``'s
+  buffer by an instruction of its own, every reader reads it there, and the
+  new scale overwrites a buffer nobody else reads.
+  """
+  scaler = state.scaler
+  return state._replace(
+    scaler=scaler._replace(loss_scale=_donation.snapshot(scaler.loss_scale))
+  )
 
 
 def _initial_state(scaler_state, params, grad_range: bool) -> LossScaleState:
