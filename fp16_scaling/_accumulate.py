@@ -158,7 +158,11 @@ def accumulate_gradients(
     _refuse_inside_guard()
     leaves = _checked_microbatch(updates, state.acc_grads)
     k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
-    ends = state.mini_step + 1 >= k
+    # ends is window_ended's new value. Written after its old value, it is
+    # one instruction that XLA computes once and every reader of ends
+    # reads; a bare compare it would recompute from the donated mini_step
+    # inside each reader, and copy mini_step before overwriting it.
+    ends = _donation.after(state.mini_step + 1 >= k, state.window_ended)
     if drop:
       # The one pass of _norm decides whether this microbatch is clean.
       leaf_axes = _sharding.leaf_axes_from_specs(
