@@ -615,15 +615,15 @@ _IN_PLACE = {
   ),
 }
 
-# The scale machine's scalars. A field read by several fusions that XLA
-# cannot order before the one writing its successor (the loss scale: by the
-# unscale, the back-off and the floor counters; the growth tracker and
-# hysteresis; Adam's count, read by its bias corrections and by the skip's
-# select) is copied, four bytes, before it is overwritten; so is the norm
-# that LossScaleState and ClipState both report, and the old loss scale
-# moved into prev_loss_scale. jmp's DynamicLossScale recipe copies its
-# scalars the same way. No copy may be larger than a scalar.
-_SCALAR_COPIES = 5
+# No copy either on XLA:CPU, as in plain optax's step: XLA copies a buffer
+# when an output is written over it while another fusion still has to read
+# its old value, or when one value is returned as two outputs. The library
+# avoids each case: the loss scale is read once, through prev_loss_scale
+# (_donation.snapshot); the scale machine's counters are written after
+# their readers (_donation.after); Adam's count is selected where XLA
+# writes it in place (_inplace.select_counters); the loss-scale state's
+# norm is a value of its own, not the clip's; an accumulation window's end
+# is computed once, as window_ended.
 
 
 @pytest.mark.parametrize("name", sorted(_IN_PLACE))
@@ -650,10 +650,10 @@ def test_every_output_aliases_a_donated_input(name):
   # Positional: each output is written over its own input's buffer.
   assert all(o == p for o, p in aliased.items()), aliased
   copies = hlo.entry_copies(text)
-  if name == "plain optax":
-    assert not copies
-  assert all(re.search(r"= [a-z]+\d*\[\] copy\(", c) for c in copies), copies
-  assert len(copies) <= _SCALAR_COPIES, copies
+  if jax.default_backend() == "cpu":
+    assert copies == [], name
+  else:  # not measured on other backends: no copy larger than a scalar
+    assert all(re.search(r"= [a-z]+\d*\[\] copy\(", c) for c in copies)
   # And it runs: every state buffer is its own (one buffer cannot be
   # donated twice), and the parameters move.
   for _ in range(3 if name.startswith("accumulate") else 1):
