@@ -20,6 +20,11 @@ On a GPU this is what keeps a step's buffers at fixed addresses, so the
 command buffers (CUDA graphs) XLA records for the step are replayed as
 recorded; a fresh output buffer on every call changes the addresses that
 every kernel reading it was recorded with.
+
+An aliased output can still cost a ``copy``: XLA copies a donated buffer
+when another fusion reads its old value after the one that overwrites it.
+:func:`snapshot` and :func:`after` write such scalar state so that the
+overwriting fusion is the last reader.
 """
 
 from typing import Any
