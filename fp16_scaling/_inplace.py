@@ -24,7 +24,9 @@ leaf, and on an overflow step every update is replaced by ``-0.0`` and every
 state leaf by its old value, whatever was computed from them. Equations that
 the bookkeeping outputs (the loss-scale state, the clip's norms, the overflow
 flag) depend on keep reading the unselected values, so those outputs are
-exactly what the inner update computed.
+exactly what the inner update computed. A scalar integer counter (Adam's
+count) is selected as early, but its later readers keep seeing the new
+count: :func:`select_counters`.
 
 JAX internals this relies on (``jax.extend.core``, which JAX documents as
 having no compatibility guarantee, and the ``jit`` primitive's parameters):
@@ -32,7 +34,7 @@ having no compatibility guarantee, and the ``jit`` primitive's parameters):
 * ``jax.make_jaxpr(jax.jit(f))`` tracing to one ``jit_p`` equation whose
   ``jaxpr`` parameter is a ``ClosedJaxpr`` of ``f``;
 * ``Jaxpr.eqns``/``invars``/``outvars``/``constvars``, ``Jaxpr.replace``
-  and ``JaxprEqn.replace``; ``Var(aval)``, ``Literal``,
+  and ``JaxprEqn.replace``/``effects``; ``Var(aval)``, ``Literal``,
   ``new_jaxpr_eqn``, ``no_effects``, ``primitives.select_n_p``;
 * re-binding ``jit_p`` with its ``jaxpr`` parameter swapped for the
   rewritten ``ClosedJaxpr``; ``ShapedArray.update(weak_type=...)``;
@@ -200,6 +202,7 @@ def _call_early(fn, args, out_tree, labels_olds):
   ]
   inner = call.params["jaxpr"]
   jaxpr, done = select_early(inner.jaxpr, labels, old_positions)
+  jaxpr, done = select_counters(jaxpr, labels, old_positions, done)
   params = dict(call.params, jaxpr=jex_core.ClosedJaxpr(jaxpr, inner.consts))
   return _finish(
     call.primitive.bind(*call_args, **params),
@@ -399,3 +402,150 @@ def _backward_slice(jaxpr, roots) -> set:
       indices.add(i)
       needed.update(v for v in eqn.invars if not _is_literal(v))
   return indices
+
+
+def select_counters(
+  jaxpr, labels: Sequence[str], old_positions: Sequence[Any], done
+) -> tuple:
+  """Selects integer scalar state (a step count) where XLA writes it in place.
+
+  :func:`select_early` leaves scalar state to the select after the update:
+  an optimizer may divide by a function of its count that is 0 on the old
+  state (Adam's bias correction at step 0). But then two fusions read the
+  donated old count: the select that overwrites it, and each reader of the
+  new count, into which XLA fuses the increment. The old count must survive
+  the select, and XLA copies it.
+
+  Here the select is made as soon as the new count and the overflow flag
+  exist, and the later readers read ``select_n(flag, selected,
+  recount(selected))``, where ``recount`` is the computation of the new
+  count from the old one, applied to the selected count. On a clean step
+  that is the selected (new) count; on an overflow step the selected count
+  is the old one and ``recount`` gives the new count again: the readers see
+  the very value they read before, never the old count. They now read the
+  selected count alone, and the select is the only reader of the donated
+  buffer it overwrites. Only integer scalars whose new value is computed
+  from their old value alone: their recount has no NaN to make, and no
+  other buffer gains a reader.
+
+  Args:
+    jaxpr: the ``Jaxpr`` :func:`select_early` returned.
+    labels: as for :func:`select_early`.
+    old_positions: as for :func:`select_early`.
+    done: :func:`select_early`'s ``done``.
+
+  Returns:
+    ``(new_jaxpr, done)``, with ``done`` updated.
+  """
+  outvars = jaxpr.outvars
+  flag_var = outvars[list(labels).index(OVERFLOW)]
+  if _is_literal(flag_var):
+    return jaxpr, done
+  counters, shared = {}, set()
+  for i, (v, label, pos) in enumerate(zip(outvars, labels, old_positions)):
+    if label != SELECT or pos is None or done[i] or _is_literal(v):
+      continue
+    old_var = jaxpr.invars[pos]
+    aval = _strong(v.aval)
+    if (
+      aval != _strong(old_var.aval)
+      or aval.shape
+      or not jnp.issubdtype(aval.dtype, jnp.integer)
+    ):
+      continue
+    if counters.get(v, old_var) is not old_var:
+      shared.add(v)
+    counters[v] = old_var
+  slices = {}
+  for v, old_var in counters.items():
+    recount = _slice_from(jaxpr, v, old_var)
+    if v not in shared and recount is not None:
+      slices[v] = recount
+  if not slices:
+    return jaxpr, done
+
+  protected = _backward_slice(
+    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
+  )
+  defined = set(jaxpr.constvars) | set(jaxpr.invars)
+  selected, reads, eqns = {}, {}, []
+
+  def emit(source_info):
+    for v, recount in slices.items():
+      if v in selected or v not in defined or flag_var not in defined:
+        continue
+      old_var = counters[v]
+      chosen = _select(eqns, flag_var, v, old_var, source_info)
+      renamed = {old_var: chosen}
+      for eqn in recount:
+        outs = [jex_core.Var(o.aval) for o in eqn.outvars]
+        invars = [
+          x if _is_literal(x) else renamed.get(x, x) for x in eqn.invars
+        ]
+        eqns.append(eqn.replace(invars=invars, outvars=outs))
+        renamed.update(zip(eqn.outvars, outs))
+      selected[v] = chosen
+      reads[v] = _select(eqns, flag_var, chosen, renamed[v], source_info)
+
+  emit(None)
+  for i, eqn in enumerate(jaxpr.eqns):
+    if i not in protected and any(
+      not _is_literal(x) and x in reads for x in eqn.invars
+    ):
+      eqn = eqn.replace(
+        invars=[x if _is_literal(x) else reads.get(x, x) for x in eqn.invars]
+      )
+    eqns.append(eqn)
+    defined.update(eqn.outvars)
+    emit(eqn.source_info)
+
+  done = list(done)
+  new_outvars = list(outvars)
+  for i, (v, label) in enumerate(zip(outvars, labels)):
+    if label == SELECT and not _is_literal(v) and v in selected:
+      new_outvars[i] = selected[v]
+      done[i] = True
+  return jaxpr.replace(eqns=eqns, outvars=new_outvars), done
+
+
+def _select(eqns, flag_var, new, old, source_info):
+  """Appends ``select_n(flag, new, old)`` to ``eqns``; its output Var."""
+  out = jex_core.Var(new.aval)
+  eqns.append(
+    jex_core.new_jaxpr_eqn(
+      [flag_var, new, old],
+      [out],
+      jex_core.primitives.select_n_p,
+      {},
+      jex_core.no_effects,
+      source_info,
+    )
+  )
+  return out
+
+
+def _slice_from(jaxpr, v, old_var):
+  """The equations that compute ``v`` from ``old_var`` (and literals and
+  constants) alone, in order; None if it needs any other input, an
+  equation with effects or a non-scalar value."""
+  producer = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for o in eqn.outvars:
+      producer[o] = i
+  consts = set(jaxpr.constvars)
+  needed, todo = set(), [v]
+  while todo:
+    x = todo.pop()
+    if _is_literal(x) or x is old_var or x in consts:
+      continue
+    if x not in producer:
+      return None  # another input of the update
+    i = producer[x]
+    if i in needed:
+      continue
+    eqn = jaxpr.eqns[i]
+    if eqn.effects or any(o.aval.shape for o in eqn.outvars):
+      return None
+    needed.add(i)
+    todo.extend(eqn.invars)
+  return [jaxpr.eqns[i] for i in sorted(needed)]

@@ -272,6 +272,7 @@ def fp16_loss_scale(
     leaf_axes = _sharding.leaf_axes_from_specs(
       partition_specs, updates, "fp16_loss_scale"
     )
+    state = _scale_read_once(state)
     measured, norms = _unscaled(leaves, state.scaler.loss_scale, leaf_axes)
     # The clip after us reduces this pass instead of reading the gradients
     # again, if it receives ``measured.leaves`` themselves.
@@ -288,6 +289,23 @@ def fp16_loss_scale(
     return outputs, _donation.written_over(state, new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _scale_read_once(state: LossScaleState) -> LossScaleState:
+  """``state``, its loss scale read once, into ``prev_loss_scale``.
+
+  The scale the gradients were made with is read by the unscale, the floor
+  checks and the scale machine, and becomes ``prev_loss_scale``: one value
+  for two donated buffers, which XLA copied out of the old scale's buffer
+  before the new scale overwrote it. Read through one snapshot
+  (:func:`_donation.snapshot`), it is written into ``prev_loss_scale``'s
+  buffer by an instruction of its own, every reader reads it there, and the
+  new scale overwrites a buffer nobody else reads.
+  """
+  scaler = state.scaler
+  return state._replace(
+    scaler=scaler._replace(loss_scale=_donation.snapshot(scaler.loss_scale))
+  )
 
 
 def _initial_state(scaler_state, params, grad_range: bool) -> LossScaleState:
@@ -362,7 +380,7 @@ def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
     prev_loss_scale=scale,
     overflow=overflow,
     skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
-    grad_norm=norms.norm * (1.0 / scale),  # as the clip unscales it
+    grad_norm=_own_norm(overflow, norms.norm * (1.0 / scale)),
     leaf_nonfinite=leaf_nonfinite,
     leaf_nonfinite_steps=state.leaf_nonfinite_steps
     + leaf_nonfinite.astype(jnp.int32),
@@ -370,6 +388,19 @@ def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
     grad_range=jax.tree.map(fit, grad_range) if keep_range else None,
     leaf_paths=state.leaf_paths,
   )
+
+
+def _own_norm(overflow, norm) -> jax.Array:
+  """``norm`` (the clip's, unscaled as the clip unscales it), as a value of
+  its own.
+
+  ``clip_by_unscaled_norm`` reports the very same expression in its
+  ``ClipState``, and XLA merges the two into one value: two donated output
+  buffers then hold one value and the step copies it into the second. The
+  select is a no-op (``norm`` is already 0.0 on an overflow) that XLA cannot
+  prove to be one, so each state writes its own buffer.
+  """
+  return jnp.where(overflow, 0.0, norm)
 
 
 def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:

@@ -81,6 +81,40 @@ def test_toy_values_match_a_select_after_the_call(overflow):
     assert np.asarray(got[6])[0] == -1.0 * 2 + 1.0 + 0.5
 
 
+def _counter_toy(x, count, flag):
+  # Outputs: (update, count_new, flag). The update divides by the new count,
+  # which is 0 at the old count of a fresh state (Adam's bias correction).
+  flag = flag | jnp.isnan(x).any()
+  count_new = jnp.where(count < 7, count + 1, count)
+  return x / count_new.astype(jnp.float32), count_new, flag
+
+
+def test_a_counter_is_selected_in_place_its_readers_see_the_new_count():
+  def step(x, count):
+    out_tree = jax.tree.structure(jax.eval_shape(_counter_toy, x, count, True))
+    update, count, _ = _inplace.call_selecting(
+      _counter_toy,
+      (x, count, jnp.bool_(False)),
+      out_tree,
+      [U, S, F],
+      [None, count, None],
+    )
+    return jnp.sum(update), count
+
+  x, count = jnp.array([1.0, jnp.nan]), jnp.int32(0)
+  # On the overflow step the count keeps its old value, and the gradient
+  # through the discarded update is 0: the division read the new count (1),
+  # not the selected old one (0), which would make 0 / 0.
+  (_, kept), grad = jax.value_and_grad(step, has_aux=True)(x, count)
+  assert int(kept) == 0
+  np.testing.assert_array_equal(np.asarray(grad), [0.0, 0.0])
+  (total, moved), _ = jax.value_and_grad(step, has_aux=True)(x[:1], count)
+  assert int(moved) == 1 and float(total) == 1.0
+  # The select is the one reader of the donated count: no copy of it.
+  compiled = jax.jit(step, donate_argnums=1).lower(x, count).compile()
+  assert hlo.entry_copies(compiled.as_text()) == []
+
+
 def test_exactly_one_overflow_output_is_required():
   with pytest.raises(ValueError, match="one overflow output"):
     _run(lambda x: (x, x), (jnp.ones(2),), [U, U], lambda args: [None, None])
@@ -581,15 +615,15 @@ _IN_PLACE = {
   ),
 }
 
-# The scale machine's scalars. A field read by several fusions that XLA
-# cannot order before the one writing its successor (the loss scale: by the
-# unscale, the back-off and the floor counters; the growth tracker and
-# hysteresis; Adam's count, read by its bias corrections and by the skip's
-# select) is copied, four bytes, before it is overwritten; so is the norm
-# that LossScaleState and ClipState both report, and the old loss scale
-# moved into prev_loss_scale. jmp's DynamicLossScale recipe copies its
-# scalars the same way. No copy may be larger than a scalar.
-_SCALAR_COPIES = 5
+# No copy either on XLA:CPU, as in plain optax's step: XLA copies a buffer
+# when an output is written over it while another fusion still has to read
+# its old value, or when one value is returned as two outputs. The library
+# avoids each case: the loss scale is read once, through prev_loss_scale
+# (_donation.snapshot); the scale machine's counters are written after
+# their readers (_donation.after); Adam's count is selected where XLA
+# writes it in place (_inplace.select_counters); the loss-scale state's
+# norm is a value of its own, not the clip's; an accumulation window's end
+# is computed once, as window_ended.
 
 
 @pytest.mark.parametrize("name", sorted(_IN_PLACE))
@@ -616,10 +650,10 @@ def test_every_output_aliases_a_donated_input(name):
   # Positional: each output is written over its own input's buffer.
   assert all(o == p for o, p in aliased.items()), aliased
   copies = hlo.entry_copies(text)
-  if name == "plain optax":
-    assert not copies
-  assert all(re.search(r"= [a-z]+\d*\[\] copy\(", c) for c in copies), copies
-  assert len(copies) <= _SCALAR_COPIES, copies
+  if jax.default_backend() == "cpu":
+    assert copies == [], name
+  else:  # not measured on other backends: no copy larger than a scalar
+    assert all(re.search(r"= [a-z]+\d*\[\] copy\(", c) for c in copies)
   # And it runs: every state buffer is its own (one buffer cannot be
   # donated twice), and the parameters move.
   for _ in range(3 if name.startswith("accumulate") else 1):
