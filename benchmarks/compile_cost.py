@@ -6,8 +6,10 @@ For each shape, ``--rounds`` rounds; each round compiles the floor (``a``,
 ``skip_on_overflow(chain(fp16_loss_scale, clip_by_unscaled_norm, adamw))``),
 in alternating order (a, b; then b, a; ...), each in a fresh worker process
 with an empty compilation cache, so that every compile is cold and drift
-falls on both alike. Trace + lower and XLA's compile are timed apart. The
-steps are ``recipes.py``'s; the worker is ``step_cost.py``'s.
+falls on both alike. Trace + lower and XLA's compile are timed apart, in
+process CPU time (all threads; on a shared machine other load moves it far
+less than wall time, which is printed beside it). The steps are
+``recipes.py``'s; the worker is ``step_cost.py``'s.
 
 Printed per shape: the median of each part for each recipe, the ratio of
 the medians, and the median [min, max] of the per-round paired ratios b / a
@@ -32,25 +34,28 @@ PAIR = ("floor", "fp16")
 
 
 def compile_once(key, shape, budget):
-  """One cold compile of ``key`` at ``shape``: (trace + lower s, compile s)."""
+  """One cold compile of ``key`` at ``shape``: CPU seconds of trace + lower
+  and of compile, and the wall seconds of both."""
   with tempfile.TemporaryDirectory() as cache_dir:
     res = step_cost.compile_in_worker(key, shape, cache_dir, budget, None)
   if res is None:
     raise RuntimeError(f"{key} at {shape}: compile past {budget:g} s")
-  return res["lower_s"], res["compile_s"]
+  wall = res["lower_s"] + res["compile_s"]
+  return res["lower_cpu_s"], res["compile_cpu_s"], wall
 
 
 def measure(shape, rounds, budget, log=print):
-  """Per recipe the list of (lower, compile) seconds, one entry a round."""
+  """Per recipe the list of (lower CPU s, compile CPU s, wall s), one entry
+  a round."""
   times = {key: [] for key in PAIR}
   for r in range(rounds):
     order = PAIR if r % 2 == 0 else PAIR[::-1]
     for key in order:
-      lower, comp = compile_once(key, shape, budget)
-      times[key].append((lower, comp))
+      lower, comp, wall = compile_once(key, shape, budget)
+      times[key].append((lower, comp, wall))
       log(
-        f"[{shape}] round {r + 1} {key}: lower {lower:.2f} s, "
-        f"compile {comp:.2f} s"
+        f"[{shape}] round {r + 1} {key}: CPU s lower {lower:.2f}, compile "
+        f"{comp:.2f}; wall {wall:.2f} s"
       )
   return times
 
@@ -62,19 +67,23 @@ def summary(shape, times):
     for key, rows in times.items()
   }
   a, b = PAIR
-  totals = {key: [lo + co for lo, co in rows] for key, rows in times.items()}
+  totals = {key: [lo + co for lo, co, _ in rows] for key, rows in times.items()}
+  walls = {key: [w for _, _, w in rows] for key, rows in times.items()}
   paired = sorted(tb / ta for ta, tb in zip(totals[a], totals[b]))
   lines = []
   for key in PAIR:
-    lower, comp = med[key]
+    lower, comp, _ = med[key]
     total = statistics.median(totals[key])
     ratio = total / statistics.median(totals[a])
+    wall = statistics.median(walls[key])
+    wall_ratio = wall / statistics.median(walls[a])
     lines.append(
       f"| {shape} | {key} | {lower:.2f} | {comp:.2f} | {total:.2f} | "
-      f"{ratio:.3f}x |"
+      f"{ratio:.3f}x | {wall:.2f} | {wall_ratio:.3f}x |"
     )
   per_round = (
-    f"{shape}: per-round b/a median {statistics.median(paired):.3f}x "
+    f"{shape}: per-round b/a of total CPU time, median "
+    f"{statistics.median(paired):.3f}x "
     f"[{paired[0]:.3f}, {paired[-1]:.3f}] over {len(paired)} rounds"
   )
   return lines, per_round, statistics.median(paired)
@@ -97,8 +106,9 @@ def main(argv=None):
   for shape in shapes:
     step_cost.parse_shape(shape)
   header = (
-    "| shape | recipe | trace + lower s | compile s | total s | vs floor |\n"
-    "|---|---|---:|---:|---:|---:|"
+    "| shape | recipe | trace + lower CPU s | compile CPU s | total CPU s "
+    "| vs floor | wall s | vs floor |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|"
   )
   rows, notes = [], []
   for shape in shapes:

@@ -134,11 +134,11 @@ def worker(args):
   state = init(params)
   jax.block_until_ready((params, state, grads))
   print("READY", flush=True)
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   lowered = step.lower(params, state, grads)
-  t1 = time.perf_counter()
+  t1, c1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile()
-  t2 = time.perf_counter()
+  t2, c2 = time.perf_counter(), time.process_time()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older jax: one dict per device
     cost = cost[0]
@@ -153,6 +153,8 @@ def worker(args):
       dict(
         lower_s=t1 - t0,
         compile_s=t2 - t1,
+        lower_cpu_s=c1 - c0,
+        compile_cpu_s=c2 - c1,
         bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
         flops=float(cost.get("flops", float("nan"))),
       )

@@ -60,7 +60,7 @@ and it needs ``Primitive.get_bind_params`` for every higher-order equation,
 whose return value has itself changed between JAX releases.
 """
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 import warnings
 
 import jax
@@ -93,42 +93,53 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+class StateLabels(NamedTuple):
+  """What the skip does to each leaf of the state an update returns.
+
+  Attributes:
+    tree: the treedef the returned state must have.
+    labels: per leaf, ``SELECT``, ``KEEP`` or ``OVERFLOW`` (exactly one).
+    olds: per ``SELECT`` leaf the old value it falls back to (``None``
+      elsewhere).
+  """
+
+  tree: Any
+  labels: Sequence[str]
+  olds: Sequence[Any]
+
+
 def call_selecting(
   fn: Callable[..., Any],
   args: Sequence[Any],
-  out_tree: Any,
-  labels: Sequence[str],
-  olds: Sequence[Any],
+  state: StateLabels,
   *,
   early: bool = True,
 ) -> Any:
   """Calls ``fn(*args)`` and applies the skip, with the selects moved early.
 
   Args:
-    fn: the inner update; returns a pytree of structure ``out_tree``.
+    fn: the inner update; returns ``(updates, state)``. Every update leaf
+      is ``UPDATE``: ``-0.0`` on an overflow (the updates may have another
+      tree than the gradients, as ``optax.lookahead``'s do).
     args: its positional arguments (pytrees). Array leaves are traced; any
       other leaf (a function such as ``optax.lbfgs``'s ``value_fn``, a
       Python number) is passed to ``fn`` as it is.
-    out_tree: the treedef ``fn`` must return.
-    labels: for every flat output of ``fn``, one of ``UPDATE``, ``SELECT``,
-      ``KEEP`` or ``OVERFLOW`` (exactly one).
-    olds: for every ``SELECT`` output the old value it falls back to
-      (``None`` elsewhere).
+    state: the labels of the returned state's leaves.
     early: False: always select after the call.
 
   Returns:
-    ``fn``'s output pytree, with ``UPDATE`` leaves ``-0.0`` and ``SELECT``
-    leaves their old values when the overflow flag is set.
+    ``fn``'s ``(updates, state)``, with the updates ``-0.0`` and the
+    ``SELECT`` leaves their old values when the overflow flag is set.
 
   Raises:
-    ValueError: ``fn`` returned another structure than ``out_tree``, or
-      ``labels`` holds no single ``OVERFLOW``.
+    ValueError: ``fn`` returned a state of another structure than
+      ``state.tree``, or ``state.labels`` holds no single ``OVERFLOW``.
   """
-  labels_olds = _checked(labels, olds)
+  _checked(state.labels, state.olds)
   failure = None
   if early:
     try:
-      return _call_early(fn, args, out_tree, labels_olds)
+      return _call_early(fn, args, state)
     except _Eager:
       pass
     except _InnerError as e:
@@ -136,7 +147,7 @@ def call_selecting(
     except Exception as e:  # any change in JAX internals: fall back
       failure = e
   out = fn(*args)
-  _check_structure(out, out_tree)
+  labels_olds = _labelled(out, state)
   if failure is not None:
     _warn_fallback(failure)
   return _finish(
@@ -160,7 +171,7 @@ def _warn_fallback(failure: Exception) -> None:
   )
 
 
-def _call_early(fn, args, out_tree, labels_olds):
+def _call_early(fn, args, state):
   leaves, treedef = jax.tree.flatten(args)
   traced = [_is_array(x) for x in leaves]
   in_vals = [x for x, t in zip(leaves, traced) if t]
@@ -181,7 +192,7 @@ def _call_early(fn, args, out_tree, labels_olds):
     *in_vals
   )
   try:
-    _check_structure(out_shape, out_tree)
+    labels_olds = _labelled(out_shape, state)
   except ValueError as e:
     raise _InnerError from e
   call = _single_jit_call(outer)
@@ -222,13 +233,17 @@ def _checked(labels, olds):
   return labels, olds
 
 
-def _check_structure(out, out_tree) -> None:
-  if jax.tree.structure(out) != out_tree:
+def _labelled(out, state: StateLabels) -> tuple:
+  """``(labels, olds)`` for every flat output of ``(updates, state)``."""
+  updates, new_state = out
+  if jax.tree.structure(new_state) != state.tree:
     raise ValueError(
-      "skip_on_overflow: the inner update returned updates and a state "
-      "whose structure differs from those it was given: "
-      f"{jax.tree.structure(out)} against {out_tree}"
+      "skip_on_overflow: the inner update returned a state whose structure "
+      f"differs from its input state: {jax.tree.structure(new_state)} "
+      f"against {state.tree}"
     )
+  n = len(jax.tree.leaves(updates))
+  return [UPDATE] * n + list(state.labels), [None] * n + list(state.olds)
 
 
 def _finish(outs, treedef, labels_olds, done):

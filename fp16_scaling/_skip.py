@@ -102,13 +102,10 @@ def skip_on_overflow(
 
   def update_fn(updates, state, params=None, **extra_args):
     _single_loss_scale_state(state)
-    labels, olds = _labels_and_olds(updates, state)
     return _inplace.call_selecting(
       _guarded_update(inner),
       (updates, state, params, extra_args),
-      jax.tree.structure((updates, state)),
-      labels,
-      olds,
+      _state_labels(state),
       early=early_select,
     )
 
@@ -137,17 +134,15 @@ def _guarded_update(inner: optax.GradientTransformationExtraArgs):
   return update
 
 
-def _labels_and_olds(updates, state) -> tuple:
-  """What the skip does to each flat output of the inner update.
+def _state_labels(state) -> _inplace.StateLabels:
+  """What the skip does to each leaf of the state the inner update returns.
 
-  The inner update returns ``(updates, state)`` of its inputs' structure:
-  every update leaf becomes ``-0.0`` on an overflow (``UPDATE``), every
-  state leaf its old value (``SELECT``, with that old value), except the
-  bookkeeping, returned as computed (``KEEP``; the overflow flag itself is
-  ``OVERFLOW``).
+  The state has the structure of ``state``: every leaf takes its old value
+  on an overflow (``SELECT``, with that old value), except the bookkeeping,
+  returned as computed (``KEEP``; the overflow flag itself is
+  ``OVERFLOW``). The updates all become ``-0.0``.
   """
-  labels = [_inplace.UPDATE] * len(jax.tree.leaves(updates))
-  olds = [None] * len(labels)
+  labels, olds = [], []
   for old in jax.tree.leaves(state, is_leaf=_is_bookkeeping):
     if _is_bookkeeping(old):
       tags = jax.tree.map(lambda _: _inplace.KEEP, old)
@@ -159,4 +154,4 @@ def _labels_and_olds(updates, state) -> tuple:
     else:
       labels.append(_inplace.SELECT)
       olds.append(old)
-  return labels, olds
+  return _inplace.StateLabels(jax.tree.structure(state), labels, olds)

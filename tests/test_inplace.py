@@ -31,14 +31,34 @@ U, S, K, F = (
 )
 
 
+def _selecting(fn, args, labels, olds):
+  """call_selecting on a ``fn`` that returns a flat tuple whose leading
+  ``UPDATE`` outputs are the updates and the rest the state; returns the
+  flat tuple."""
+  n = len(labels) - len(
+    labels[
+      next((i for i, label in enumerate(labels) if label != U), len(labels)) :
+    ]
+  )
+
+  def split(*args):
+    out = fn(*args)
+    return tuple(out[:n]), tuple(out[n:])
+
+  state_tree = jax.tree.structure(jax.eval_shape(split, *args)[1])
+  updates, state = _inplace.call_selecting(
+    split,
+    args,
+    _inplace.StateLabels(state_tree, labels[n:], olds[n:]),
+  )
+  return updates + state
+
+
 def _run(fn, args, labels, olds_of_args):
   """call_selecting with fixed labels; ``olds_of_args(args)`` gives olds."""
 
   def jitted(*args):
-    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
-    return _inplace.call_selecting(
-      fn, args, out_tree, labels, olds_of_args(args)
-    )
+    return _selecting(fn, args, labels, olds_of_args(args))
 
   return jax.jit(jitted)(*args)
 
@@ -91,11 +111,9 @@ def _counter_toy(x, count, flag):
 
 def test_a_counter_is_selected_in_place_its_readers_see_the_new_count():
   def step(x, count):
-    out_tree = jax.tree.structure(jax.eval_shape(_counter_toy, x, count, True))
-    update, count, _ = _inplace.call_selecting(
+    update, count, _ = _selecting(
       _counter_toy,
       (x, count, jnp.bool_(False)),
-      out_tree,
       [U, S, F],
       [None, count, None],
     )

@@ -1,0 +1,39 @@
+"""benchmarks/compile_cost.py runs, and its summary says what it measured."""
+
+import pathlib
+import sys
+
+import pytest
+
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(_BENCH))
+
+import compile_cost  # noqa: E402
+
+
+def test_summary_ratios_are_of_the_medians_and_paired_per_round():
+  # CPU seconds (lower, compile, wall): floor totals 2, 4, 3; fp16 3, 4, 6.
+  times = {
+    "floor": [(1.0, 1.0, 9.0), (1.0, 3.0, 9.0), (1.0, 2.0, 9.0)],
+    "fp16": [(1.0, 2.0, 9.0), (2.0, 2.0, 18.0), (3.0, 3.0, 9.0)],
+  }
+  lines, per_round, median_ratio = compile_cost.summary("S", times)
+  assert lines[0].startswith("| S | floor | 1.00 | 2.00 | 3.00 | 1.000x |")
+  # fp16: median lower 2, compile 2, total 4 -> 4 / 3; wall 9 / 9.
+  assert (
+    lines[1] == "| S | fp16 | 2.00 | 2.00 | 4.00 | 1.333x | 9.00 | 1.000x |"
+  )
+  # Paired per round: 3/2, 4/4, 6/3 -> median 1.5.
+  assert median_ratio == pytest.approx(1.5)
+  assert "median 1.500x [1.000, 2.000] over 3 rounds" in per_round
+
+
+def test_one_round_at_a_tiny_shape(capsys):
+  compile_cost.main(["--shape", "4K/4", "--rounds", "1"])
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
+  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+  assert rows[0].split("|")[6].strip() == "1.000x"
+  ratio = float(rows[1].split("|")[6].strip().rstrip("x"))
+  assert 0.2 < ratio < 20
+  assert "4K/4: per-round b/a of total CPU time, median" in out
