@@ -35,11 +35,7 @@ def _selecting(fn, args, labels, olds):
   """call_selecting on a ``fn`` that returns a flat tuple whose leading
   ``UPDATE`` outputs are the updates and the rest the state; returns the
   flat tuple."""
-  n = len(labels) - len(
-    labels[
-      next((i for i, label in enumerate(labels) if label != U), len(labels)) :
-    ]
-  )
+  n = next((i for i, lab in enumerate(labels) if lab != U), len(labels))
 
   def split(*args):
     out = fn(*args)
