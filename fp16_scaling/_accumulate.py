@@ -158,11 +158,7 @@ def accumulate_gradients(
     _refuse_inside_guard()
     leaves = _checked_microbatch(updates, state.acc_grads)
     k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
-    # ends is window_ended's new value. Written after its old value, it is
-    # one instruction that XLA computes once and every reader of ends
-    # reads; a bare compare it would recompute from the donated mini_step
-    # inside each reader, and copy mini_step before overwriting it.
-    ends = _donation.after(state.mini_step + 1 >= k, state.window_ended)
+    ends = _window_ends(state, k)
     bad = _dropped(updates, partition_specs) if drop else jnp.bool_(False)
     window = _Window(k, bad, state.clean_in_window + (~bad).astype(jnp.int32))
     losses = _Losses.of(extra_args.get("value"), state, window, drop)
@@ -216,6 +212,18 @@ def _initial_state(inner_state, params) -> AccumulationState:
     loss_sum=zero(jnp.float32),
     loss_nonfinite=jnp.bool_(False),
   )
+
+
+def _window_ends(state: AccumulationState, k: jax.Array) -> jax.Array:
+  """Whether this microbatch ends its window of ``k``: ``window_ended``'s
+  new value.
+
+  Written after its old value, it is one instruction that XLA computes once
+  and every reader of it reads; a bare compare XLA would recompute from the
+  donated ``mini_step`` inside each reader, and copy ``mini_step`` before
+  overwriting it.
+  """
+  return _donation.after(state.mini_step + 1 >= k, state.window_ended)
 
 
 def _checked_microbatch(updates, acc_grads) -> list:

@@ -306,10 +306,12 @@ def _candidates(jaxpr, labels, old_positions, done) -> dict:
   returned for two different old values has no single selected value), of
   the very same type: shape, dtype and, under explicit sharding or
   shard_map, sharding and varying axes. Scalar state (a step count) is
-  selected after: copying it is free, and an optimizer may divide by a
-  function of its count that is 0 on the old state (Adam's bias correction
-  at step 0), a discarded NaN that would still reach gradients taken
-  through the step. Marks in ``done`` the outputs returned unchanged.
+  not selected here: an optimizer may divide by a function of its count
+  that is 0 on the old state (Adam's bias correction at step 0), a
+  discarded NaN that would still reach gradients taken through the step
+  (:func:`select_counters` selects integer counters so that their readers
+  never see the old value). Marks in ``done`` the outputs returned
+  unchanged.
   """
   candidates, shared = {}, set()
   for i, (v, label, pos) in enumerate(
@@ -456,8 +458,29 @@ def select_counters(
   flag_var = outvars[list(labels).index(OVERFLOW)]
   if _is_literal(flag_var):
     return jaxpr, done
+  counters = _counters(jaxpr, labels, old_positions, done)
+  if not counters:
+    return jaxpr, done
+  protected = _backward_slice(
+    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
+  )
+  eqns, selected = _with_counter_selects(jaxpr, flag_var, counters, protected)
+  done = list(done)
+  new_outvars = list(outvars)
+  for i, (v, label) in enumerate(zip(outvars, labels)):
+    if label == SELECT and not _is_literal(v) and v in selected:
+      new_outvars[i] = selected[v]
+      done[i] = True
+  return jaxpr.replace(eqns=eqns, outvars=new_outvars), done
+
+
+def _counters(jaxpr, labels, old_positions, done) -> dict:
+  """Integer scalar state computed from its old value alone: each new Var
+  mapped to ``(old_var, recount)``, the equations that compute it."""
   counters, shared = {}, set()
-  for i, (v, label, pos) in enumerate(zip(outvars, labels, old_positions)):
+  for i, (v, label, pos) in enumerate(
+    zip(jaxpr.outvars, labels, old_positions)
+  ):
     if label != SELECT or pos is None or done[i] or _is_literal(v):
       continue
     old_var = jaxpr.invars[pos]
@@ -471,25 +494,29 @@ def select_counters(
     if counters.get(v, old_var) is not old_var:
       shared.add(v)
     counters[v] = old_var
-  slices = {}
+  found = {}
   for v, old_var in counters.items():
     recount = _slice_from(jaxpr, v, old_var)
     if v not in shared and recount is not None:
-      slices[v] = recount
-  if not slices:
-    return jaxpr, done
+      found[v] = (old_var, recount)
+  return found
 
-  protected = _backward_slice(
-    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
-  )
+
+def _with_counter_selects(jaxpr, flag_var, counters, protected) -> tuple:
+  """``jaxpr``'s equations with each counter selected as soon as it and the
+  flag exist, and its later readers (not ``protected``) reading
+  ``select_n(flag, selected, recount(selected))``.
+
+  Returns:
+    ``(eqns, selected)``: the new equations, each counter's selected Var.
+  """
   defined = set(jaxpr.constvars) | set(jaxpr.invars)
   selected, reads, eqns = {}, {}, []
 
   def emit(source_info):
-    for v, recount in slices.items():
+    for v, (old_var, recount) in counters.items():
       if v in selected or v not in defined or flag_var not in defined:
         continue
-      old_var = counters[v]
       chosen = _select(eqns, flag_var, v, old_var, source_info)
       renamed = {old_var: chosen}
       for eqn in recount:
@@ -513,14 +540,7 @@ def select_counters(
     eqns.append(eqn)
     defined.update(eqn.outvars)
     emit(eqn.source_info)
-
-  done = list(done)
-  new_outvars = list(outvars)
-  for i, (v, label) in enumerate(zip(outvars, labels)):
-    if label == SELECT and not _is_literal(v) and v in selected:
-      new_outvars[i] = selected[v]
-      done[i] = True
-  return jaxpr.replace(eqns=eqns, outvars=new_outvars), done
+  return eqns, selected
 
 
 def _select(eqns, flag_var, new, old, source_info):

@@ -277,16 +277,11 @@ def reduce_norms(
       jnp.zeros([0], jnp.bool_),
     )
   needs_rescue = any(_is_wide(x) for x in leaves)
-
-  def marked(local):
-    # Every non-finite sum becomes -inf, whatever it met. A leaf's sum is at
-    # most 2**31 * CAP; capped at CAP, the total of 2**31 of them stays
-    # finite too. On the vector of sums: a few operations, not a few a leaf.
-    local = jnp.where(lax.is_finite(local), local, -jnp.inf)
-    return jnp.minimum(local, jnp.float32(CAP)) if needs_rescue else local
-
   per_leaf = leaf_vector(
-    sums, leaf_axes, lambda v, axes: lax.psum(v, axes), marked
+    sums,
+    leaf_axes,
+    lambda v, axes: lax.psum(v, axes),
+    lambda local: _marked(local, cap=needs_rescue),
   )
   groups = jnp.asarray(leaf_groups, jnp.int32)
   common = jnp.stack(
@@ -321,6 +316,15 @@ def reduce_norms(
     overflow=overflow,
     leaf_nonfinite=leaf_nonfinite,
   )
+
+
+def _marked(local: jax.Array, *, cap: bool) -> jax.Array:
+  """A vector of local sums with every non-finite one ``-inf``, whatever it
+  met, and with ``cap`` each capped at ``CAP``: a leaf's sum is at most
+  ``2**31 * CAP``; capped at ``CAP``, the total of ``2**31`` of them stays
+  finite too. On the vector: a few operations, not a few a leaf."""
+  local = jnp.where(lax.is_finite(local), local, -jnp.inf)
+  return jnp.minimum(local, jnp.float32(CAP)) if cap else local
 
 
 def _roots(total, common) -> tuple:
