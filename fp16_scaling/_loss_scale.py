@@ -346,7 +346,13 @@ def _unscaled(leaves, scale, leaf_axes) -> Tuple[_norm.NormPass, _norm.Norms]:
   )
   outputs = tuple(x * inv_scale for x in safe)
   measured = _norm.NormPass(
-    outputs, tuple(leaves), tuple(sums), inv_scale, True
+    outputs,
+    tuple(leaves),
+    tuple(sums),
+    inv_scale,
+    skipped_on_overflow=True,
+    reduced=norms,
+    leaf_axes=tuple(leaf_axes),
   )
   return measured, norms
 

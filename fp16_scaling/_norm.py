@@ -58,12 +58,15 @@ class Norms(NamedTuple):
     overflow: bool, whether any element was inf or NaN.
     leaf_nonfinite: bool vector, one entry per leaf in tree order, whether
       that leaf held an inf or NaN (on any device, under ``shard_map``).
+    leaf_sums: float32 vector, per leaf the global sum of squares (``-inf``
+      for a leaf that held an inf or NaN), from which the rest was reduced.
   """
 
   norm: jax.Array
   group_norms: jax.Array
   overflow: jax.Array
   leaf_nonfinite: jax.Array
+  leaf_sums: jax.Array
 
 
 _FLOAT16_RANGE: contextvars.ContextVar = contextvars.ContextVar(
@@ -249,6 +252,7 @@ def reduce_norms(
   leaf_groups: Optional[Sequence[int]] = None,
   num_groups: int = 1,
   leaf_axes: Optional[Sequence[AxisNames]] = None,
+  per_leaf: Optional[jax.Array] = None,
 ) -> Norms:
   """Global and per-group norms, and per-leaf overflow, from
   :func:`leaf_sums`.
@@ -261,6 +265,8 @@ def reduce_norms(
     num_groups: number of groups.
     leaf_axes: static mesh axes to ``psum`` each leaf's sum over, from
       :func:`leaf_axes_from_specs` (default: none).
+    per_leaf: ``Norms.leaf_sums`` of an earlier reduction of the same
+      ``sums`` over the same ``leaf_axes``: the vector is not built again.
 
   Returns:
     :class:`Norms`.
@@ -275,14 +281,16 @@ def reduce_norms(
       jnp.zeros([num_groups], jnp.float32),
       jnp.bool_(False),
       jnp.zeros([0], jnp.bool_),
+      jnp.zeros([0], jnp.float32),
     )
   needs_rescue = any(_is_wide(x) for x in leaves)
-  per_leaf = leaf_vector(
-    sums,
-    leaf_axes,
-    lambda v, axes: lax.psum(v, axes),
-    lambda local: _marked(local, cap=needs_rescue),
-  )
+  if per_leaf is None:
+    per_leaf = leaf_vector(
+      sums,
+      leaf_axes,
+      lambda v, axes: lax.psum(v, axes),
+      lambda local: _marked(local, cap=needs_rescue),
+    )
   groups = jnp.asarray(leaf_groups, jnp.int32)
   common = jnp.stack(
     [
@@ -315,6 +323,7 @@ def reduce_norms(
     group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
     overflow=overflow,
     leaf_nonfinite=leaf_nonfinite,
+    leaf_sums=per_leaf,
   )
 
 
@@ -392,6 +401,9 @@ class NormPass(NamedTuple):
       skips the step (``fp16_loss_scale``'s pass, inside
       ``skip_on_overflow``), and :func:`discard_if` already gives ``leaves``
       the zeros a derivative needs: users of the pass need not zero them.
+    reduced: the :class:`Norms` its maker reduced it to, or None: a user
+      that sums over the same mesh axes reuses their per-leaf vector.
+    leaf_axes: the mesh axes ``reduced`` summed each leaf over.
   """
 
   leaves: tuple
@@ -399,6 +411,8 @@ class NormPass(NamedTuple):
   sums: tuple
   scale: jax.Array
   skipped_on_overflow: bool
+  reduced: Optional[Norms] = None
+  leaf_axes: Optional[tuple] = None
 
   @classmethod
   def over(cls, leaves: Sequence[jax.Array]) -> "NormPass":
@@ -413,6 +427,10 @@ class NormPass(NamedTuple):
       **grouping: ``leaf_groups``, ``num_groups`` and ``leaf_axes``, as
         :func:`reduce_norms` takes them.
     """
+    axes = grouping.get("leaf_axes")
+    axes = tuple(axes) if axes is not None else ((),) * len(self.leaves)
+    if self.reduced is not None and axes == self.leaf_axes:
+      grouping = dict(grouping, per_leaf=self.reduced.leaf_sums)
     norms = reduce_norms(self.sums, self.read, **grouping)
     return norms._replace(
       norm=norms.norm * self.scale, group_norms=norms.group_norms * self.scale
