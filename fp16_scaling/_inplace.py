@@ -214,9 +214,7 @@ def _call_early(fn, args, state):
   inner = call.params["jaxpr"]
   jaxpr, done = select_early(inner.jaxpr, labels, old_positions)
   jaxpr, done = select_counters(jaxpr, labels, old_positions, done)
-  params = dict(
-    call.params, jaxpr=jex_core.ClosedJaxpr(jaxpr, inner.consts), inline=True
-  )
+  params = dict(call.params, jaxpr=jex_core.ClosedJaxpr(jaxpr, inner.consts))
   return _finish(
     call.primitive.bind(*call_args, **params),
     jax.tree.structure(out_shape),
