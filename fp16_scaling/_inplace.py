@@ -287,12 +287,27 @@ def select_early(
   candidates = _candidates(jaxpr, labels, old_positions, done)
   if not candidates:
     return jaxpr, done
-  protected = _backward_slice(
-    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
+  eqns, selected = _with_selects(
+    jaxpr, flag_var, candidates, _protected(jaxpr, labels)
   )
-  eqns, selected = _with_selects(jaxpr, flag_var, candidates, protected)
-  new_outvars = list(outvars)
-  for i, (v, label) in enumerate(zip(outvars, labels)):
+  return _with_outputs(jaxpr, labels, done, eqns, selected)
+
+
+def _protected(jaxpr, labels) -> set:
+  """The equations the bookkeeping outputs depend on: they keep reading the
+  unselected values."""
+  roots = [
+    v for v, label in zip(jaxpr.outvars, labels) if label in (KEEP, OVERFLOW)
+  ]
+  return _backward_slice(jaxpr, roots)
+
+
+def _with_outputs(jaxpr, labels, done, eqns, selected) -> tuple:
+  """``jaxpr`` with ``eqns``, each ``SELECT`` output in ``selected``
+  replaced by its selected Var and marked in ``done``."""
+  done = list(done)
+  new_outvars = list(jaxpr.outvars)
+  for i, (v, label) in enumerate(zip(jaxpr.outvars, labels)):
     if label == SELECT and not _is_literal(v) and v in selected:
       new_outvars[i] = selected[v]
       done[i] = True
@@ -347,30 +362,13 @@ def _with_selects(jaxpr, flag_var, candidates, protected) -> tuple:
   def emit_selects(new_vars, source_info):
     for v in new_vars:
       if v in candidates and v not in selected and v in defined:
-        out = jex_core.Var(v.aval)
-        eqns.append(
-          jex_core.new_jaxpr_eqn(
-            [flag_var, v, candidates[v]],
-            [out],
-            jex_core.primitives.select_n_p,
-            {},
-            jex_core.no_effects,
-            source_info,
-          )
-        )
-        selected[v] = out
+        selected[v] = _select(eqns, flag_var, v, candidates[v], source_info)
 
   flag_known = flag_var in defined
   if flag_known:
     emit_selects(list(candidates), None)
   for i, eqn in enumerate(jaxpr.eqns):
-    if i not in protected and any(
-      not _is_literal(v) and v in selected for v in eqn.invars
-    ):
-      eqn = eqn.replace(
-        invars=[v if _is_literal(v) else selected.get(v, v) for v in eqn.invars]
-      )
-    eqns.append(eqn)
+    eqns.append(_reading(eqn, selected, i in protected))
     defined.update(eqn.outvars)
     if flag_known:
       emit_selects(eqn.outvars, eqn.source_info)
@@ -461,17 +459,10 @@ def select_counters(
   counters = _counters(jaxpr, labels, old_positions, done)
   if not counters:
     return jaxpr, done
-  protected = _backward_slice(
-    jaxpr, [v for v, label in zip(outvars, labels) if label in (KEEP, OVERFLOW)]
+  eqns, selected = _with_counter_selects(
+    jaxpr, flag_var, counters, _protected(jaxpr, labels)
   )
-  eqns, selected = _with_counter_selects(jaxpr, flag_var, counters, protected)
-  done = list(done)
-  new_outvars = list(outvars)
-  for i, (v, label) in enumerate(zip(outvars, labels)):
-    if label == SELECT and not _is_literal(v) and v in selected:
-      new_outvars[i] = selected[v]
-      done[i] = True
-  return jaxpr.replace(eqns=eqns, outvars=new_outvars), done
+  return _with_outputs(jaxpr, labels, done, eqns, selected)
 
 
 def _counters(jaxpr, labels, old_positions, done) -> dict:
@@ -531,16 +522,22 @@ def _with_counter_selects(jaxpr, flag_var, counters, protected) -> tuple:
 
   emit(None)
   for i, eqn in enumerate(jaxpr.eqns):
-    if i not in protected and any(
-      not _is_literal(x) and x in reads for x in eqn.invars
-    ):
-      eqn = eqn.replace(
-        invars=[x if _is_literal(x) else reads.get(x, x) for x in eqn.invars]
-      )
-    eqns.append(eqn)
+    eqns.append(_reading(eqn, reads, i in protected))
     defined.update(eqn.outvars)
     emit(eqn.source_info)
   return eqns, selected
+
+
+def _reading(eqn, renames: dict, protected: bool):
+  """``eqn`` reading ``renames[v]`` for each input ``v`` it renames, unless
+  ``protected``."""
+  if protected or not any(
+    not _is_literal(v) and v in renames for v in eqn.invars
+  ):
+    return eqn
+  return eqn.replace(
+    invars=[v if _is_literal(v) else renames.get(v, v) for v in eqn.invars]
+  )
 
 
 def _select(eqns, flag_var, new, old, source_info):
