@@ -43,7 +43,19 @@ def _true_grads(step):
   )
 
 
+_STEPS = {}
+
+
 def _make_step(tx, poison_path=POISONED):
+  """The jitted step of ``tx``, compiled once per ``tx`` (the entry keeps
+  ``tx`` alive, so no id is reused)."""
+  key = (id(tx), poison_path)
+  if key not in _STEPS:
+    _STEPS[key] = (tx, _new_step(tx, poison_path))
+  return _STEPS[key][1]
+
+
+def _new_step(tx, poison_path):
   @jax.jit
   def step(params, state, true_grads, poison, loss):
     scale = fs.current_scale(state)
@@ -111,8 +123,12 @@ def test_leaf_vectors_are_in_tree_order_and_skip_keeps_the_optimizer():
     np.testing.assert_array_equal(new, old)
 
 
+_TXS = {}
+
+
 def _kind_after(scaler, losses, poisoned, value=True):
-  tx = _tx(scaler)
+  # One chain per scaler: the calls with the same scaler share its step.
+  tx = _TXS.setdefault(id(scaler), (scaler, _tx(scaler)))[1]
   step = _make_step(tx)
   params, state = PARAMS, tx.init(PARAMS)
   kinds = []
