@@ -107,8 +107,16 @@ def _floor(rng, init):
 
 
 def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
+  """SEQUENCES overflow sequences for one configuration (see
+  :func:`_overflows_and_scales`)."""
+  return _overflows_and_scales(rng, make_peer, init, sequences, steps)[0]
+
+
+def _overflows_and_scales(
+  rng, make_peer, init, sequences=SEQUENCES, steps=STEPS
+):
   """SEQUENCES overflow sequences for one configuration, as a training run
-  would see them.
+  would see them, and the peer's scale after each of their steps.
 
   A step overflows when a NaN strikes (probability ``p``, drawn per sequence
   log-uniform in [0.001, 0.5]) or when the scale the peer holds for it exceeds
@@ -117,8 +125,13 @@ def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
   would pass float32's range and then reach inf, where its own overflow log line
   raises), so the peers mostly stay in float32's normal range; the dedicated
   sequences below take each one out of it.
+
+  The peer drives each sequence as it is drawn, so the scales it takes are
+  its own code's trajectory on that sequence: the comparison reads them
+  rather than running the peer over the sequence a second time.
   """
   out = np.zeros((sequences, steps), bool)
+  scales = np.zeros((sequences, steps), np.float64)
   for j in range(sequences):
     p = np.exp(rng.uniform(np.log(0.001), np.log(0.5)))
     nan = rng.random(steps) < p
@@ -130,8 +143,8 @@ def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
     step, scale = make_peer(), init
     for t in range(steps):
       out[j, t] = nan[t] or (scale > 0 and math.log2(scale) > ceiling[t])
-      scale = step(out[j, t])
-  return out
+      scale = scales[j, t] = step(out[j, t])
+  return out, scales
 
 
 def _deepspeed_configs(rng):
@@ -432,14 +445,23 @@ def _report(name, tally):
   )
 
 
-def _compare_all(name, cfgs, flags, scales, trajectory, clamped, also=None):
+def _drawn(rng, make_peer, cfgs, init):
+  """Per config, the drawn sequences and the peer's scales on them: arrays
+  [config, sequence, step]."""
+  drawn = [
+    _overflows_and_scales(rng, lambda c=c: make_peer(c), c[init]) for c in cfgs
+  ]
+  return tuple(np.stack(x) for x in zip(*drawn))
+
+
+def _compare_all(name, cfgs, flags, scales, raws, clamped, also=None):
   """Compares every (config, sequence) of ``scales`` with the peer's
-  ``trajectory``; ``also``
-  runs further per-sequence checks. Returns the tally, already reported."""
+  trajectory ``raws``; ``also`` runs further per-sequence checks. Returns the
+  tally, already reported."""
   tally = _tally()
   for i, cfg in enumerate(cfgs):
     for j in range(SEQUENCES):
-      raw = trajectory(flags[i, j], **cfg)
+      raw = raws[i, j]
       _compare(name, i, j, cfg, flags[i, j], scales[i, j], raw, clamped, tally)
       if also is not None:
         also(i, j, cfg, tally)
@@ -454,9 +476,7 @@ def _compare_all(name, cfgs, flags, scales, trajectory, clamped, also=None):
 def test_deepspeed_trajectories_match_dynamic_loss_scaler():
   rng = np.random.default_rng([SEED, 1])
   cfgs = _deepspeed_configs(rng)
-  flags = np.stack(
-    [_overflows(rng, lambda: _deepspeed_peer(c), c["init_scale"]) for c in cfgs]
-  )
+  flags, raws = _drawn(rng, _deepspeed_peer, cfgs, "init_scale")
   scalers = [
     fs.deepspeed_scaler(**c, raise_error_at_min_scale=True) for c in cfgs
   ]
@@ -478,7 +498,7 @@ def test_deepspeed_trajectories_match_dynamic_loss_scaler():
     cfgs,
     flags,
     scales,
-    oracles.ds_loss_scaler_trajectory,
+    raws,
     _deepspeed_clamped,
     also=check_raises,
   )
@@ -499,16 +519,14 @@ def test_deepspeed_trajectories_match_dynamic_loss_scaler():
 def test_torch_trajectories_match_grad_scaler_update():
   rng = np.random.default_rng([SEED, 2])
   cfgs = _torch_configs(rng)
-  flags = np.stack(
-    [_overflows(rng, lambda: _torch_peer(c), c["init_scale"]) for c in cfgs]
-  )
+  flags, raws = _drawn(rng, _torch_peer, cfgs, "init_scale")
   scales, _ = ours([fs.torch_scaler(**c) for c in cfgs], flags)
   tally = _compare_all(
     "torch",
     cfgs,
     flags,
     scales,
-    oracles.torch_scaler_trajectory_fast,
+    raws,
     _torch_clamped,
   )
   # Without a floor, NaN-heavy sequences (p near 0.5, long intervals) sink
@@ -523,19 +541,14 @@ def test_torch_trajectories_match_grad_scaler_update():
 def test_megatron_trajectories_match_dynamic_grad_scaler():
   rng = np.random.default_rng([SEED, 3])
   cfgs = _megatron_configs(rng)
-  flags = np.stack(
-    [
-      _overflows(rng, lambda: _megatron_peer(c), c["initial_scale"])
-      for c in cfgs
-    ]
-  )
+  flags, raws = _drawn(rng, _megatron_peer, cfgs, "initial_scale")
   scales, _ = ours([fs.megatron_scaler(**c) for c in cfgs], flags)
   tally = _compare_all(
     "megatron",
     cfgs,
     flags,
     scales,
-    oracles.megatron_scaler_trajectory,
+    raws,
     _megatron_clamped,
   )
   assert tally["steps_vs_raw_peer"] == tally["steps"], (
