@@ -389,22 +389,3 @@ def test_paths_survive_jit_and_flax_serialization():
     tx.init(PARAMS), flax.serialization.msgpack_restore(raw)
   )
   assert fs.overflow_report(restored).counts == {POISONED: 1}
-
-
-@pytest.mark.parametrize(
-  "helper",
-  [
-    lambda s: fs.overflow_report(s),
-    lambda s: fs.raise_if_min_scale_reached(s, max_floor_overflows=1),
-    lambda s: fs.scaler_state_dict(s),
-    lambda s: fs.to_peer_state_dict(s, "torch", fs.torch_scaler()),
-  ],
-  ids=["overflow_report", "raise_if_min", "state_dict", "to_peer"],
-)
-def test_host_helpers_under_jit_say_they_run_on_the_host(helper):
-  tx = fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(fs.torch_scaler())))
-  state = tx.init({"w": jnp.ones(2)})
-  helper(state)  # on the host: fine
-  with pytest.raises(TypeError, match="runs on the host, outside jit") as e:
-    jax.jit(lambda s: helper(s) and None)(state)
-  assert "the state the step returned" in str(e.value)
