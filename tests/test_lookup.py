@@ -11,6 +11,7 @@ go back in as Variables of the same kind; host helpers refuse tracers.
 
 from flax import nnx
 import flax.serialization
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,12 +30,10 @@ UNTYPED = "opt_state holds a loss-scale state that lost its types"
 
 
 def _tx(scaler=None):
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(scaler or fs.static_scaler(8.0)),
-      fs.clip_by_unscaled_norm(1.0),
-      optax.sgd(0.1),
-    )
+  return helpers.guarded(
+    scaler or fs.static_scaler(8.0),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.sgd(0.1),
   )
 
 

@@ -9,6 +9,7 @@ accumulation keys between and at the end of a window, a batched state, and
 the floor's error message.
 """
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,10 +43,9 @@ ACCUMULATION_KEYS = {
 
 
 def _chain(scaler=None, clip=True, **kwargs):
-  parts = [fs.fp16_loss_scale(scaler or fs.static_scaler(64.0), **kwargs)]
-  if clip:
-    parts.append(fs.clip_by_unscaled_norm(1.0))
-  return fs.skip_on_overflow(optax.chain(*parts, optax.sgd(0.1)))
+  clips = [fs.clip_by_unscaled_norm(1.0)] if clip else []
+  scaler = scaler or fs.static_scaler(64.0)
+  return helpers.guarded(scaler, *clips, optax.sgd(0.1), **kwargs)
 
 
 def _with(state, **fields):
@@ -258,13 +258,9 @@ def test_raise_if_min_scale_reached_on_a_batched_state():
 
 
 def test_raise_if_min_scale_reached_after_real_steps():
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(
-        fs.deepspeed_scaler(init_scale=2.0, scale_window=4, min_scale=1.0)
-      ),
-      fs.clip_by_unscaled_norm(10.0),
-    )
+  tx = helpers.guarded(
+    fs.deepspeed_scaler(init_scale=2.0, scale_window=4, min_scale=1.0),
+    fs.clip_by_unscaled_norm(10.0),
   )
   nan = jax.tree.map(lambda g: g * jnp.nan, PARAMS)
   state = tx.init(PARAMS)
