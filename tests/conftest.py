@@ -7,6 +7,7 @@ run on the default device, cpu:0. This folder is on ``sys.path`` (pytest puts
 a rootless conftest's folder there), so test modules can ``import helpers``.
 """
 
+import importlib.util
 import os
 import pathlib
 
@@ -34,3 +35,30 @@ def pytest_ignore_collect(collection_path, config):
   except Exception:
     return None
   return True if not selected else None
+
+
+# Tests whose every step another test repeats: the docs pages' snippets run
+# without their PyTorch blocks (for ``-m "not peers"``), and again with them
+# under tests/peers. When both are selected and PyTorch is there, the one with
+# the PyTorch blocks runs alone.
+_SUPERSEDED = {
+  "tests/test_docs_porting.py::test_porting_snippets_run": (
+    "tests/peers/test_peer_docs_porting.py::test_porting_snippets_run_with_torch"
+  ),
+  "tests/test_docs_checkpoints.py::test_checkpoint_snippets_run": (
+    "tests/peers/test_peer_docs_checkpoints.py::"
+    "test_checkpoint_snippets_run_with_torch"
+  ),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  selected = {item.nodeid for item in items}
+  if not selected & set(_SUPERSEDED.values()):
+    return
+  if importlib.util.find_spec("torch") is None:
+    return
+  drop = [item for item in items if _SUPERSEDED.get(item.nodeid) in selected]
+  if drop:
+    config.hook.pytest_deselected(items=drop)
+    items[:] = [item for item in items if item not in drop]

@@ -5,7 +5,11 @@ tests/conftest.py puts this folder on ``sys.path``, so every test module can
 tests/peers/oracles.py instead.
 """
 
+import importlib.util
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 
@@ -20,6 +24,8 @@ SEED = int(os.environ.get("FP16_SCALING_PEER_SEED", "20250611"))
 
 # XLA reads XLA_FLAGS once, when jax first initialises a backend.
 DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 
 
 def with_eight_devices(flags: str) -> str:
@@ -38,11 +44,59 @@ def without_device_count(flags: str) -> str:
   )
 
 
+def load_script(path):
+  """A script of the repository (benchmarks/, examples/) as a module, its
+  ``main`` not run."""
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def run_script(path, *args, timeout=600) -> subprocess.CompletedProcess:
+  """``python path args`` from the repository root, as a user runs it: on one
+  device, without the 8 simulated ones tests/conftest.py sets up."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = without_device_count(env.get("XLA_FLAGS", ""))
+  return subprocess.run(
+    [sys.executable, str(path), *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    cwd=ROOT,
+    env=env,
+  )
+
+
+def table_rows(text) -> dict:
+  """``{first cell: [the other cells]}`` of every markdown table row in
+  ``text`` (header and separator rows included, stripped of spaces)."""
+  rows = {}
+  for line in text.splitlines():
+    if line.startswith("| ") and line.rstrip().endswith("|"):
+      cells = [c.strip() for c in line.strip()[1:-1].split("|")]
+      rows[cells[0]] = cells[1:]
+  return rows
+
+
 def bits(tree) -> list:
   """Every leaf's bytes: equal lists mean bit-identical trees."""
   import jax
 
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def guarded(scaler, *tail, **loss_scale_kwargs):
+  """``skip_on_overflow(chain(fp16_loss_scale(scaler, **loss_scale_kwargs),
+  *tail))``: the guarded chain, ``tail`` (a clip, an optimizer) after the
+  loss scale."""
+  import optax
+
+  import fp16_scaling as fs
+
+  return fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(scaler, **loss_scale_kwargs), *tail)
+  )
 
 
 def _is_bookkeeping(x) -> bool:

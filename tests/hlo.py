@@ -1,14 +1,18 @@
 """Reading a compiled executable's optimized HLO text, for the tests that
 check what XLA kept: which outputs alias a donated input, which ``copy``
 instructions the entry computation holds, and which instructions an output
-depends on."""
+depends on.
+
+The text is split into computations and instructions by
+benchmarks/hlo_traffic.py's parser, the one that counts where a step's bytes
+go: the tests and the benchmark read HLO the same way."""
 
 import re
 
+import helpers
+
+_TRAFFIC = helpers.load_script(helpers.ROOT / "benchmarks" / "hlo_traffic.py")
 _ALIAS = re.compile(r"\{(\d+)\}: \((\d+), \{\}")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([\w-]+)\((.*)$")
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%(\S+)\s.*\{\s*$")
-_ASSIGNS = re.compile(r"^\s*(ROOT\s+)?%\S+\s*=")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
 
@@ -25,30 +29,27 @@ def computations(text: str) -> dict:
   """``{name: [instruction dicts]}``; the entry computation is also under
   the key ``"ENTRY"``. Each instruction has ``name``, ``shape``, ``op``,
   ``operands`` (names), ``calls`` (computation names), ``root``, ``line``."""
-  comps, current = {}, None
-  for line in text.splitlines():
-    head = _COMPUTATION.match(line)
-    if head and not _ASSIGNS.match(line):
-      current = comps.setdefault(head.group(2), [])
-      if head.group(1):
-        comps["ENTRY"] = current
-      continue
-    m = _INSTRUCTION.match(line)
-    if m is None or current is None:
-      continue
-    args = m.group(5)
-    operands = _OPERAND.findall(args.split("),")[0]) if args else []
-    current.append(
-      {
-        "name": m.group(2),
-        "shape": m.group(3),
-        "op": m.group(4),
-        "operands": operands,
-        "calls": _CALLS.findall(line),
-        "root": bool(m.group(1)),
-        "line": line.strip(),
-      }
-    )
+  lines_of, entry = _TRAFFIC.computations(text)
+  comps = {}
+  for comp, lines in lines_of.items():
+    comps[comp] = []
+    for line in lines:
+      m = _TRAFFIC._INSTR.match(line)
+      if m is None:
+        continue
+      name, shape, op, args = m.groups()
+      comps[comp].append(
+        {
+          "name": name,
+          "shape": shape,
+          "op": op,
+          "operands": _OPERAND.findall(args.split("),")[0]) if args else [],
+          "calls": _CALLS.findall(line),
+          "root": line.lstrip().startswith("ROOT "),
+          "line": line.strip(),
+        }
+      )
+  comps["ENTRY"] = comps[entry]
   return comps
 
 

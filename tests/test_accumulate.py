@@ -2,6 +2,8 @@
 its microbatches; a bad microbatch skips its window exactly and backs the
 scale off once; the next window starts clean."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -339,33 +341,43 @@ def _times_value():
   )
 
 
+@functools.cache
+def _sgd_window():
+  """An accumulating sgd chain on ``{"w": 2 elements}``, its first state and
+  its jitted ``update(grads, state, value)``: one compile for the tests of
+  the overflow kind."""
+  tx = fs.accumulate_gradients(_guarded(inner=optax.sgd(1.0)), K)
+  params = {"w": jnp.zeros(2)}
+
+  @jax.jit
+  def update(grads, state, value):
+    return tx.update(grads, state, params, value=value)[1]
+
+  return tx.init(params), update
+
+
 @pytest.mark.parametrize("bad_at", range(K))
 def test_a_nonfinite_loss_on_any_microbatch_is_a_forward_overflow(bad_at):
   """A NaN loss (and NaN gradients) on microbatch ``bad_at`` of the window:
   the kind is "forward" wherever it sits, not only on the last one."""
-  tx = fs.accumulate_gradients(_guarded(inner=optax.sgd(1.0)), K)
-  params = {"w": jnp.zeros(2)}
-  state = tx.init(params)
+  state, update = _sgd_window()
   for t in range(K):
     bad = t == bad_at
     grads = {"w": jnp.full(2, jnp.nan if bad else 1.0, jnp.float16)}
-    loss = jnp.float32(jnp.nan if bad else 0.5)
-    _, state = tx.update(grads, state, params, value=loss)
+    state = update(grads, state, jnp.float32(jnp.nan if bad else 0.5))
   report = fs.overflow_report(state)
   assert report.step_overflowed and report.kind == "forward"
   # The next window, clean with finite losses, is clean: the flag was reset.
   for _ in range(K):
-    _, state = tx.update({"w": jnp.ones(2)}, state, params, value=0.5)
+    state = update({"w": jnp.ones(2, jnp.float16)}, state, jnp.float32(0.5))
   assert fs.overflow_report(state).kind == "none"
 
 
 def test_a_finite_loss_with_overflowing_gradients_stays_backward():
-  tx = fs.accumulate_gradients(_guarded(inner=optax.sgd(1.0)), K)
-  params = {"w": jnp.zeros(2)}
-  state = tx.init(params)
+  state, update = _sgd_window()
   for t in range(K):
     grads = {"w": jnp.full(2, jnp.inf if t == 0 else 1.0, jnp.float16)}
-    _, state = tx.update(grads, state, params, value=0.5)
+    state = update(grads, state, jnp.float32(0.5))
   assert fs.overflow_report(state).kind == "backward"
 
 
@@ -377,11 +389,12 @@ def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
   tx = fs.accumulate_gradients(inner, K, on_microbatch_overflow=policy)
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
+  update = jax.jit(lambda g, s, v: tx.update(g, s, params, value=v))
   losses = [1.0, 2.0, 4.0, 8.0]
   for t, loss in enumerate(losses):
     bad = policy == "drop_microbatch" and t == 1
     grads = {"w": jnp.full(2, jnp.nan if bad else 1.0)}
-    updates, state = tx.update(grads, state, params, value=loss)
+    updates, state = update(grads, state, jnp.float32(loss))
   kept = [x for t, x in enumerate(losses) if policy == "skip_step" or t != 1]
   # The window's mean gradient is 1.0, so the updates are the value passed.
   np.testing.assert_allclose(

@@ -14,6 +14,9 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+# The tiny size with one transformer block, not two: every claim below holds
+# at that depth, and each of the file's seven step compiles costs less.
+LAYERS = 1
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,8 @@ def run(tmp_path_factory):
   # gradients are larger per element than the default size's, so it takes a
   # loss divided by 512 (not 128) to lose as much of them in float16.
   args = "--settings accum-128 --accumulate 512 --runs fp32,none,deepspeed"
-  args += " --size tiny --steps 40 --eval-every 20 --eval-batches 2"
+  args += f" --size tiny --layers {LAYERS} --steps 40 --eval-every 20"
+  args += " --eval-batches 2"
   args += " --max-chars 200000"
   args += " --init-scale 65536"  # no skipped steps: runs stay comparable
   results = main(args.split() + ["--plot", str(plot)])
@@ -59,7 +63,7 @@ def test_unscaled_fp16_gradients_underflow(run):
   runs, _ = run
   zero = {k: float(np.mean(r["zero_frac"])) for k, r in runs.items()}
   # With the loss divided by 512 many true gradients are below float16's
-  # smallest subnormal (6e-8): without scaling they flush to zero (33% of
+  # smallest subnormal (6e-8): without scaling they flush to zero (28% of
   # the elements measured)...
   assert zero["fp16 none"] > 0.2, zero
   # ...a scale of 2**16 keeps all but a few, as float32 does.
@@ -74,7 +78,7 @@ def test_scaled_fp16_tracks_fp32_and_unscaled_trains_worse(run):
   runs, _ = run
   ref = runs["fp32 none"]["val_loss"]
   assert ref[-1] < ref[0] - 0.5  # it learns
-  # Measured: 3.556 for float32 and the scaled run, 3.949 without scaling.
+  # Measured: 3.558 for float32 and the scaled run, 3.935 without scaling.
   np.testing.assert_allclose(runs["fp16 deepspeed"]["val_loss"], ref, atol=0.02)
   assert runs["fp16 none"]["val_loss"][-1] > ref[-1] + 0.2
 
@@ -89,7 +93,8 @@ def test_benchmark_compares_the_same_step():
     str(EXAMPLES.parent / "benchmarks" / "train_step_cost.py")
   )
   lm = bench["train_lm"]
-  cfg = lm.Config(**lm.SIZES["tiny"], init_scale=2.0**16)  # no overflow
+  tiny = dict(lm.SIZES["tiny"], layers=LAYERS)
+  cfg = lm.Config(**tiny, init_scale=2.0**16)  # no overflow
   rng = np.random.default_rng(0)
   x = rng.integers(0, lm.VOCAB, (cfg.batch, cfg.seq_len)).astype(np.int32)
   y = rng.integers(0, lm.VOCAB, (cfg.batch, cfg.seq_len)).astype(np.int32)
@@ -115,11 +120,13 @@ def _lm():
 def test_accumulation_sums_microbatch_gradients_of_the_divided_loss():
   """train_lm's accumulation recipe, in float32 against plain jax.grad: the
   sum over K microbatches of grad(loss_k / K) is the gradient of the mean loss
-  over all K microbatches, and one microbatch run alone gives grad(loss_1) / K.
+  over all K microbatches (the mean of their gradients: they are of equal
+  size), and one microbatch run alone gives grad(loss_1) / K.
   """
   lm = _lm()
   k = 4
-  base = dict(lm["SIZES"]["tiny"], precision="fp32", scaler="none")
+  base = dict(lm["SIZES"]["tiny"], layers=LAYERS)
+  base.update(precision="fp32", scaler="none")
   full = lm["Config"](**base, accumulate=k)
   one = lm["Config"](**base, accumulate=k, microbatches=1)
   tokens, _ = lm["load_corpus"](max_chars=50_000)
@@ -128,20 +135,19 @@ def test_accumulation_sums_microbatch_gradients_of_the_divided_loss():
   params = lm["init_params"](full)
   model = lm["make_model"](full)
 
-  def mean_loss(p, x, y):
-    return lm["loss_fn"](model, p, x, y)
-
-  flat = (x.reshape(-1, full.seq_len), y.reshape(-1, full.seq_len))
-  grad = jax.jit(jax.grad(mean_loss))
-  want = grad(params, *flat)
+  # One compile, one microbatch at a time.
+  value_and_grad = jax.jit(
+    jax.value_and_grad(lambda p, x, y: lm["loss_fn"](model, p, x, y))
+  )
+  losses, grads = zip(*(value_and_grad(params, x[i], y[i]) for i in range(k)))
+  want = jax.tree.map(lambda *g: sum(g) / k, *grads)
   loss, got, _ = jax.jit(lm["make_grad_fn"](full))(params, x, y, 1.0)
-  np.testing.assert_allclose(loss, mean_loss(params, *flat), rtol=1e-5)
+  np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-5)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-8)
 
-  want_one = grad(params, x[0], y[0])
   _, got_one, _ = jax.jit(lm["make_grad_fn"](one))(params, x[0], y[0], 1.0)
-  for g, w in zip(jax.tree.leaves(got_one), jax.tree.leaves(want_one)):
+  for g, w in zip(jax.tree.leaves(got_one), jax.tree.leaves(grads[0])):
     np.testing.assert_allclose(g, w / k, rtol=1e-6, atol=1e-12)
 
 

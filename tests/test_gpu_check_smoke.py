@@ -3,17 +3,18 @@ run of a few parts, the second of them given a limit too small to finish. What a
 user of an unattended GPU run relies on: the JSON names every part with a
 status, the markdown table has a row per part, a part past its limit is
 recorded as timed out (killed, not waited for) and the parts after it still
-run. No timing is asserted."""
+run, and their numbers are read right: the markdown says what the JSON says,
+the floor is the unit of the ratios, GB/s is bytes over step time, and
+fp16_scaling's bytes stay within benchmarks/README.md's bound (<= 1.0x the
+floor's). No timing is asserted."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
+import re
 
 import helpers
+from helpers import ROOT
+import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 PARTS = (  # the priority order: the tests first
   "env",
@@ -26,29 +27,20 @@ PARTS = (  # the priority order: the tests first
   "step_cost_20M_1000_cb_off",
 )
 RAN = ("env", "bandwidth", "step_cost_20M_1000_cb_off", "tests")
+FLOOR, B = "a. optax clip + adamw, no scaling (floor)", "b. fp16_scaling"
 
 
 def test_tiny_run_records_every_part(tmp_path):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
   out = tmp_path / "out"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(SCRIPT),
-      str(out),
-      "--tiny",
-      "--parts",
-      ",".join(RAN),
-      # jax cannot even be imported in this: the part must be killed.
-      "--limit",
-      "bandwidth=0.5",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    cwd=ROOT,
-    env=env,
+  proc = helpers.run_script(
+    SCRIPT,
+    out,
+    "--tiny",
+    "--parts",
+    ",".join(RAN),
+    # jax cannot even be imported in this: the part must be killed.
+    "--limit",
+    "bandwidth=0.5",
   )
   # One part did not finish, so the run says so in its exit status.
   assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -71,32 +63,45 @@ def test_tiny_run_records_every_part(tmp_path):
   # The parts that ran after the one that timed out measured their rows.
   tests = parts["tests"]["result"]
   assert tests["counts"]["passed"] > 0 and tests["failing"] == []
-  assert "passed" in tests["pytest_summary"]
+  # Counted from pytest's lines, one a test; the same as its closing line.
+  assert re.match(
+    rf"{tests['counts']['passed']} passed in ", tests["pytest_summary"]
+  )
   step = parts["step_cost_20M_1000_cb_off"]
   assert "--xla_gpu_enable_command_buffer=" in step["xla_flags"]
   rows = step["result"]["rows"]
-  fp16 = rows["b. fp16_scaling"]
-  assert fp16["status"] == "ok", rows
-  assert fp16["step_ms"] > 0 and fp16["wall_vs_floor"] > 0
-  assert fp16["cpu_vs_floor"] > 0
+  assert sorted(rows) == sorted([FLOOR, B, f"{B}, overflow step"])
+  assert all(row["status"] == "ok" for row in rows.values()), rows
+  assert rows[FLOOR]["wall_vs_floor"] == rows[FLOOR]["cpu_vs_floor"] == 1.0
+  for row in rows.values():
+    assert row["step_ms"] > 0 and row["wall_vs_floor"] > 0
+    assert row["cpu_vs_floor"] > 0
+    gb_s = row["bytes_accessed"] / (row["step_ms"] / 1e3) / 1e9
+    assert row["gb_s"] == pytest.approx(gb_s, rel=1e-9)
+  # One executable for the clean and the overflow step; fewer bytes than
+  # the floor's.
+  assert (
+    rows[f"{B}, overflow step"]["bytes_accessed"] == (rows[B]["bytes_accessed"])
+  )
+  assert 0 < rows[B]["bytes_accessed"] <= rows[FLOOR]["bytes_accessed"]
   for name in RAN:
     assert (out / parts[name]["log"]).exists()
 
-  table = (out / "gpu_check.md").read_text().splitlines()
+  table = helpers.table_rows((out / "gpu_check.md").read_text())
   for name in PARTS:
-    (row,) = [x for x in table if x.startswith(f"| {name} |")]
-    assert f"| {statuses[name]} |" in row, row
-  assert any(x.startswith("| b. fp16_scaling | ") for x in table)
+    assert table[name][0] == statuses[name], table[name]
+  assert table["step_cost_20M_1000_cb_off"][2] == step["result"]["summary"]
+  for label, row in rows.items():
+    cells = table[label]
+    assert cells[1] == f"{row['step_ms']:.3f}", (label, cells)
+    assert cells[2] == f"{row['wall_vs_floor']:.3f}x", (label, cells)
+    assert cells[5] == f"{row['bytes_accessed']:,.0f}", (label, cells)
 
 
 def test_failing_tests_are_named(tmp_path):
   """The failing ids come from pytest's own lines, also when it was killed
   before its summary."""
-  sys.path.insert(0, str(SCRIPT.parent))
-  try:
-    import gpu_check
-  finally:
-    sys.path.remove(str(SCRIPT.parent))
+  gpu_check = helpers.load_script(SCRIPT)
   log = "\n".join(
     [
       "tests/test_a.py::test_one PASSED                    [ 25%]",

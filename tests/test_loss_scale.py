@@ -155,28 +155,6 @@ def test_scaler_argument_is_checked():
     fs.fp16_loss_scale(128.0)
 
 
-def test_current_scale_found_at_any_depth():
-  tx = optax.chain(optax.identity(), make_tx(fs.static_scaler(8.0)))
-  state = tx.init(TRUE_GRADS)
-  assert float(fs.current_scale(state)) == 8.0
-  with pytest.raises(ValueError, match="no fp16_loss_scale"):
-    fs.current_scale(optax.adam(1.0).init(TRUE_GRADS))
-
-
-def test_raise_if_min_scale_reached():
-  tx = make_tx(
-    fs.deepspeed_scaler(init_scale=2.0, scale_window=4, min_scale=1.0)
-  )
-  nan = jax.tree.map(lambda g: g * jnp.nan, TRUE_GRADS)
-  state = tx.init(TRUE_GRADS)
-  update = jax.jit(tx.update)
-  _, state = update(nan, state)  # 2 -> 1: allowed
-  fs.raise_if_min_scale_reached(state)
-  _, state = update(nan, state)  # already at 1: DeepSpeed raises here
-  with pytest.raises(fs.MinLossScaleError, match="minimum"):
-    fs.raise_if_min_scale_reached(state)
-
-
 def _guarded(scaler):
   return fs.skip_on_overflow(
     optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0))

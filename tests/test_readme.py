@@ -1,15 +1,23 @@
-"""The README holds what it promises: at most 8 KB, the CI command, links
-that resolve, and a quickstart that trains."""
+"""The README holds what a newcomer relies on: at most 8 KB; right after the
+opening paragraphs the two commands (train the example, run the tests), the
+second of them the one CI runs; links and repository paths in the README and
+docs/ that resolve; a preset table whose arguments are the presets' own; the
+metric names scale_metrics returns; and a quickstart that trains."""
 
+import inspect
 import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+import fp16_scaling as fs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 TEST_COMMAND = "bash .ci/setup && .venv/bin/python -m pytest -q"
 
 
@@ -24,9 +32,33 @@ def test_readme_is_at_most_8_kb():
   assert len(README.read_bytes()) <= 8192
 
 
+def test_the_two_commands_come_right_after_the_opening_paragraphs():
+  text = README.read_text()
+  opening = text[: text.index("\n## ")]
+  # The README's first code block, before any section: two commands.
+  (block,) = re.findall(r"```bash\n(.*?)```", opening, re.S)
+  assert opening.index("```bash") > opening.index("\n\n")  # after the text
+  assert opening.rstrip().endswith("```")  # and nothing after them
+  train, test = block.strip().splitlines()
+  assert train == (
+    'python3 -m venv .venv && .venv/bin/pip install -q -e ".[examples]" && '
+    ".venv/bin/python examples/train_mlp.py"
+  )
+  assert (ROOT / "examples" / "train_mlp.py").is_file()
+  assert test == TEST_COMMAND
+
+
 def test_readme_test_command_is_what_ci_runs():
-  assert TEST_COMMAND in README.read_text()
-  assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text()
+  # .ci/run's first command is the README's, exactly: a line of its own, not
+  # a comment, with nothing added to it.
+  lines = [
+    line.strip()
+    for line in (ROOT / ".ci" / "run").read_text().splitlines()
+    if line.strip() and not line.lstrip().startswith("#")
+  ]
+  commands = [line for line in lines if "pytest" in line]
+  assert commands[0] == TEST_COMMAND, commands
+  assert (ROOT / ".ci" / "setup").is_file()
 
 
 def test_readme_says_what_the_test_command_costs():
@@ -37,11 +69,79 @@ def test_readme_says_what_the_test_command_costs():
   assert re.search(r"~\d+ GB\s+of downloads", before), before
 
 
-def test_readme_links_resolve():
-  links = re.findall(r"\]\(([^)#]+)\)", README.read_text())
-  assert links
-  for link in links:
-    assert (ROOT / link).exists(), link
+def test_relative_links_resolve():
+  # Markdown links and images, relative to their page; anchors dropped.
+  checked = 0
+  for page in PAGES:
+    for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      if re.match(r"[a-z]+:", link) or link.startswith("#"):
+        continue
+      assert (page.parent / link.split("#")[0]).exists(), (page.name, link)
+      checked += 1
+  assert checked >= 15, checked
+
+
+def test_repository_paths_named_in_the_text_exist():
+  # "benchmarks/train_step_cost.py", "tests/peers/...": what a reader would
+  # open next, relative to the repository root.
+  checked = 0
+  for page in PAGES:
+    named = re.findall(
+      r"(?<![\w/.])((?:tests|examples|benchmarks|docs|fp16_scaling|\.ci)"
+      r"/[\w./-]*\w)",
+      page.read_text(),
+    )
+    for path in named:
+      assert (ROOT / path).exists(), (page.name, path)
+      checked += 1
+  assert checked >= 50, checked
+
+
+def test_the_preset_table_uses_the_presets_own_arguments():
+  rows = re.findall(
+    r"^\| .* \| `(\w+)\((.*?)\)`", _section("Which preset"), re.M
+  )
+  named = [name for name, _ in rows]
+  assert named == [
+    "torch_scaler",
+    "deepspeed_scaler",
+    "from_deepspeed_config",
+    "megatron_scaler",
+    "flax_scaler",
+    "static_scaler",
+    "headroom_scaler",
+    "no_scaler",
+  ]
+  for name, args in rows:
+    params = inspect.signature(getattr(fs, name)).parameters
+    for arg in re.findall(r"(\w+)=", args):
+      assert arg in params, (name, arg)
+      assert params[arg].kind is inspect.Parameter.KEYWORD_ONLY, (name, arg)
+  # "torch_scaler() starts at 2**16, halves on an overflow and doubles
+  # after 2,000 clean steps."
+  torch = fs.torch_scaler()
+  assert (torch.init_scale, torch.backoff_factor) == (2.0**16, 0.5)
+  assert (torch.growth_factor, torch.growth_interval) == (2.0, 2000)
+
+
+def test_the_metrics_named_are_the_metrics_returned():
+  text = _section("Metrics")
+  named = {m for m in re.findall(r"`(\w+)`", text) if not m.startswith("fs")}
+  tx = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.torch_scaler(), grad_range=True),
+      fs.clip_by_unscaled_norm(1.0, expert_mask={"w": True, "b": False}),
+    )
+  )
+  state = tx.init({"w": jnp.ones(2), "b": jnp.ones(1)})
+  assert named == set(fs.scale_metrics(state))
+  # The accumulation section names the keys accumulate_gradients adds.
+  acc = fs.accumulate_gradients(tx, 2).init(
+    {"w": jnp.ones(2), "b": jnp.ones(1)}
+  )
+  added = set(fs.scale_metrics(acc)) - set(fs.scale_metrics(state))
+  said = set(re.findall(r"`(\w+)`", _section("Gradient accumulation")))
+  assert added and added <= said, (added, said)
 
 
 def test_quickstart_trains_and_skips_an_overflow():

@@ -20,17 +20,13 @@ class TorchGradScaler:
     self.torch = torch = oracles.require("torch")
     self.param = torch.nn.Parameter(torch.zeros(()))
     self.opt = torch.optim.SGD([self.param], lr=0.0)
-    self.scaler = torch.amp.GradScaler(
-      "cpu",
-      init_scale=init_scale,
-      growth_factor=growth_factor,
-      backoff_factor=backoff_factor,
-      growth_interval=interval,
+    self.scaler = oracles._grad_scaler(
+      torch, init_scale, growth_factor, backoff_factor, interval
     )
 
   def step(self, overflow):
     torch = self.torch
-    self.scaler.scale(torch.zeros(()))  # creates the scale on first use
+    oracles._scale_a_loss(torch, self.scaler)
     self.param.grad = torch.full((), math.inf if overflow else 1.0)
     self.scaler.step(self.opt)
     self.scaler.update()

@@ -92,6 +92,25 @@ TORCH_MAX_NORM = 0.5
 TORCH_SCALER = test_torch.SCALERS["powers_of_two"]
 
 
+def _assert_exercised(peer, records, bad, skipped, binds):
+  """Every window with an injected NaN was skipped, and the run was not
+  vacuous: injected and cast overflows, windows where the clip bound and
+  where it did not, and scale growths, each often enough."""
+  injected = sorted({t // K for t in bad})
+  assert skipped[injected].all()
+  counts = dict(
+    skipped=int(skipped.sum()),
+    cast_overflows=int(skipped.sum()) - len(injected),
+    clip_binds=int((binds & ~skipped).sum()),
+    clip_free=int((~binds & ~skipped).sum()),
+    growths=int(sum(r.scale_after > r.scale_before for r in records)),
+  )
+  print(f"\n{peer}, {WINDOWS} windows of {K}: {counts}")
+  assert len(injected) >= 5 and counts["cast_overflows"] >= 5
+  assert counts["clip_binds"] >= 20 and counts["clip_free"] >= 20
+  assert counts["growths"] >= 5
+
+
 def test_accumulation_matches_torch_amp_recipe(seed):
   rng = np.random.default_rng([seed, 9])
   shapes = test_torch.SHAPES
@@ -135,20 +154,8 @@ def test_accumulation_matches_torch_amp_recipe(seed):
     test_torch.NORM_RTOL,
     test_torch.PARAM_RTOL_OF_MAX,
   )
-  injected = sorted({t // K for t in bad})
-  assert skipped[injected].all()
   binds = TORCH_MAX_NORM / (peer_norm + 1e-6) < 1
-  counts = dict(
-    skipped=int(skipped.sum()),
-    cast_overflows=int(skipped.sum()) - len(injected),
-    clip_binds=int((binds & ~skipped).sum()),
-    clip_free=int((~binds & ~skipped).sum()),
-    growths=int(sum(r.scale_after > r.scale_before for r in records)),
-  )
-  print(f"\ntorch.amp, {WINDOWS} windows of {K}: {counts}")
-  assert len(injected) >= 5 and counts["cast_overflows"] >= 5
-  assert counts["clip_binds"] >= 20 and counts["clip_free"] >= 20
-  assert counts["growths"] >= 5
+  _assert_exercised("torch.amp", records, bad, skipped, binds)
 
 
 # ------------------------------------------------------------------------------
@@ -245,20 +252,10 @@ def test_accumulation_matches_deepspeed_fp16_optimizer(seed, fused, optimizer):
     test_deepspeed.NORM_RTOL,
     test_deepspeed.PARAM_RTOL_OF_MAX,
   )
-  injected = sorted({t // K for t in bad})
-  assert skipped[injected].all()
   binds = (peer_norm + 1e-6) / DS_CLIP > 1
-  counts = dict(
-    skipped=int(skipped.sum()),
-    cast_overflows=int(skipped.sum()) - len(injected),
-    clip_binds=int((binds & ~skipped).sum()),
-    clip_free=int((~binds & ~skipped).sum()),
-    growths=int(sum(r.scale_after > r.scale_before for r in records)),
+  _assert_exercised(
+    f"DeepSpeed {fused=} {optimizer}", records, bad, skipped, binds
   )
-  print(f"\nDeepSpeed {fused=} {optimizer}, {WINDOWS} windows of {K}: {counts}")
-  assert len(injected) >= 5 and counts["cast_overflows"] >= 5
-  assert counts["clip_binds"] >= 20 and counts["clip_free"] >= 20
-  assert counts["growths"] >= 5
 
 
 def test_deepspeed_engine_divides_each_microbatch_loss_by_gas():

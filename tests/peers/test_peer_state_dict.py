@@ -53,44 +53,23 @@ CASES = {
       initial_scale=2.0**10, min_scale=4.0, growth_interval=W, hysteresis=2
     ),
   ),
-  "deepspeed_zero": (
-    "deepspeed",
-    lambda: peers.DeepSpeedLossScaler(
-      init_scale=2.0**10,
-      scale_window=W,
-      min_scale=4.0,
-      delayed_shift=2,
-      consecutive_hysteresis=False,
-      raise_error_at_min_scale=False,
-    ),
-    fs.deepspeed_scaler(
-      init_scale=2.0**10,
-      scale_window=W,
-      min_scale=4.0,
-      delayed_shift=2,
-      raise_error_at_min_scale=False,
-    ),
-  ),
-  "deepspeed_zero_consecutive": (
-    "deepspeed",
-    lambda: peers.DeepSpeedLossScaler(
-      init_scale=2.0**10,
-      scale_window=W,
-      min_scale=4.0,
-      delayed_shift=2,
-      consecutive_hysteresis=True,
-      raise_error_at_min_scale=False,
-    ),
-    fs.deepspeed_scaler(
-      init_scale=2.0**10,
-      scale_window=W,
-      min_scale=4.0,
-      delayed_shift=2,
-      consecutive_hysteresis=True,
-      raise_error_at_min_scale=False,
-    ),
-  ),
 }
+# DeepSpeed's ZeRO loss scaler, with and without consecutive hysteresis.
+_ZERO = dict(
+  init_scale=2.0**10,
+  scale_window=W,
+  min_scale=4.0,
+  delayed_shift=2,
+  raise_error_at_min_scale=False,
+)
+for _consecutive in (False, True):
+  CASES["deepspeed_zero" + "_consecutive" * _consecutive] = (
+    "deepspeed",
+    lambda c=_consecutive: peers.DeepSpeedLossScaler(
+      **_ZERO, consecutive_hysteresis=c
+    ),
+    fs.deepspeed_scaler(**_ZERO, consecutive_hysteresis=_consecutive),
+  )
 for _fused in (True, False):
   CASES["deepspeed_" + ("fused" if _fused else "unfused")] = (
     "deepspeed",

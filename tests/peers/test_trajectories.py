@@ -107,8 +107,16 @@ def _floor(rng, init):
 
 
 def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
+  """SEQUENCES overflow sequences for one configuration (see
+  :func:`_overflows_and_scales`)."""
+  return _overflows_and_scales(rng, make_peer, init, sequences, steps)[0]
+
+
+def _overflows_and_scales(
+  rng, make_peer, init, sequences=SEQUENCES, steps=STEPS
+):
   """SEQUENCES overflow sequences for one configuration, as a training run
-  would see them.
+  would see them, and the peer's scale after each of their steps.
 
   A step overflows when a NaN strikes (probability ``p``, drawn per sequence
   log-uniform in [0.001, 0.5]) or when the scale the peer holds for it exceeds
@@ -117,8 +125,13 @@ def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
   would pass float32's range and then reach inf, where its own overflow log line
   raises), so the peers mostly stay in float32's normal range; the dedicated
   sequences below take each one out of it.
+
+  The peer drives each sequence as it is drawn, so the scales it takes are
+  its own code's trajectory on that sequence: the comparison reads them
+  rather than running the peer over the sequence a second time.
   """
   out = np.zeros((sequences, steps), bool)
+  scales = np.zeros((sequences, steps), np.float64)
   for j in range(sequences):
     p = np.exp(rng.uniform(np.log(0.001), np.log(0.5)))
     nan = rng.random(steps) < p
@@ -130,8 +143,8 @@ def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
     step, scale = make_peer(), init
     for t in range(steps):
       out[j, t] = nan[t] or (scale > 0 and math.log2(scale) > ceiling[t])
-      scale = step(out[j, t])
-  return out
+      scale = scales[j, t] = step(out[j, t])
+  return out, scales
 
 
 def _deepspeed_configs(rng):
@@ -432,17 +445,23 @@ def _report(name, tally):
   )
 
 
-def _compare_all(name, cfgs, flags, scales, trajectory, clamped, also=None):
+def _drawn(rng, make_peer, cfgs, init):
+  """Per config, the drawn sequences and the peer's scales on them: arrays
+  [config, sequence, step]."""
+  drawn = [
+    _overflows_and_scales(rng, lambda c=c: make_peer(c), c[init]) for c in cfgs
+  ]
+  return tuple(np.stack(x) for x in zip(*drawn))
+
+
+def _compare_all(name, cfgs, flags, scales, raws, clamped):
   """Compares every (config, sequence) of ``scales`` with the peer's
-  ``trajectory``; ``also``
-  runs further per-sequence checks. Returns the tally, already reported."""
+  trajectory ``raws``. Returns the tally, already reported."""
   tally = _tally()
   for i, cfg in enumerate(cfgs):
     for j in range(SEQUENCES):
-      raw = trajectory(flags[i, j], **cfg)
+      raw = raws[i, j]
       _compare(name, i, j, cfg, flags[i, j], scales[i, j], raw, clamped, tally)
-      if also is not None:
-        also(i, j, cfg, tally)
   _report(name, tally)
   return tally
 
@@ -451,64 +470,67 @@ def _compare_all(name, cfgs, flags, scales, trajectory, clamped, also=None):
 # Random sequences.
 
 
-def test_deepspeed_trajectories_match_dynamic_loss_scaler():
-  rng = np.random.default_rng([SEED, 1])
-  cfgs = _deepspeed_configs(rng)
-  flags = np.stack(
-    [_overflows(rng, lambda: _deepspeed_peer(c), c["init_scale"]) for c in cfgs]
-  )
-  scalers = [
-    fs.deepspeed_scaler(**c, raise_error_at_min_scale=True) for c in cfgs
-  ]
-  scales, errors = ours(scalers, flags)
+# The events a preset with a floor and hysteresis must show, each at least
+# 20 times over its sequences, so that the comparison cannot pass vacuously.
+_EVENTS = (
+  "growths",
+  "back-offs",
+  "hysteresis absorptions",
+  "back-offs onto the floor",
+  "back-offs clamped by the floor",
+)
 
-  def check_raises(i, j, cfg, tally):
-    raises = _deepspeed_raises(flags[i, j], cfg)
-    np.testing.assert_array_equal(
-      errors[i, j],
-      raises,
-      err_msg=f"deepspeed config {i} sequence {j}: min_scale_errors",
-    )
-    tally["raises at the floor"] = (
-      tally.get("raises at the floor", 0) + raises[-1]
-    )
 
-  tally = _compare_all(
-    "deepspeed",
-    cfgs,
-    flags,
-    scales,
-    oracles.ds_loss_scaler_trajectory,
-    _deepspeed_clamped,
-    also=check_raises,
-  )
-  assert tally["steps_vs_raw_peer"] == tally["steps"], (
-    tally
-  )  # the ceiling keeps it in float32
-  for event in (
-    "growths",
-    "back-offs",
-    "hysteresis absorptions",
-    "back-offs onto the floor",
-    "back-offs clamped by the floor",
-    "raises at the floor",
-  ):
+def _random_sequences(name, k, configs, peer, init, preset, clamped):
+  """Draws the configurations and their sequences (seed ``[SEED, k]``), runs
+  ``preset`` on them and compares with the peer. Returns ``(cfgs, flags,
+  min_scale_errors, tally)``."""
+  rng = np.random.default_rng([SEED, k])
+  cfgs = configs(rng)
+  flags, raws = _drawn(rng, peer, cfgs, init)
+  scales, errors = ours([preset(c) for c in cfgs], flags)
+  tally = _compare_all(name, cfgs, flags, scales, raws, clamped)
+  return cfgs, flags, errors, tally
+
+
+def _assert_exercised(tally, events):
+  # The ceiling keeps the peer in float32's normal range throughout.
+  assert tally["steps_vs_raw_peer"] == tally["steps"], tally
+  for event in events:
     assert tally[event] >= 20, (event, tally)
 
 
-def test_torch_trajectories_match_grad_scaler_update():
-  rng = np.random.default_rng([SEED, 2])
-  cfgs = _torch_configs(rng)
-  flags = np.stack(
-    [_overflows(rng, lambda: _torch_peer(c), c["init_scale"]) for c in cfgs]
+def test_deepspeed_trajectories_match_dynamic_loss_scaler():
+  cfgs, flags, errors, tally = _random_sequences(
+    "deepspeed",
+    1,
+    _deepspeed_configs,
+    _deepspeed_peer,
+    "init_scale",
+    lambda c: fs.deepspeed_scaler(**c, raise_error_at_min_scale=True),
+    _deepspeed_clamped,
   )
-  scales, _ = ours([fs.torch_scaler(**c) for c in cfgs], flags)
-  tally = _compare_all(
+  tally["raises at the floor"] = 0
+  for i, cfg in enumerate(cfgs):
+    for j in range(SEQUENCES):
+      raises = _deepspeed_raises(flags[i, j], cfg)
+      np.testing.assert_array_equal(
+        errors[i, j],
+        raises,
+        err_msg=f"deepspeed config {i} sequence {j}: min_scale_errors",
+      )
+      tally["raises at the floor"] += raises[-1]
+  _assert_exercised(tally, _EVENTS + ("raises at the floor",))
+
+
+def test_torch_trajectories_match_grad_scaler_update():
+  *_, tally = _random_sequences(
     "torch",
-    cfgs,
-    flags,
-    scales,
-    oracles.torch_scaler_trajectory_fast,
+    2,
+    _torch_configs,
+    _torch_peer,
+    "init_scale",
+    lambda c: fs.torch_scaler(**c),
     _torch_clamped,
   )
   # Without a floor, NaN-heavy sequences (p near 0.5, long intervals) sink
@@ -521,34 +543,16 @@ def test_torch_trajectories_match_grad_scaler_update():
 
 
 def test_megatron_trajectories_match_dynamic_grad_scaler():
-  rng = np.random.default_rng([SEED, 3])
-  cfgs = _megatron_configs(rng)
-  flags = np.stack(
-    [
-      _overflows(rng, lambda: _megatron_peer(c), c["initial_scale"])
-      for c in cfgs
-    ]
-  )
-  scales, _ = ours([fs.megatron_scaler(**c) for c in cfgs], flags)
-  tally = _compare_all(
+  *_, tally = _random_sequences(
     "megatron",
-    cfgs,
-    flags,
-    scales,
-    oracles.megatron_scaler_trajectory,
+    3,
+    _megatron_configs,
+    _megatron_peer,
+    "initial_scale",
+    lambda c: fs.megatron_scaler(**c),
     _megatron_clamped,
   )
-  assert tally["steps_vs_raw_peer"] == tally["steps"], (
-    tally
-  )  # the ceiling keeps it in float32
-  for event in (
-    "growths",
-    "back-offs",
-    "hysteresis absorptions",
-    "back-offs onto the floor",
-    "back-offs clamped by the floor",
-  ):
-    assert tally[event] >= 20, (event, tally)
+  _assert_exercised(tally, _EVENTS)
 
 
 def test_torch_public_path_matches_on_a_few_sequences():

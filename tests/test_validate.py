@@ -1,0 +1,183 @@
+"""fp16_scaling._validate: every constructor's argument checks.
+
+Each validator accepts its range's edges, gives back the value as the state
+will hold it, and rejects a value outside its range with a message that
+names the parameter, the range allowed and the value received (a bool or a
+string where a number belongs is a TypeError that names its type). The
+ranges and messages are derived by hand from float32's limits: the smallest
+normal 2**-126 = 1.17549e-38, the largest 3.40282e+38.
+"""
+
+import math
+
+from helpers import F32_MAX
+from helpers import TINY
+import numpy as np
+import pytest
+
+import fp16_scaling as fs
+from fp16_scaling import _validate
+
+INF, NAN = math.inf, math.nan
+TINY_TEXT, MAX_TEXT = "1.17549e-38", "3.40282e+38"
+
+
+def _message(check, value, *args):
+  with pytest.raises((ValueError, TypeError)) as err:
+    check("knob", value, *args)
+  return err.type, str(err.value)
+
+
+# (validator, extra args, values rejected, what the message says it must)
+REJECTS = [
+  (
+    _validate.scale,
+    (),
+    [0.0, -1.0, 2.0**-127, 1e39, INF, NAN],
+    f"be a positive, finite, normal float32 in [{TINY_TEXT}, {MAX_TEXT}]",
+  ),
+  (
+    _validate.above_one,
+    (),
+    [1.0, 0.5, -2.0, INF, NAN],
+    "be a finite float above 1",
+  ),
+  (
+    _validate.open_unit,
+    (),
+    [0.0, 1.0, -0.5, 1.5, INF, NAN],
+    "lie in the open interval (0, 1)",
+  ),
+  (
+    _validate.positive,
+    (),
+    [0.0, -1.0, 1e39, INF, NAN],
+    f"be positive and at most float32's maximum ({MAX_TEXT})",
+  ),
+  (
+    _validate.non_negative,
+    (),
+    [-TINY, -1.0, 1e39, INF, NAN],
+    f"be >= 0 and at most float32's maximum ({MAX_TEXT})",
+  ),
+  (_validate.count, (), [0, -3, 2**31 - 1], "be an integer in [1, 2147483646]"),
+  (
+    _validate.in_range,
+    (0.5, 8.0),
+    [0.25, 9.0, -INF, INF, NAN],
+    "lie in [0.5, 8]",
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "check, args, values, allowed",
+  REJECTS,
+  ids=[r[0].__name__ for r in REJECTS],
+)
+def test_out_of_range_names_the_parameter_and_the_range(
+  check, args, values, allowed
+):
+  for value in values:
+    kind, text = _message(check, value, *args)
+    assert kind is ValueError, (value, text)
+    assert text == f"knob must {allowed}, got {value!r}"
+
+
+@pytest.mark.parametrize(
+  "check",
+  [
+    _validate.real,
+    _validate.scale,
+    _validate.above_one,
+    _validate.open_unit,
+    _validate.positive,
+    _validate.non_negative,
+  ],
+)
+def test_a_number_must_be_a_real_number(check):
+  for value, described in [
+    (True, "True (bool)"),
+    ("2", "'2' (str)"),
+    (None, "None (NoneType)"),
+    (1j, "1j (complex)"),
+  ]:
+    kind, text = _message(check, value)
+    assert kind is TypeError
+    assert text == f"knob must be a real number, got {described}"
+
+
+def test_a_count_must_be_an_integer():
+  for value, described in [
+    (True, "True (bool)"),
+    (2.0, "2.0 (float)"),
+    ("4", "'4' (str)"),
+  ]:
+    kind, text = _message(_validate.count, value)
+    assert kind is TypeError
+    assert text == f"knob must be an integer >= 1, got {described}"
+
+
+def test_the_edges_of_each_range_are_accepted_as_the_state_holds_them():
+  # Scales and factors become float32: 0.1 is held as float32's 0.1.
+  assert _validate.scale("s", TINY) == TINY
+  assert _validate.scale("s", F32_MAX) == F32_MAX
+  assert _validate.scale("s", 0.1) == float(np.float32(0.1)) != 0.1
+  assert _validate.scale("s", 2**10) == 1024.0  # an int
+  assert _validate.above_one("g", F32_MAX) == F32_MAX
+  assert _validate.above_one("g", 1.5) == 1.5
+  assert _validate.open_unit("b", 0.75) == 0.75
+  assert _validate.open_unit("b", 0.1) == float(np.float32(0.1))
+  # Norms and margins are kept as given (clipping compares them in float32).
+  assert _validate.positive("p", 0.1) == 0.1
+  assert _validate.positive("p", F32_MAX) == F32_MAX
+  assert _validate.non_negative("n", 0.0) == 0.0
+  assert _validate.non_negative("n", F32_MAX) == F32_MAX
+  assert _validate.in_range("r", 0.5, 0.5, 8.0) == 0.5
+  assert _validate.in_range("r", 8, 0.5, 8.0) == 8.0
+  assert _validate.real("x", np.float32(0.5)) == 0.5
+  assert _validate.real("x", -(2**100)) == -(2.0**100)
+  for value in (1, 2**31 - 2, np.int64(7)):
+    got = _validate.count("c", value)
+    assert got == int(value) and type(got) is int
+  assert _validate.flag("f", np.bool_(True)) is True
+  assert _validate.flag("f", False) is False
+  assert _validate.choice("c", "drop", ("skip", "drop")) == "drop"
+
+
+def test_flag_and_choice_name_what_they_got():
+  for value, described in [(1, "1 (int)"), ("yes", "'yes' (str)")]:
+    kind, text = _message(_validate.flag, value)
+    assert kind is TypeError
+    assert text == f"knob must be a bool, got {described}"
+  for value, described in [("Skip", "'Skip' (str)"), (0, "0 (int)")]:
+    kind, text = _message(_validate.choice, value, ("skip", "drop"))
+    assert kind is ValueError
+    assert text == f"knob must be one of 'skip', 'drop', got {described}"
+
+
+def test_an_integer_beyond_float_range_says_how_long_it_is():
+  kind, text = _message(_validate.real, 10**400)
+  assert kind is ValueError
+  assert text == (
+    f"knob must be within float32's range (at most {MAX_TEXT}), got an "
+    "integer with 401 digits"
+  )
+  assert _message(_validate.scale, -(10**400))[1].endswith("401 digits")
+
+
+@pytest.mark.parametrize(
+  "make, name",
+  [
+    (lambda v: fs.deepspeed_scaler(init_scale=v), "init_scale"),
+    (lambda v: fs.torch_scaler(growth_factor=v), "growth_factor"),
+    (lambda v: fs.megatron_scaler(min_scale=v), "min_scale"),
+    (lambda v: fs.static_scaler(v), "scale"),
+    (lambda v: fs.clip_by_unscaled_norm(v), "max_norm"),
+  ],
+)
+def test_a_huge_python_int_is_named(make, name):
+  # Through the public constructors: the parameter's own name reaches the
+  # message.
+  with pytest.raises(ValueError, match=f"^{name} must be within float32"):
+    make(10**400)
