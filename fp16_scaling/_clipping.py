@@ -170,16 +170,15 @@ def _measured(leaves) -> _norm.NormPass:
 def _clipped(measured: _norm.NormPass, norms, max_norm, eps) -> list:
   """``measured.leaves`` times ``max_norm / (norm + eps)`` where below 1.
 
-  On an overflow step the norm is 0.0. fp16_loss_scale's pass skips such a
-  step, and its gradients are zeros where a derivative is taken
-  (``discard_if``), so gradients taken through the step stay finite: the
-  backward pass multiplies zero cotangents by finite numbers only. An
-  overflow only our own pass found (a transformation in between made it)
-  skips nothing: the clip returns zeros.
+  On an overflow step the norm is 0.0 and the result is discarded by
+  skip_on_overflow; the gradients are zeros (``discard_if``, already applied
+  by fp16_loss_scale to the arrays it hands on), so gradients taken through
+  the step stay finite: the backward pass multiplies zero cotangents by
+  finite numbers only.
   """
   leaves = measured.leaves
-  if not measured.skipped_on_overflow:
-    leaves = _norm.zeros_if(norms.overflow, leaves)
+  if not measured.zeroed_on_overflow:
+    leaves = _norm.discard_if(norms.overflow, leaves)
   factor = jnp.minimum(
     jnp.float32(1), jnp.float32(max_norm) / (norms.norm + jnp.float32(eps))
   )

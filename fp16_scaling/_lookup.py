@@ -16,7 +16,7 @@ here, by type: ``current_scale`` and every other helper go through
 :func:`loss_scale_state`, so the first step that scales its loss raises.
 """
 
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional
 
 import jax
 import optax
@@ -26,20 +26,12 @@ from fp16_scaling._states import ClipState
 from fp16_scaling._states import LossScaleState
 
 
-def _array_fields(cls: type) -> frozenset:
-  """The fields of the NamedTuple ``cls`` that always hold arrays (typed
-  ``jax.Array`` or a NamedTuple): the keys a restore without a target keeps,
-  where an optional (None) or static field may be dropped."""
-  hints = get_type_hints(cls)
-  return frozenset(
-    name
-    for name in cls._fields
-    if hints[name] is jax.Array or hasattr(hints[name], "_fields")
-  )
-
-
-# The keys of a LossScaleState restored as a plain dict.
-_UNTYPED_KEYS = _array_fields(LossScaleState)
+def looks_like_loss_scale_state(keys) -> bool:
+  """Whether a dict with ``keys`` is a LossScaleState restored without its
+  types: it holds ``scaler`` and two more of the state's fields. Not all of
+  them: a checkpoint from an older release lacks the fields added since."""
+  keys = set(map(str, keys)) & set(LossScaleState._fields)
+  return "scaler" in keys and len(keys) >= 3
 
 
 def _is_wrapped(x: Any) -> bool:
@@ -69,7 +61,7 @@ def _looks_untyped(tree: Any) -> bool:
 
   def visit(x):
     if isinstance(x, dict):
-      if _UNTYPED_KEYS <= set(map(str, x)):
+      if looks_like_loss_scale_state(x):
         found.append(x)
       for v in x.values():
         visit(v)

@@ -350,7 +350,7 @@ def _unscaled(leaves, scale, leaf_axes) -> Tuple[_norm.NormPass, _norm.Norms]:
     tuple(leaves),
     tuple(sums),
     inv_scale,
-    skipped_on_overflow=True,
+    zeroed_on_overflow=True,
     reduced=norms,
     leaf_axes=tuple(leaf_axes),
   )

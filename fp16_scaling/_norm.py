@@ -187,8 +187,7 @@ def _leaf_sums_jvp(primals, tangents):
 
 
 def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
-  """``leaves``; differentiated, zeros when ``overflow`` (a step whose result
-  is discarded).
+  """``leaves``, or zeros when ``overflow`` (a step whose result is discarded).
 
   On an overflow step the gradients hold an inf, and everything computed
   from them is discarded by ``skip_on_overflow``. A derivative taken through
@@ -196,39 +195,13 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
   closes over) still multiplies the discarded values' zero cotangents by
   those infs: 0 * inf = NaN. Selected *before* the multiply, the optimizer
   sees zeros instead, and gradients through an overflow step are finite:
-  zero through the discarded update.
-
-  Only a derivative needs the zeros: the values of an overflow step are
-  discarded whatever they are. So the select is in the rule JAX uses when it
-  differentiates (a ``custom_jvp``), and a step that is not differentiated
-  gets ``leaves`` as they are: two fewer operations per leaf to trace and
-  compile.
+  zero through the discarded update. The select is in the values, not only
+  in a derivative rule: with respect to a learning rate, the gradients are
+  constants that no derivative rule would see. Elementwise, with the scalar
+  flag: XLA fuses it into the optimizer's own pass.
   """
-  return _discard_if(overflow, tuple(leaves))
-
-
-def zeros_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
-  """``leaves``, or zeros when ``overflow``: :func:`discard_if` for a pass
-  whose overflow no guard skips (a clip that measured its own input)."""
-  return _zeros_if(overflow, leaves)
-
-
-def _zeros_if(overflow, leaves):
   # select_n takes the scalar flag as is; full_like keeps x's sharding.
   return tuple(lax.select_n(overflow, x, lax.full_like(x, 0)) for x in leaves)
-
-
-@jax.custom_jvp
-def _discard_if(overflow, leaves):
-  del overflow
-  return leaves
-
-
-@_discard_if.defjvp
-def _discard_if_jvp(primals, tangents):
-  overflow, leaves = primals
-  _, dleaves = tangents
-  return _zeros_if(overflow, leaves), _zeros_if(overflow, dleaves)
 
 
 def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
@@ -397,10 +370,9 @@ class NormPass(NamedTuple):
     read: the arrays the pass read; ``leaves == read * scale`` elementwise.
     sums: per-leaf local sums of squares of ``read``, from :func:`leaf_sums`.
     scale: float32 scalar, the factor from ``read`` to ``leaves``.
-    skipped_on_overflow: static; True when an overflow this pass finds
-      skips the step (``fp16_loss_scale``'s pass, inside
-      ``skip_on_overflow``), and :func:`discard_if` already gives ``leaves``
-      the zeros a derivative needs: users of the pass need not zero them.
+    zeroed_on_overflow: static; True when ``leaves`` are already zeros on an
+      overflow (:func:`discard_if` applied), so users of the pass need not
+      discard again.
     reduced: the :class:`Norms` its maker reduced it to, or None: a user
       that sums over the same mesh axes reuses their per-leaf vector.
     leaf_axes: the mesh axes ``reduced`` summed each leaf over.
@@ -410,7 +382,7 @@ class NormPass(NamedTuple):
   read: tuple
   sums: tuple
   scale: jax.Array
-  skipped_on_overflow: bool
+  zeroed_on_overflow: bool
   reduced: Optional[Norms] = None
   leaf_axes: Optional[tuple] = None
 

@@ -130,7 +130,7 @@ def _recognise(state_dict: Any) -> tuple:
 
 def _unknown(keys: set) -> None:
   """Raises for a state dict with ``keys`` that no peer's holds."""
-  if _lookup._UNTYPED_KEYS <= keys:
+  if _lookup.looks_like_loss_scale_state(keys):
     raise ValueError(
       "state_dict is an fp16_scaling optimizer state that lost its types "
       "(restored without a target), not a scaler state_dict: restore the "

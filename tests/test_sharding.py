@@ -106,3 +106,18 @@ def test_a_spec_naming_an_axis_the_mesh_lacks_is_refused():
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match="'model'.*has axes"):
       _sharding.leaf_axes_from_specs({"w": P("model")}, tree, "clip")
+
+
+def test_leaf_vector_runs_one_collective_per_set_of_axes():
+  calls = []
+
+  def collective(v, axes):
+    calls.append((axes, np.asarray(v).tolist()))
+    return v * 10
+
+  values = [jnp.float32(v) for v in (1, 2, 3, 4, 5)]
+  axes = [(), ("data",), ("data", "model"), ("data",), ()]
+  out = _sharding.leaf_vector(values, axes, collective)
+  np.testing.assert_array_equal(out, [1, 20, 30, 40, 5])
+  assert calls == [(("data",), [2.0, 4.0]), (("data", "model"), [3.0])]
+  assert _sharding.leaf_vector([], [], collective).shape == (0,)

@@ -137,9 +137,16 @@ def test_a_dict_from_before_a_field_existed_loads():
     fs.load_scaler_state_dict(state, d, SCALER)
 
 
-def test_untyped_keys_are_the_fields_that_hold_arrays():
-  fields = set(fs.LossScaleState._fields) - {"grad_range", "leaf_paths"}
-  assert _lookup._UNTYPED_KEYS == fields
+def test_an_untyped_state_is_told_by_the_state_s_own_field_names():
+  # Every field, or scaler and any two others (a checkpoint from before a
+  # field was added), is a LossScaleState that lost its types; fewer is not.
+  fields = list(fs.LossScaleState._fields)
+  assert _lookup.looks_like_loss_scale_state(fields)
+  others = [f for f in fields if f != "scaler"]
+  for a, b in zip(others, others[1:]):
+    assert _lookup.looks_like_loss_scale_state(["scaler", a, b])
+    assert not _lookup.looks_like_loss_scale_state(["scaler", a])
+    assert not _lookup.looks_like_loss_scale_state([a, b, "unrelated"])
   scaler_state = fs.ScalerState(*range(len(fs.ScalerState._fields)))
   assert set(_state_dict._own_fields(scaler_state)) == set(
     fs.ScalerState._fields
