@@ -42,19 +42,30 @@ def scale(name: str, value) -> float:
 
 
 def above_one(name: str, value) -> float:
+  """``value`` as the float32 the state holds, which must be above 1: a
+  factor that rounds to 1.0 in float32 would never change the scale."""
   v = real(name, value)
-  if not (math.isfinite(v) and 1.0 < v <= F32_MAX):
-    raise ValueError(f"{name} must be a finite float above 1, got {value!r}")
-  return float(np.float32(v))
+  f = float(np.float32(v)) if math.isfinite(v) and abs(v) <= F32_MAX else v
+  if not (math.isfinite(f) and 1.0 < f <= F32_MAX):
+    raise ValueError(
+      f"{name} must be a finite float above 1 (in float32, the state's "
+      f"dtype), got {value!r}"
+    )
+  return f
 
 
 def open_unit(name: str, value) -> float:
+  """``value`` as the float32 the state holds, which must lie in (0, 1): a
+  factor that rounds to 0.0 or 1.0 in float32 would zero the scale or
+  never lower it."""
   v = real(name, value)
-  if not 0.0 < v < 1.0:
+  f = float(np.float32(v)) if 0.0 < v < 1.0 else v
+  if not 0.0 < f < 1.0:
     raise ValueError(
-      f"{name} must lie in the open interval (0, 1), got {value!r}"
+      f"{name} must lie in the open interval (0, 1) (in float32, the "
+      f"state's dtype), got {value!r}"
     )
-  return float(np.float32(v))
+  return f
 
 
 def positive(name: str, value) -> float:

@@ -215,3 +215,19 @@ def test_lbfgs_free_running_matches_plain_lbfgs_bit_for_bit():
     assert float(lr_ours) == float(lr_plain)
   assert float(loss(plain[-1][0])) < 1e-6  # it converged
   np.testing.assert_allclose(ours[-1][0], np.ones(6), atol=1e-3)
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "no clip"])
+def test_gradient_in_the_learning_rate_alone_is_zero_on_an_overflow_step(clip):
+  # Differentiated with respect to the learning rate only, the gradients
+  # are constants: the discard must be in the values, not in a derivative
+  # rule, or lr * inf meets the discarded update's zero cotangent (NaN).
+  grads = jnp.array([4.0, jnp.inf, 4.0], jnp.float16)
+  state = _guarded(optax.sgd(0.1, momentum=0.9), clip).init(_P0)
+
+  def moved(lr):
+    tx = _guarded(optax.sgd(lr, momentum=0.9), clip)
+    updates, _ = tx.update(grads, state, _P0)
+    return jnp.sum(_P0 + updates)
+
+  assert float(jax.jit(jax.grad(moved))(0.1)) == 0.0

@@ -39,14 +39,16 @@ REJECTS = [
   (
     _validate.above_one,
     (),
-    [1.0, 0.5, -2.0, INF, NAN],
-    "be a finite float above 1",
+    # 1 + 1e-8 rounds to 1.0 in float32: a factor that never changes.
+    [1.0, 1.00000001, 0.5, -2.0, INF, NAN],
+    "be a finite float above 1 (in float32, the state's dtype)",
   ),
   (
     _validate.open_unit,
     (),
-    [0.0, 1.0, -0.5, 1.5, INF, NAN],
-    "lie in the open interval (0, 1)",
+    # 0.99999999 rounds to 1.0 and 1e-46 to 0.0 in float32.
+    [0.0, 1.0, 0.99999999, 1e-46, -0.5, 1.5, INF, NAN],
+    "lie in the open interval (0, 1) (in float32, the state's dtype)",
   ),
   (
     _validate.positive,
