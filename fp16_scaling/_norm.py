@@ -248,14 +248,7 @@ def reduce_norms(
   leaf_groups = tuple(leaf_groups) if leaf_groups is not None else (0,) * n
   leaf_axes = tuple(leaf_axes) if leaf_axes is not None else ((),) * n
   if n == 0:
-    zero = jnp.float32(0)
-    return Norms(
-      zero,
-      jnp.zeros([num_groups], jnp.float32),
-      jnp.bool_(False),
-      jnp.zeros([0], jnp.bool_),
-      jnp.zeros([0], jnp.float32),
-    )
+    return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
   if per_leaf is None:
     per_leaf = leaf_vector(
@@ -297,6 +290,17 @@ def reduce_norms(
     overflow=overflow,
     leaf_nonfinite=leaf_nonfinite,
     leaf_sums=per_leaf,
+  )
+
+
+def _no_norms(num_groups: int) -> Norms:
+  """The norms of a tree without leaves."""
+  return Norms(
+    jnp.float32(0),
+    jnp.zeros([num_groups], jnp.float32),
+    jnp.bool_(False),
+    jnp.zeros([0], jnp.bool_),
+    jnp.zeros([0], jnp.float32),
   )
 
 
