@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from fp16_scaling._sharding import AxisNames
 from fp16_scaling._sharding import leaf_vector
@@ -46,6 +47,9 @@ from fp16_scaling._sharding import leaf_vector
 # (or leaf sums) still add up to less than float32's maximum, so no sum is
 # +inf and a -inf never meets a +inf.
 CAP = 2.0**96
+# The least magnitude float16 rounds to inf: 65504 plus half its last step of
+# 32, a tie that rounds to the even 2**16, out of range.
+FLOAT16_INF_FROM = 65520.0
 
 
 class Norms(NamedTuple):
@@ -110,35 +114,40 @@ def widen(x: jax.Array) -> jax.Array:
   (``--xla_allow_excess_precision=true``), folds a float32 -> float16 ->
   float32 chain of converts into nothing, so a float32 value that overflowed
   its cast to float16 reaches this function as the finite float32 it was.
-  ``lax.reduce_precision`` to float16's 5 exponent and 10 mantissa bits is
-  defined to send such a value to ``+-inf``, and no XLA pass removes it from
-  a float32 operand. It is taken only where it changes something (out of
-  range, NaN): a value float16 holds keeps every bit, subnormals included,
-  which ``reduce_precision`` would flush to zero. Elementwise, so it fuses
-  into the pass that reads ``x``: no extra memory traffic. Other dtypes are
+  Compared with :data:`FLOAT16_INF_FROM`, the magnitude from which float16
+  rounds to inf, it is sent to ``+-inf`` here: a comparison of a value
+  known only when the step runs, which no compiler pass can fold. A value
+  float16 holds keeps every bit, subnormals included, and NaN stays NaN.
+  Elementwise, so it fuses into the pass that reads ``x``. Other dtypes are
   only promoted: a float32 or bfloat16 value above 65504 is finite.
   """
   wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  if jnp.result_type(x) != jnp.float16:
+  if _is_wide(x):
     return wide
-  held = _as_float16(wide)
-  return lax.select(lax.is_finite(held), wide, held)
+  out = lax.ge(lax.abs(wide), _f32(FLOAT16_INF_FROM))
+  return lax.select(out, lax.mul(wide, _f32(jnp.inf, wide)), wide)
 
 
-def _as_float16(wide: jax.Array) -> jax.Array:
-  return lax.reduce_precision(wide, exponent_bits=5, mantissa_bits=10)
+def _f32(value, like=None) -> jax.Array:
+  """The float32 scalar ``value``, broadcast to ``like``'s shape if given."""
+  value = np.float32(value)
+  return value if like is None else lax.full_like(like, value)
 
 
 def _squares(x: jax.Array) -> jax.Array:
-  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  sq = wide * wide
+  """Elementwise squares in float32; ``+inf`` or NaN exactly where ``x`` is
+  not finite in its own dtype's range (float16: see :func:`widen`),
+  ``-inf`` for a non-finite wide element (whose square may be capped)."""
+  wide = lax.convert_element_type(x, jnp.promote_types(x.dtype, jnp.float32))
+  sq = lax.mul(wide, wide)
   if not _is_wide(x):
-    # +inf where float16 cannot hold x (see widen), NaN for a NaN; else
-    # x * x, subnormals included (their float16 rounding flushes to 0).
-    held = _as_float16(wide)
-    return jnp.maximum(sq, held * held)
-  sq = jnp.minimum(sq, jnp.float32(CAP))
-  return lax.select(lax.is_finite(wide), sq, lax.full_like(sq, -jnp.inf))
+    # float32 multiplication rounds correctly and monotonically, and
+    # 65520**2 is a float32: sq >= 65520**2 exactly when |x| >= 65520, the
+    # squares of widen(x) without its select. NaN stays NaN.
+    big = lax.ge(sq, _f32(FLOAT16_INF_FROM**2))
+    return lax.select(big, _f32(jnp.inf, sq), sq)
+  sq = lax.min(sq, _f32(CAP, sq))
+  return lax.select(lax.is_finite(wide), sq, _f32(-jnp.inf, sq))
 
 
 @jax.custom_jvp
@@ -172,7 +181,10 @@ def leaf_sums(leaves: Sequence[jax.Array]) -> list:
 
 @jax.custom_jvp
 def _leaf_sums(leaves):
-  return tuple(jnp.sum(_squares(x), dtype=jnp.float32) for x in leaves)
+  return tuple(
+    lax.reduce_sum(_squares(x).astype(jnp.float32), range(x.ndim))
+    for x in leaves
+  )
 
 
 @_leaf_sums.defjvp

@@ -2,15 +2,19 @@
 
 XLA:GPU may fold a float32 -> float16 -> float32 chain of converts into
 nothing (``xla_allow_excess_precision``), so a gradient that overflowed its
-cast to float16 can reach the library as a finite float32. The library reads
-float16 gradients through ``lax.reduce_precision`` to float16's bits, which
-sends such values to inf on every backend. XLA:CPU keeps the converts, so
-here the tests check the values and that the detection op survives
-optimisation in the compiled step; benchmarks/gpu_check.py runs the same
-tests on a GPU, where the folding happens.
+cast to float16 can reach the library as a finite float32. The library
+compares float16 gradients (their squares, in the norm's pass) with the
+least magnitude float16 rounds to inf, 65520, which sends such values to inf
+on every backend. XLA:CPU keeps the converts, so here the tests check the
+values and that the comparison survives optimisation in the compiled step;
+benchmarks/gpu_check.py runs the same tests on a GPU, where the folding
+happens.
 """
 
+import re
+
 import helpers
+from hlo import computations
 from hlo import ops_feeding_output
 import jax
 import jax.numpy as jnp
@@ -94,8 +98,9 @@ def test_float16_max_is_finite_and_the_next_rounding_step_is_not():
 
 
 def test_subnormal_float16_gradients_keep_their_norm():
-  # reduce_precision flushes float16 subnormals to zero; the detection must
-  # not: a gradient float16 holds keeps every bit in the norm.
+  # A rounding to float16's normal range would flush float16 subnormals to
+  # zero; the detection must not: a gradient float16 holds keeps every bit
+  # in the norm.
   tiny = np.array([2.0**-24, 3 * 2.0**-20, 2.0**-15], np.float16)
   tx = _tx()
   _, state = jax.jit(tx.update)(jnp.asarray(tiny), tx.init(_PARAMS), _PARAMS)
@@ -126,13 +131,30 @@ def _overflow_index(tx, params, grads):
   return index, compiled.as_text()
 
 
-def _reduce_precision_to_float16(lines):
+def _threshold_compares(text, lines):
+  """The ``compare`` instructions among ``lines`` that compare a value with
+  65520**2 (broadcast or not), the square of the least magnitude float16
+  rounds to inf."""
+  named = {i["name"]: i for c in computations(text).values() for i in c}
+  square = np.float32(65520.0**2)
+
+  def is_threshold(name):
+    inst = named.get(name)
+    while inst is not None and inst["op"] == "broadcast":
+      inst = named.get(inst["operands"][0])
+    if inst is None or inst["op"] != "constant":
+      return False
+    value = re.search(r"constant\(([^)]+)\)", inst["line"]).group(1)
+    try:
+      return np.float32(float(value)) == square
+    except ValueError:  # an array constant
+      return False
+
   return [
     line
     for line in lines
-    if " reduce-precision(" in line
-    and "exponent_bits=5" in line
-    and "mantissa_bits=10" in line
+    if " compare(" in line
+    and any(is_threshold(name) for name in re.findall(r"%([\w.\-]+)", line))
   ]
 
 
@@ -143,8 +165,8 @@ def test_the_detection_op_survives_optimisation_for_float16_only(dtype):
   index, text = _overflow_index(
     _tx(fs.deepspeed_scaler(init_scale=2.0**8)), params, grads
   )
-  feeding = _reduce_precision_to_float16(ops_feeding_output(text, index))
-  everywhere = _reduce_precision_to_float16(text.splitlines())
+  feeding = _threshold_compares(text, ops_feeding_output(text, index))
+  everywhere = _threshold_compares(text, text.splitlines())
   if dtype == jnp.float16:
     # On the path to the overflow flag: one per gradient leaf.
     assert len(feeding) >= len(grads), feeding

@@ -69,11 +69,9 @@ def _count_big_reductions(fn, *args):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "cond":
         continue
-      name = eqn.primitive.name  # reduce_precision is elementwise
-      if (
-        name.startswith("reduce_")
-        and name != "reduce_precision"
-        and any(np.prod(v.aval.shape) >= 16 for v in eqn.invars)
+      name = eqn.primitive.name
+      if name.startswith("reduce_") and any(
+        np.prod(v.aval.shape) >= 16 for v in eqn.invars
       ):
         n += 1
       for p in eqn.params.values():

@@ -233,7 +233,8 @@ def test_widen_sends_out_of_range_to_inf_and_keeps_the_rest():
 
 
 def test_widen_keeps_float16_subnormals():
-  # reduce_precision would flush them to zero; widen keeps every bit.
+  # A rounding to float16's normal range would flush them to zero; widen
+  # keeps every bit.
   tiny = np.array([2.0**-24, 3 * 2.0**-20, -(2.0**-15)], np.float16)
   wide = np.asarray(_norm.widen(jnp.asarray(tiny)))
   assert wide.dtype == np.float32
