@@ -269,16 +269,7 @@ def reduce_norms(
       lambda v, axes: lax.psum(v, axes),
       lambda local: _marked(local, cap=needs_rescue),
     )
-  groups = jnp.asarray(leaf_groups, jnp.int32)
-  common = jnp.stack(
-    [
-      jnp.sum(jnp.where(groups == g, per_leaf, 0.0))
-      if g in leaf_groups
-      else jnp.float32(0)
-      for g in range(num_groups)
-    ]
-  )
-  total = jnp.sum(common)
+  common, total = _group_sums(per_leaf, leaf_groups, num_groups)
   # Under float16_range() every leaf holds float16-range values: no finite
   # square can reach the cap, and the rescue is not traced.
   if needs_rescue and not _FLOAT16_RANGE.get():
@@ -289,13 +280,10 @@ def reduce_norms(
     root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
   else:
     root, group_roots, overflow = _roots(total, common)
-  # -inf exactly for a leaf with a non-finite element on some device.
+  # -inf exactly for a leaf with a non-finite element on some device; the
+  # total of capped finite sums is finite, so it is -inf exactly then too.
   leaf_nonfinite = per_leaf < 0
-  # The overflow flag is a reduction of the per-leaf vector, which XLA
-  # computes once: a cheap function of the sums (the root's isinf) is fused
-  # into, and recomputed by, each of the per-leaf passes that read it (the
-  # skip's selects, the discard): three instructions more in each.
-  overflow = jnp.any(leaf_nonfinite)
+  overflow = total < 0
   return Norms(
     norm=jnp.where(overflow, 0.0, root),
     group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
@@ -303,6 +291,28 @@ def reduce_norms(
     leaf_nonfinite=leaf_nonfinite,
     leaf_sums=per_leaf,
   )
+
+
+def _group_sums(per_leaf, leaf_groups, num_groups) -> tuple:
+  """``(per-group sums, total)`` of the per-leaf vector; a group without
+  leaves sums to 0. When one group holds every leaf, its sum is the total:
+  one reduction, not two."""
+  present = sorted(set(leaf_groups))
+  if len(present) == 1:
+    total = jnp.sum(per_leaf)
+    zero = jnp.float32(0)
+    sums = [total if g == present[0] else zero for g in range(num_groups)]
+    return jnp.stack(sums), total
+  groups = np.asarray(leaf_groups, np.int32)
+  common = jnp.stack(
+    [
+      jnp.sum(jnp.where(groups == g, per_leaf, 0.0))
+      if g in present
+      else jnp.float32(0)
+      for g in range(num_groups)
+    ]
+  )
+  return common, jnp.sum(common)
 
 
 def _no_norms(num_groups: int) -> Norms:
