@@ -18,7 +18,9 @@ import fp16_scaling as fs
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-TEST_COMMAND = "bash .ci/setup && .venv/bin/python -m pytest -q"
+TEST_COMMAND = (
+  "bash .ci/setup && .venv/bin/python -m pytest -q -n auto --dist loadfile"
+)
 
 
 def _section(title):
