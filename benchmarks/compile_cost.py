@@ -4,19 +4,23 @@
 For each shape, ``--rounds`` rounds; each round compiles the floor (``a``,
 ``optax.chain(clip_by_global_norm, adamw)``) and fp16_scaling's step (``b``,
 ``skip_on_overflow(chain(fp16_loss_scale, clip_by_unscaled_norm, adamw))``),
-in alternating order (a, b; then b, a; ...), each in a fresh worker process
-with an empty compilation cache, so that every compile is cold and drift
-falls on both alike. Trace + lower and XLA's compile are timed apart, in
-process CPU time (all threads; on a shared machine other load moves it far
-less than wall time, which is printed beside it). The steps are
-``recipes.py``'s; the worker is ``step_cost.py``'s.
+and any other recipe of ``step_cost.py`` named with ``--recipes`` (such as
+``apply_if_finite``), in an order that rotates each round (a, b, c; then
+b, c, a; ...), each in a fresh worker process with an empty compilation
+cache, so that every compile is cold and drift falls on all alike. Trace +
+lower and XLA's compile are timed apart, in process CPU time (all threads;
+on a shared machine other load moves it far less than wall time, which is
+printed beside it). The steps are ``recipes.py``'s; the worker is
+``step_cost.py``'s.
 
 Printed per shape: the median of each part for each recipe, the ratio of
-the medians, and the median [min, max] of the per-round paired ratios b / a
-of the total (trace + lower + compile).
+the medians to the floor's, and for each recipe the median [min, max] of
+its per-round paired ratios to the floor of the total (trace + lower +
+compile).
 
   python benchmarks/compile_cost.py                  # 10M/200 and 2M/1000
   python benchmarks/compile_cost.py --shape 2M/1000 --rounds 2
+  python benchmarks/compile_cost.py --recipes floor,fp16,apply_if_finite
 """
 
 import argparse
@@ -27,6 +31,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import recipes  # noqa: E402
 import step_cost  # noqa: E402
 
 DEFAULT_SHAPES = ("10M/200", "2M/1000")
@@ -44,13 +49,13 @@ def compile_once(key, shape, budget):
   return res["lower_cpu_s"], res["compile_cpu_s"], wall
 
 
-def measure(shape, rounds, budget, log=print):
+def measure(shape, rounds, budget, keys=PAIR, log=print):
   """Per recipe the list of (lower CPU s, compile CPU s, wall s), one entry
   a round."""
-  times = {key: [] for key in PAIR}
+  times = {key: [] for key in keys}
   for r in range(rounds):
-    order = PAIR if r % 2 == 0 else PAIR[::-1]
-    for key in order:
+    shift = r % len(keys)
+    for key in keys[shift:] + keys[:shift]:
       lower, comp, wall = compile_once(key, shape, budget)
       times[key].append((lower, comp, wall))
       log(
@@ -61,17 +66,18 @@ def measure(shape, rounds, budget, log=print):
 
 
 def summary(shape, times):
-  """Markdown rows and the per-round ratio line for one shape."""
+  """Markdown rows and the per-round ratio lines for one shape; the first
+  recipe of ``times`` is the floor. Also returns the median per-round ratio
+  of the second recipe to the floor."""
   med = {
     key: [statistics.median(part) for part in zip(*rows)]
     for key, rows in times.items()
   }
-  a, b = PAIR
+  a, *others = times
   totals = {key: [lo + co for lo, co, _ in rows] for key, rows in times.items()}
   walls = {key: [w for _, _, w in rows] for key, rows in times.items()}
-  paired = sorted(tb / ta for ta, tb in zip(totals[a], totals[b]))
   lines = []
-  for key in PAIR:
+  for key in times:
     lower, comp, _ = med[key]
     total = statistics.median(totals[key])
     ratio = total / statistics.median(totals[a])
@@ -81,12 +87,16 @@ def summary(shape, times):
       f"| {shape} | {key} | {lower:.2f} | {comp:.2f} | {total:.2f} | "
       f"{ratio:.3f}x | {wall:.2f} | {wall_ratio:.3f}x |"
     )
-  per_round = (
-    f"{shape}: per-round b/a of total CPU time, median "
-    f"{statistics.median(paired):.3f}x "
-    f"[{paired[0]:.3f}, {paired[-1]:.3f}] over {len(paired)} rounds"
-  )
-  return lines, per_round, statistics.median(paired)
+  notes, medians = [], []
+  for key in others:
+    paired = sorted(tb / ta for ta, tb in zip(totals[a], totals[key]))
+    medians.append(statistics.median(paired))
+    notes.append(
+      f"{shape}: per-round {key}/{a} of total CPU time, median "
+      f"{medians[-1]:.3f}x [{paired[0]:.3f}, {paired[-1]:.3f}] over "
+      f"{len(paired)} rounds"
+    )
+  return lines, "\n".join(notes), medians[0]
 
 
 def main(argv=None):
@@ -97,11 +107,23 @@ def main(argv=None):
     help="params/leaves, e.g. 10M/200 (default: "
     f"{' and '.join(DEFAULT_SHAPES)})",
   )
+  parser.add_argument(
+    "--recipes",
+    default=",".join(PAIR),
+    help="comma-separated step_cost.py recipes, the floor first (default: "
+    f"{','.join(PAIR)})",
+  )
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--budget", type=float, default=600.0)
   args = parser.parse_args(argv)
   if args.rounds < 1:
     parser.error("--rounds must be >= 1")
+  keys = tuple(args.recipes.split(","))
+  if keys[0] != PAIR[0] or len(keys) < 2 or len(set(keys)) < len(keys):
+    parser.error("--recipes: the floor first, then one or more others")
+  unknown = [k for k in keys if k not in recipes.BY_KEY]
+  if unknown:
+    parser.error(f"--recipes: unknown {', '.join(unknown)}")
   shapes = args.shape or list(DEFAULT_SHAPES)
   for shape in shapes:
     step_cost.parse_shape(shape)
@@ -113,7 +135,7 @@ def main(argv=None):
   rows, notes = [], []
   for shape in shapes:
     lines, per_round, _ = summary(
-      shape, measure(shape, args.rounds, args.budget)
+      shape, measure(shape, args.rounds, args.budget, keys)
     )
     rows += lines
     notes.append(per_round)

@@ -25,15 +25,35 @@ def test_summary_ratios_are_of_the_medians_and_paired_per_round():
   )
   # Paired per round: 3/2, 4/4, 6/3 -> median 1.5.
   assert median_ratio == pytest.approx(1.5)
-  assert "median 1.500x [1.000, 2.000] over 3 rounds" in per_round
+  assert per_round == (
+    "S: per-round fp16/floor of total CPU time, median 1.500x "
+    "[1.000, 2.000] over 3 rounds"
+  )
 
 
 def test_one_round_at_a_tiny_shape(capsys):
-  compile_cost.main(["--shape", "4K/4", "--rounds", "1"])
+  compile_cost.main(
+    [
+      "--shape",
+      "4K/4",
+      "--rounds",
+      "1",
+      "--recipes",
+      "floor,fp16,apply_if_finite",
+    ]
+  )
   out = capsys.readouterr().out
   rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
-  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+  names = [r.split("|")[2].strip() for r in rows]
+  assert names == ["floor", "fp16", "apply_if_finite"]
   assert rows[0].split("|")[6].strip() == "1.000x"
-  ratio = float(rows[1].split("|")[6].strip().rstrip("x"))
-  assert 0.2 < ratio < 20
-  assert "4K/4: per-round b/a of total CPU time, median" in out
+  for row in rows[1:]:
+    assert 0.2 < float(row.split("|")[6].strip().rstrip("x")) < 20
+  for key in names[1:]:
+    assert f"4K/4: per-round {key}/floor of total CPU time, median" in out
+
+
+@pytest.mark.parametrize("recipes", ["fp16,floor", "floor", "floor,nope"])
+def test_bad_recipe_lists_are_refused(recipes):
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--recipes", recipes])
