@@ -255,8 +255,7 @@ def _finish(outs, treedef, labels_olds, done):
   final = []
   for x, label, old, selected in zip(outs, labels, olds, done):
     if label == UPDATE:
-      # select_n takes the scalar flag as is; full_like keeps x's sharding.
-      x = jax.lax.select_n(flag, x, jax.lax.full_like(x, -0.0))
+      x = jnp.where(flag, -0.0, x)
     elif label == SELECT and not selected:
       x = jnp.where(flag, old, x)
     final.append(x)

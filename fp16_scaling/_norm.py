@@ -124,14 +124,8 @@ def widen(x: jax.Array) -> jax.Array:
   wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   if _is_wide(x):
     return wide
-  out = lax.ge(lax.abs(wide), _f32(FLOAT16_INF_FROM))
-  return lax.select(out, lax.mul(wide, _f32(jnp.inf, wide)), wide)
-
-
-def _f32(value, like=None) -> jax.Array:
-  """The float32 scalar ``value``, broadcast to ``like``'s shape if given."""
-  value = np.float32(value)
-  return value if like is None else lax.full_like(like, value)
+  out = lax.ge(lax.abs(wide), np.float32(FLOAT16_INF_FROM))
+  return jnp.where(out, wide * np.float32(jnp.inf), wide)
 
 
 def _squares(x: jax.Array) -> jax.Array:
@@ -144,10 +138,9 @@ def _squares(x: jax.Array) -> jax.Array:
     # float32 multiplication rounds correctly and monotonically, and
     # 65520**2 is a float32: sq >= 65520**2 exactly when |x| >= 65520, the
     # squares of widen(x) without its select. NaN stays NaN.
-    big = lax.ge(sq, _f32(FLOAT16_INF_FROM**2))
-    return lax.select(big, _f32(jnp.inf, sq), sq)
-  sq = lax.min(sq, _f32(CAP, sq))
-  return lax.select(lax.is_finite(wide), sq, _f32(-jnp.inf, sq))
+    return jnp.where(lax.ge(sq, np.float32(FLOAT16_INF_FROM**2)), jnp.inf, sq)
+  sq = jnp.minimum(sq, np.float32(CAP))
+  return jnp.where(lax.is_finite(wide), sq, -jnp.inf)
 
 
 @jax.custom_jvp
@@ -212,8 +205,7 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
   constants that no derivative rule would see. Elementwise, with the scalar
   flag: XLA fuses it into the optimizer's own pass.
   """
-  # select_n takes the scalar flag as is; full_like keeps x's sharding.
-  return tuple(lax.select_n(overflow, x, lax.full_like(x, 0)) for x in leaves)
+  return tuple(jnp.where(overflow, 0.0, x) for x in leaves)
 
 
 def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
