@@ -195,8 +195,11 @@ def test_lbfgs_free_running_matches_plain_lbfgs_bit_for_bit():
       )
       return optax.apply_updates(p, updates), s
 
-    p = jnp.full(6, -0.5)
-    s = tx.init(p)
+    # Strongly typed float32 throughout: a weak-typed start (jnp.full's
+    # default, optax's scalar state) is another signature, and the step
+    # compiled three times over per chain.
+    p = jnp.full(6, -0.5, jnp.float32)
+    s = jax.tree.map(lambda x: jnp.asarray(x, x.dtype), tx.init(p))
     out = []
     for _ in range(50):
       p, s = step(p, s)
