@@ -23,7 +23,8 @@ compile or a hung test costs only its own row:
                examples/train_lm.py, fp16_scaling against plain optax.
   tests        the test suite, less tests/peers, tests/mesh and
                tests/multihost, as ``python -m pytest``: pass and fail counts
-               and the failing test ids.
+               and the failing test ids. ``--tests PATH`` (repeatable) runs
+               those paths or test ids instead.
 
 OUTDIR gets ``gpu_check.json`` (every part with its status: ok, failed,
 timed out, skipped or not selected; rewritten after each part, so a run
@@ -275,7 +276,9 @@ def command(part, args, outdir):
       *sizes,
     ], result
   if part.name == "tests":
-    paths = list(TINY_TESTS) if args.tiny else ["tests", "fp16_scaling"]
+    paths = args.tests or (
+      list(TINY_TESTS) if args.tiny else ["tests", "fp16_scaling"]
+    )
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "not peers"]
     cmd += ["-p", "no:cacheprovider", *paths]
     cmd += [f"--ignore={p}" for p in TEST_IGNORES]
@@ -559,6 +562,14 @@ def main(argv=None):
     metavar="PART=SECONDS",
     help="a part's time limit (repeatable). Defaults: "
     + ", ".join(f"{p.name} {p.limit_s:g}" for p in PARTS),
+  )
+  parser.add_argument(
+    "--tests",
+    action="append",
+    metavar="PATH",
+    help="a pytest path or node id for the tests part, instead of the "
+    "suite (or, with --tiny, instead of "
+    f"{', '.join(TINY_TESTS)}); repeatable",
   )
   parser.add_argument(
     "--total",

@@ -258,9 +258,15 @@ def make_model(cfg: Config, dtype=None) -> Transformer:
 
 
 def init_params(cfg: Config):
-  """float32 master parameters."""
+  """float32 master parameters.
+
+  They do not depend on the compute dtype (every parameter is created in
+  float32), so they come from the float32 model for every precision: runs
+  of both precisions then share the eager init's op compiles.
+  """
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-  return make_model(cfg).init(jax.random.key(cfg.seed), tokens)["params"]
+  model = make_model(cfg, jnp.float32)
+  return model.init(jax.random.key(cfg.seed), tokens)["params"]
 
 
 def loss_fn(model, params, x, y):

@@ -8,6 +8,7 @@ the floor is the unit of the ratios, GB/s is bytes over step time, and
 fp16_scaling's bytes stay within benchmarks/README.md's bound (<= 1.0x the
 floor's). No timing is asserted."""
 
+import argparse
 import json
 import re
 
@@ -27,6 +28,9 @@ PARTS = (  # the priority order: the tests first
   "step_cost_20M_1000_cb_off",
 )
 RAN = ("env", "bandwidth", "step_cost_20M_1000_cb_off", "tests")
+# The tests part runs these (4 quick tests), not --tiny's whole file: what
+# is checked is how the part's pytest output is read.
+TESTS = "tests/test_scaler.py::test_presets_refuse_positional_arguments"
 FLOOR, B = "a. optax clip + adamw, no scaling (floor)", "b. fp16_scaling"
 
 
@@ -38,6 +42,8 @@ def test_tiny_run_records_every_part(tmp_path):
     "--tiny",
     "--parts",
     ",".join(RAN),
+    "--tests",
+    TESTS,
     # jax cannot even be imported in this: the part must be killed.
     "--limit",
     "bandwidth=0.5",
@@ -62,7 +68,8 @@ def test_tiny_run_records_every_part(tmp_path):
   assert parts["env"]["result"]["devices"]
   # The parts that ran after the one that timed out measured their rows.
   tests = parts["tests"]["result"]
-  assert tests["counts"]["passed"] > 0 and tests["failing"] == []
+  assert tests["counts"]["passed"] > 1 and tests["failing"] == []
+  assert TESTS in parts["tests"]["command"]
   # Counted from pytest's lines, one a test; the same as its closing line.
   assert re.match(
     rf"{tests['counts']['passed']} passed in ", tests["pytest_summary"]
@@ -123,3 +130,20 @@ def test_failing_tests_are_named(tmp_path):
     "tests/test_c.py",
   ]
   assert result["pytest_summary"] is None  # killed: no closing line
+
+
+def test_tests_part_runs_the_suite_or_the_paths_given(tmp_path):
+  gpu_check = helpers.load_script(SCRIPT)
+  part = gpu_check.BY_NAME["tests"]
+
+  def paths(tiny, tests=None):
+    args = argparse.Namespace(tiny=tiny, tests=tests)
+    cmd, result = gpu_check.command(part, args, str(tmp_path))
+    assert result is None and cmd[1:3] == ["-m", "pytest"]
+    rest = cmd[cmd.index("no:cacheprovider") + 1 :]
+    return [a for a in rest if not a.startswith("--ignore=")]
+
+  assert paths(False) == ["tests", "fp16_scaling"]
+  assert paths(True) == list(gpu_check.TINY_TESTS)
+  given = ["tests/test_a.py::test_b[x, 1]", "tests/test_c.py"]
+  assert paths(False, given) == paths(True, given) == given

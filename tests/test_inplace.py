@@ -3,6 +3,7 @@ donated step that XLA runs in place, with no more memory traffic than plain
 optax. Any failure of the JAX internals the rewrite uses falls back to the
 select after the update, with one warning."""
 
+import functools
 import importlib.util
 import pathlib
 import re
@@ -177,6 +178,17 @@ _OPTIMIZERS = {
 }
 
 
+_STEPS = 8
+# The gradients of each of the steps below before the loss scale, stacked.
+# Drawn here rather than by jax.random inside the step, which compiled the
+# sampler into every chain's step (most of the test's time).
+_RNG = np.random.default_rng(1)
+_UNIT_GRADS = {
+  name: _RNG.standard_normal((_STEPS, *shape), np.float32)
+  for name, shape in {"w": (8, 4), "b": (4,)}.items()
+}
+
+
 @pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
 def test_same_bits_as_a_select_after_the_update(name):
   params = {
@@ -195,15 +207,9 @@ def test_same_bits_as_a_select_after_the_update(name):
 
   ours, ref = fs.skip_on_overflow(chain()), _reference_skip(chain())
 
-  def step(tx, params, state, i):
-    key = jax.random.fold_in(jax.random.PRNGKey(1), i)
+  def step(tx, params, state, units, i):
     scale = fs.current_scale(state)
-    grads = jax.tree.map(
-      lambda p: (
-        jax.random.normal(jax.random.fold_in(key, p.size), p.shape) * scale
-      ).astype(jnp.float16),
-      params,
-    )
+    grads = jax.tree.map(lambda g: (g[i] * scale).astype(jnp.float16), units)
     # Steps 3 and 4 overflow.
     poison = (i == 3) | (i == 4)
     grads["w"] = (
@@ -215,8 +221,8 @@ def test_same_bits_as_a_select_after_the_update(name):
   def run(tx):
     p, s, trace = params, tx.init(params), []
     f = jax.jit(step, static_argnums=0)
-    for i in range(8):
-      p, s = f(tx, p, s, i)
+    for i in range(_STEPS):
+      p, s = f(tx, p, s, _UNIT_GRADS, i)
       trace.append((p, s))
     assert int(fs.scale_metrics(s)["skipped_steps"]) == 2
     return trace
@@ -288,6 +294,13 @@ def _run_steps(tx, update=None):
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_steps(early_select):
+  """:func:`_run_steps` of ``_chain_with(early_select)``, run once for every
+  test that compares with it (each takes it before patching anything)."""
+  return _run_steps(_chain_with(early_select))
+
+
 def _assert_skipped_and_close(run, reference):
   assert _bits(run[1][0]) == _bits(run[0][0])  # the overflow step
   assert _bits(_inner(run[1][1])) == _bits(_inner(run[0][1]))
@@ -322,7 +335,7 @@ def _fallback_warnings(record):
 def test_unexpected_jaxpr_shape_falls_back_to_selecting_after(monkeypatch):
   # If a future JAX traces the inner update differently, the skip must
   # stay exact (only slower): same parameters, same skipped step.
-  fast = _run_steps(_chain())
+  fast = _reference_steps(True)
   monkeypatch.setattr(_inplace, "_single_jit_call", lambda closed: None)
   monkeypatch.setattr(_inplace, "_warned", False)
   with pytest.warns(RuntimeWarning, match="not one jit call"):
@@ -341,7 +354,7 @@ def test_a_broken_jax_internal_falls_back_and_warns_once(monkeypatch, internal):
   # jax.extend.core has no compatibility guarantee. With any piece of it
   # that the rewrite uses raising, the step must still return the values of
   # the plain select after the update, and say so once, naming the version.
-  reference = _run_steps(_chain_with(early_select=False))
+  reference = _reference_steps(False)
   if internal == "bind":
     # Only the rewrite's own bind: JAX's other jit calls keep working.
     real_finish = _inplace._finish
@@ -387,7 +400,7 @@ def test_errors_of_the_inner_update_are_raised_not_swallowed(monkeypatch):
 
 
 def test_early_select_false_uses_no_jax_internals(monkeypatch):
-  reference = _run_steps(_chain())
+  reference = _reference_steps(True)
 
   def no_tracing(*args, **kwargs):
     raise AssertionError("traced the inner update to a jaxpr")

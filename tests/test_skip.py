@@ -152,7 +152,9 @@ def test_gradient_through_an_overflow_step_is_finite(name, clip, early_select):
     updates, _ = tx.update(_scaled_grads(p, poison), state, p)
     return jnp.sum(p + updates)
 
-  d_params, d_lr = jax.jit(jax.grad(moved, argnums=(0, 1)))(_P0, 0.1, True)
+  # One jit for the overflow step and the clean one below: poison is traced.
+  d_moved = jax.jit(jax.grad(moved, argnums=(0, 1)))
+  d_params, d_lr = d_moved(_P0, 0.1, True)
   np.testing.assert_array_equal(np.asarray(d_params), [1.0, 1.0, 1.0])
   assert float(d_lr) == 0.0
 
@@ -165,7 +167,7 @@ def test_gradient_through_an_overflow_step_is_finite(name, clip, early_select):
     updates, _ = tx.update(grads, tx.init(p), p)
     return jnp.sum(p + updates)
 
-  ours = jax.jit(jax.grad(moved, argnums=(0, 1)))(_P0, 0.1, False)
+  ours = d_moved(_P0, 0.1, False)
   plain = jax.jit(jax.grad(plain_moved, argnums=(0, 1)))(_P0, 0.1)
   # The backward pass rounds cotangents to float16 where the gradients
   # were cast, in a different order for each chain: 1e-4, not 1e-6.
@@ -195,8 +197,11 @@ def test_lbfgs_free_running_matches_plain_lbfgs_bit_for_bit():
       )
       return optax.apply_updates(p, updates), s
 
-    p = jnp.full(6, -0.5)
-    s = tx.init(p)
+    # Strongly typed float32 throughout: a weak-typed start (jnp.full's
+    # default, optax's scalar state) is another signature, and the step
+    # compiled three times over per chain.
+    p = jnp.full(6, -0.5, jnp.float32)
+    s = jax.tree.map(lambda x: jnp.asarray(x, x.dtype), tx.init(p))
     out = []
     for _ in range(50):
       p, s = step(p, s)

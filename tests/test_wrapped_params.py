@@ -28,8 +28,14 @@ def _loss(fast):
 
 
 def _params():
+  # Every leaf float32, none weak-typed: a weak-typed leaf came back from the
+  # first step strong, and each step function compiled a second time.
   return optax.LookaheadParams.init_synced(
-    {"a": jnp.ones(2), "b": {"c": jnp.zeros(3)}, "d": jnp.full(1, 2.0)}
+    {
+      "a": jnp.ones(2),
+      "b": {"c": jnp.zeros(3)},
+      "d": jnp.full(1, 2.0, jnp.float32),
+    }
   )
 
 

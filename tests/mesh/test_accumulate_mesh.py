@@ -51,7 +51,12 @@ def test_every_device_drops_the_same_microbatch():
     lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
   )
   clean = {"shard": jnp.ones(8), "rep": jnp.ones(3)}
-  bad = {"shard": jnp.full(8, 3.0).at[7].set(jnp.inf), "rep": jnp.full(3, 3.0)}
+  # float32 like clean, not weak-typed: the step compiles once for both.
+  f32 = jnp.float32
+  bad = {
+    "shard": jnp.full(8, 3.0, f32).at[7].set(jnp.inf),
+    "rep": jnp.full(3, 3.0, f32),
+  }
   with jax.set_mesh(mesh):
     params = place(params, SPECS)
     state = place(state, state_specs)
