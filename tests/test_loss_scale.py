@@ -1,5 +1,6 @@
 """fp16_loss_scale inside skip_on_overflow: unscaling, reported norm, errors."""
 
+import functools
 import warnings
 
 import jax
@@ -116,12 +117,20 @@ def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
   assert float(updates["b"][0]) == pytest.approx(1e30, rel=1e-6)
 
 
+@functools.lru_cache(maxsize=None)
+def _overflow_tx():
+  """One chain and one jitted update for every non-finite value below: the
+  values are data, so the three cases share one compile."""
+  tx = make_tx(fs.deepspeed_scaler(init_scale=64.0, scale_window=4))
+  return tx, jax.jit(tx.update)
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_any_non_finite_element_is_an_overflow(bad):
-  tx = make_tx(fs.deepspeed_scaler(init_scale=64.0, scale_window=4))
+  tx, update = _overflow_tx()
   grads = {"w": jnp.zeros((2, 2)).at[1, 0].set(bad), "b": jnp.ones((2,))}
   state = tx.init(grads)
-  updates, state = jax.jit(tx.update)(grads, state)
+  updates, state = update(grads, state)
   ls = state[0]
   assert bool(ls.overflow) and int(ls.skipped_steps) == 1
   assert float(ls.loss_scale) == 32.0 and float(ls.prev_loss_scale) == 64.0
