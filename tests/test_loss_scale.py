@@ -1,5 +1,6 @@
 """fp16_loss_scale inside skip_on_overflow: unscaling, reported norm, errors."""
 
+import functools
 import warnings
 
 import jax
@@ -27,19 +28,30 @@ def make_tx(scaler, max_norm=10.0):
 
 
 def run(tx, steps, grads_fn=lambda i: TRUE_GRADS):
-  state = tx.init(TRUE_GRADS)
+  return run_each([tx], steps, grads_fn)[0]
 
-  @jax.jit
-  def step(state, true_grads):
+
+def run_each(txs, steps, grads_fn=lambda i: TRUE_GRADS):
+  """``[run(tx, steps, grads_fn) for tx in txs]``, with one jit stepping
+  every chain (a jit each compiled again what the chains share)."""
+
+  def one(tx, state, true_grads):
     scale = fs.current_scale(state)
     scaled = jax.tree.map(lambda g: g * scale, true_grads)
     updates, state = tx.update(scaled, state)
     return updates, state, fs.scale_metrics(state)
 
-  out = []
+  @jax.jit
+  def step(states, true_grads):
+    return [one(tx, state, true_grads) for tx, state in zip(txs, states)]
+
+  states = [tx.init(TRUE_GRADS) for tx in txs]
+  out = [[] for _ in txs]
   for i in range(steps):
-    updates, state, metrics = step(state, grads_fn(i))
-    out.append((updates, jax.device_get(metrics)))
+    results = step(states, grads_fn(i))
+    states = [state for _, state, _ in results]
+    for run_out, (updates, _, metrics) in zip(out, results):
+      run_out.append((updates, jax.device_get(metrics)))
   return out
 
 
@@ -66,11 +78,20 @@ DYNAMIC = {
 }
 
 
+@pytest.fixture(scope="module")
+def dynamic_runs():
+  """Six steps of every DYNAMIC preset's chain, stepped by one jit."""
+  names = sorted(DYNAMIC)
+  return dict(zip(names, run_each([make_tx(DYNAMIC[n]) for n in names], 6)))
+
+
 @pytest.mark.parametrize("name", sorted(DYNAMIC))
-def test_growth_steps_unscale_by_the_scale_the_grads_were_made_with(name):
+def test_growth_steps_unscale_by_the_scale_the_grads_were_made_with(
+  name, dynamic_runs
+):
   # DeepSpeed 0.19 grows the scale before unscaling: on growth steps it
   # reports 0.5 and applies half the gradient.
-  steps = run(make_tx(DYNAMIC[name]), 6)
+  steps = dynamic_runs[name]
   scales_used = [float(m["prev_loss_scale"]) for _, m in steps]
   next_scales = [float(m["loss_scale"]) for _, m in steps]
   growth_steps = [i for i in range(6) if next_scales[i] > scales_used[i]]
@@ -116,12 +137,20 @@ def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
   assert float(updates["b"][0]) == pytest.approx(1e30, rel=1e-6)
 
 
+@functools.lru_cache(maxsize=None)
+def _overflow_tx():
+  """One chain and one jitted update for every non-finite value below: the
+  values are data, so the three cases share one compile."""
+  tx = make_tx(fs.deepspeed_scaler(init_scale=64.0, scale_window=4))
+  return tx, jax.jit(tx.update)
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_any_non_finite_element_is_an_overflow(bad):
-  tx = make_tx(fs.deepspeed_scaler(init_scale=64.0, scale_window=4))
+  tx, update = _overflow_tx()
   grads = {"w": jnp.zeros((2, 2)).at[1, 0].set(bad), "b": jnp.ones((2,))}
   state = tx.init(grads)
-  updates, state = jax.jit(tx.update)(grads, state)
+  updates, state = update(grads, state)
   ls = state[0]
   assert bool(ls.overflow) and int(ls.skipped_steps) == 1
   assert float(ls.loss_scale) == 32.0 and float(ls.prev_loss_scale) == 64.0
