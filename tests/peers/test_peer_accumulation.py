@@ -239,7 +239,7 @@ def test_accumulation_matches_deepspeed_fp16_optimizer(seed, fused, optimizer):
   state = tx.init(params)
   if optimizer == "adam":
     # DeepSpeed's optimizers run one inner step on zero gradients when built
-    # (see test_deepspeed.replay): Adam's count starts at 1.
+    # (see test_deepspeed.replay_args): Adam's count starts at 1.
     adam = inner.init(params)
     _, adam = inner.update(jax.tree.map(jnp.zeros_like, params), adam, params)
     ls, clip, _ = state.inner_state
