@@ -293,13 +293,20 @@ def scan_steps(tx, params, state, grads, given=None):
   per step: params (list), scale before, prev_loss_scale, loss_scale, overflow,
   grad_norm.
   """
+  return scan_steps_each([(tx, params, state, grads, given)])[0]
+
+
+def scan_steps_each(runs):
+  """:func:`scan_steps` of each ``(tx, params, state, grads, given)`` in
+  ``runs``, all in one jit: a jit each compiled again what the chains share
+  (the tests that replay several cases take about half the CPU time).
+  """
   import jax
   import optax
 
   import fp16_scaling as fs
 
-  @jax.jit
-  def run(params, state, grads, given):
+  def scan(tx, params, state, grads, given):
     def step(carry, xs):
       params, state = carry
       g, start = xs
@@ -320,7 +327,14 @@ def scan_steps(tx, params, state, grads, given=None):
 
     return jax.lax.scan(step, (params, state), (grads, given))[1]
 
-  return jax.tree.map(np.asarray, run(params, state, grads, given))
+  txs = [run[0] for run in runs]
+
+  @jax.jit
+  def run_all(args):
+    return [scan(tx, *a) for tx, a in zip(txs, args)]
+
+  out = run_all([run[1:] for run in runs])
+  return [jax.tree.map(np.asarray, o) for o in out]
 
 
 def assert_same_skips_and_scales(records, overflow, before, prev, after):

@@ -105,12 +105,11 @@ def _optax_optimizer(name):
   )  # eps added to sqrt(v_hat) in both
 
 
-def replay(optimizer, params0, records, scaler, clip):
-  """fp16_scaling fed the exact float16 gradients the peer was given, one
-  ``lax.scan``.
-
-  Returns per-step arrays: params (list, [T, ...]), scale before,
-  prev_loss_scale, loss_scale, overflow, grad_norm.
+def replay_args(optimizer, params0, records, scaler, clip):
+  """What ``oracles.scan_steps`` needs to run fp16_scaling on the exact
+  float16 gradients the peer was given, one ``lax.scan``: ``(tx, params,
+  state, grads, None)``. The scan returns per-step arrays: params (list,
+  [T, ...]), scale before, prev_loss_scale, loss_scale, overflow, grad_norm.
   """
   inner = _optax_optimizer(optimizer)
   tx = fs.skip_on_overflow(
@@ -137,8 +136,7 @@ def replay(optimizer, params0, records, scaler, clip):
     for i in range(len(params0))
   ]
   assert all(g.dtype == jnp.float16 for g in grads)
-
-  return oracles.scan_steps(tx, params, state, grads)
+  return tx, params, state, grads, None
 
 
 def assert_same_steps(records, ours, clip):
@@ -162,27 +160,16 @@ def assert_same_steps(records, ours, clip):
   )
 
 
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_whole_steps_match_deepspeed_fp16_optimizer(fused, optimizer):
-  rng = np.random.default_rng([SEED, fused, optimizer == "adam"])
-  params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-  seq, nan_steps = _gradient_sequence(rng)
-  records = oracles.run_ds_fp16_optimizer(
-    params0,
-    seq,
-    optimizer=optimizer,
-    lr=LR[optimizer],
-    clip_grad=CLIP,
-    init_scale=INIT_SCALE,
-    scale_window=WINDOW,
-    min_scale=FLOOR,
-    fused=fused,
-    patched=True,
-    momentum=MOMENTUM,
-    betas=BETAS,
-    eps=EPS,
-  )
+OPTIMIZERS = ("sgd_momentum", "adam")
+FUSED = (True, False)
+
+
+@pytest.fixture(scope="module")
+def runs():
+  """``{(fused, optimizer): (records, nan_steps, ours)}``: DeepSpeed's run of
+  each case, the steps given a NaN, and fp16_scaling's replay. The peer runs
+  case by case; one jit replays every case (a jit each compiled again what
+  the chains share)."""
   scaler = fs.deepspeed_scaler(
     init_scale=INIT_SCALE,
     scale_window=WINDOW,
@@ -190,9 +177,39 @@ def test_whole_steps_match_deepspeed_fp16_optimizer(fused, optimizer):
     delayed_shift=1,
     raise_error_at_min_scale=False,
   )
-  counts = assert_same_steps(
-    records, replay(optimizer, params0, records, scaler, CLIP), CLIP
-  )
+  keys, peer, args = [], [], []
+  for fused in FUSED:
+    for optimizer in OPTIMIZERS:
+      rng = np.random.default_rng([SEED, fused, optimizer == "adam"])
+      params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+      seq, nan_steps = _gradient_sequence(rng)
+      records = oracles.run_ds_fp16_optimizer(
+        params0,
+        seq,
+        optimizer=optimizer,
+        lr=LR[optimizer],
+        clip_grad=CLIP,
+        init_scale=INIT_SCALE,
+        scale_window=WINDOW,
+        min_scale=FLOOR,
+        fused=fused,
+        patched=True,
+        momentum=MOMENTUM,
+        betas=BETAS,
+        eps=EPS,
+      )
+      keys.append((fused, optimizer))
+      peer.append((records, nan_steps))
+      args.append(replay_args(optimizer, params0, records, scaler, CLIP))
+  ours = oracles.scan_steps_each(args)
+  return {k: (*p, o) for k, p, o in zip(keys, peer, ours)}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("fused", FUSED, ids=["fused", "unfused"])
+def test_whole_steps_match_deepspeed_fp16_optimizer(fused, optimizer, runs):
+  records, nan_steps, ours = runs[fused, optimizer]
+  counts = assert_same_steps(records, ours, CLIP)
   cast_overflows = sum(
     r.skipped for t, r in enumerate(records) if t not in nan_steps
   )

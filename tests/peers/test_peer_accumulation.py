@@ -47,12 +47,22 @@ def _windows(seq):
 
 def _replay(tx, params, state, records):
   """Every microbatch through ``tx`` in one scan; the windows' last calls."""
+  grads = _microbatches(records, params)
+  return _window_ends(oracles.scan_steps(tx, params, state, grads))
+
+
+def _microbatches(records, params):
+  """Every microbatch's float16 gradients, stacked per leaf."""
   grads = [
     jnp.asarray(np.stack([mb[i] for r in records for mb in r.grads]))
     for i in range(len(params))
   ]
   assert all(g.dtype == jnp.float16 for g in grads)
-  out = oracles.scan_steps(tx, params, state, grads)
+  return grads
+
+
+def _window_ends(out):
+  """A replay's outputs at the windows' last calls."""
   ends = slice(K - 1, None, K)
   return ([p[ends] for p in out[0]],) + tuple(x[ends] for x in out[1:])
 
@@ -192,12 +202,15 @@ def _grid_windows(rng, shapes):
   return seq, bad
 
 
-@pytest.mark.parametrize(
-  "fused,optimizer",
-  [(True, "sgd_momentum"), (False, "adam")],
-  ids=["fused-sgd_momentum", "unfused-adam"],
-)
-def test_accumulation_matches_deepspeed_fp16_optimizer(seed, fused, optimizer):
+DS_CASES = {  # id: (fused, optimizer)
+  "fused-sgd_momentum": (True, "sgd_momentum"),
+  "unfused-adam": (False, "adam"),
+}
+
+
+def _ds_case(seed, fused, optimizer):
+  """DeepSpeed's run of one case, the steps given an inf, and what
+  ``oracles.scan_steps`` needs to replay every microbatch through ours."""
   rng = np.random.default_rng([seed, 9, fused])
   shapes = test_deepspeed.SHAPES
   params0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -239,16 +252,35 @@ def test_accumulation_matches_deepspeed_fp16_optimizer(seed, fused, optimizer):
   state = tx.init(params)
   if optimizer == "adam":
     # DeepSpeed's optimizers run one inner step on zero gradients when built
-    # (see test_deepspeed.replay): Adam's count starts at 1.
+    # (see test_deepspeed.replay_args): Adam's count starts at 1.
     adam = inner.init(params)
     _, adam = inner.update(jax.tree.map(jnp.zeros_like, params), adam, params)
     ls, clip, _ = state.inner_state
     state = state._replace(inner_state=(ls, clip, adam))
-  ours = _replay(tx, params, state, records)
+  return records, bad, (tx, params, state, _microbatches(records, params))
+
+
+@pytest.fixture(scope="module")
+def ds_runs(seed):
+  """``{case: (records, bad, ours)}`` for DS_CASES: the peer runs case by
+  case; one jit replays both (a jit each compiled again what the chains
+  share)."""
+  cases = {k: _ds_case(seed, *v) for k, v in DS_CASES.items()}
+  ours = oracles.scan_steps_each([(*c[2], None) for c in cases.values()])
+  return {
+    k: (records, bad, _window_ends(out))
+    for (k, (records, bad, _)), out in zip(cases.items(), ours)
+  }
+
+
+@pytest.mark.parametrize("case", DS_CASES)
+def test_accumulation_matches_deepspeed_fp16_optimizer(case, ds_runs):
+  fused, optimizer = DS_CASES[case]
+  records, bad, ours = ds_runs[case]
   skipped, peer_norm = _assert_same_windows(
     records,
     ours,
-    shapes,
+    test_deepspeed.SHAPES,
     test_deepspeed.NORM_RTOL,
     test_deepspeed.PARAM_RTOL_OF_MAX,
   )

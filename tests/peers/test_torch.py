@@ -87,9 +87,10 @@ def _gradient_sequence(rng):
   )
 
 
-def replay(optimizer, params0, records, scaler, max_norm, *, follow_peer):
-  """fp16_scaling fed the exact scaled gradients torch was given, one
-  ``lax.scan``.
+def replay_args(optimizer, params0, records, scaler, max_norm, *, follow_peer):
+  """What ``oracles.scan_steps`` needs to run fp16_scaling on the exact
+  scaled gradients torch was given, one ``lax.scan``: ``(tx, params, state,
+  grads, given)``.
 
   With ``follow_peer``, step t starts from torch's parameters after step t - 1
   (the optimizer state is still ours, carried from step to step: Adam's moments
@@ -117,41 +118,67 @@ def replay(optimizer, params0, records, scaler, max_norm, *, follow_peer):
     jnp.asarray(np.stack([p] + [r.params[i] for r in records[:-1]]))
     for i, p in enumerate(params0)
   ]
+  given = peer_before if follow_peer else None
+  return tx, params, tx.init(params), grads, given
 
-  return oracles.scan_steps(
-    tx, params, tx.init(params), grads, peer_before if follow_peer else None
-  )
+
+CASES = {  # id: (optimizer, follow_peer)
+  "adam-free_running": ("adam", False),
+  "adamw-step_by_step": ("adamw", True),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+  """``{(case, scaling): (records, bad_steps, ours)}``: torch's run of each
+  case, the steps it was given a NaN or inf, and fp16_scaling's replay. The
+  peer runs case by case; one jit replays every case (a jit each compiled
+  again what the chains share)."""
+  keys, peer, args = [], [], []
+  for case, (optimizer, follow_peer) in CASES.items():
+    for scaling, cfg in sorted(SCALERS.items()):
+      rng = np.random.default_rng(
+        [SEED, optimizer == "adamw", scaling == "float32_factors"]
+      )
+      params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+      seq, bad_steps = _gradient_sequence(rng)
+      decay = (
+        dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
+        if optimizer == "adamw"
+        else {}
+      )
+      records = oracles.run_torch_amp(
+        params0,
+        seq,
+        lr=LR,
+        max_norm=MAX_NORM,
+        betas=BETAS,
+        eps=EPS,
+        **cfg,
+        **decay,
+      )
+      keys.append((case, scaling))
+      peer.append((records, bad_steps))
+      args.append(
+        replay_args(
+          optimizer,
+          params0,
+          records,
+          fs.torch_scaler(**cfg),
+          MAX_NORM,
+          follow_peer=follow_peer,
+        )
+      )
+  ours = oracles.scan_steps_each(args)
+  return {k: (*p, o) for k, p, o in zip(keys, peer, ours)}
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALERS))
-@pytest.mark.parametrize(
-  "optimizer,follow_peer",
-  [("adam", False), ("adamw", True)],
-  ids=["adam-free_running", "adamw-step_by_step"],
-)
-def test_whole_steps_match_torch_amp(optimizer, follow_peer, scaling):
-  cfg = SCALERS[scaling]
-  rng = np.random.default_rng(
-    [SEED, optimizer == "adamw", scaling == "float32_factors"]
-  )
-  params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
-  seq, bad_steps = _gradient_sequence(rng)
-  decay = (
-    dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
-    if optimizer == "adamw"
-    else {}
-  )
-  records = oracles.run_torch_amp(
-    params0, seq, lr=LR, max_norm=MAX_NORM, betas=BETAS, eps=EPS, **cfg, **decay
-  )
-  params, before, prev, after, overflow, norm = replay(
-    optimizer,
-    params0,
-    records,
-    fs.torch_scaler(**cfg),
-    MAX_NORM,
-    follow_peer=follow_peer,
-  )
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_whole_steps_match_torch_amp(case, scaling, runs):
+  optimizer = CASES[case][0]
+  records, bad_steps, ours = runs[case, scaling]
+  params, before, prev, after, overflow, norm = ours
 
   skipped, peer_norm = oracles.assert_same_steps(
     records,
