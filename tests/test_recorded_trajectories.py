@@ -13,8 +13,7 @@ is the check that the compiled scale machine there agrees with the peers.
 import json
 import pathlib
 
-import jax
-import jax.numpy as jnp
+import helpers
 import numpy as np
 import pytest
 
@@ -30,30 +29,6 @@ _PRESETS = {
 }
 
 
-def _replay(scalers, overflows):
-  """Each scaler's scales and errors on its overflow sequences: arrays
-  [scaler, sequence, step]. One jit runs them all (a jit per scaler spent
-  most of its time compiling)."""
-
-  @jax.jit
-  def run(flags):
-    out = []
-    for scaler, f in zip(scalers, flags):
-
-      def body(state, flag, scaler=scaler):
-        state = scaler.update(state, flag)
-        return state, (state.loss_scale, state.min_scale_errors)
-
-      one = lambda f, scaler=scaler, body=body: jax.lax.scan(
-        body, scaler.init(), f
-      )[1]
-      out.append(jax.vmap(one)(f))
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
-
-  scales, errors = run(jnp.asarray(overflows))
-  return np.asarray(scales, np.float64), np.asarray(errors)
-
-
 @pytest.mark.parametrize("name", sorted(_PRESETS))
 def test_presets_replay_the_recorded_peer_trajectories(name):
   recording = np.load(_RECORDING)
@@ -61,7 +36,7 @@ def test_presets_replay_the_recorded_peer_trajectories(name):
   overflows = recording[f"{name}/overflows"]
   expected = recording[f"{name}/scales"]
   growths = backoffs = 0
-  all_scales, all_errors = _replay(
+  all_scales, all_errors = helpers.replay_scalers(
     [_PRESETS[name](cfg) for cfg in configs], overflows
   )
   for i, cfg in enumerate(configs):

@@ -47,8 +47,7 @@ import math
 from helpers import F32_MAX
 from helpers import SEED
 from helpers import TINY
-import jax
-import jax.numpy as jnp
+from helpers import replay_scalers
 import numpy as np
 import oracles
 import pytest
@@ -237,28 +236,7 @@ def _megatron_peer(cfg):
 # configuration.
 
 
-def ours(scalers, overflows):
-  """Scale and cumulative ``min_scale_errors`` after every step: arrays [config,
-  sequence, step].
-  """
-
-  @jax.jit
-  def run(flags):
-    out = []
-    for i, scaler in enumerate(scalers):
-
-      def body(state, flag, scaler=scaler):
-        state = scaler.update(state, flag)
-        return state, (state.loss_scale, state.min_scale_errors)
-
-      one = lambda f, scaler=scaler, body=body: jax.lax.scan(
-        body, scaler.init(), f
-      )[1]
-      out.append(jax.vmap(one)(flags[i]))
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
-
-  scales, errors = run(jnp.asarray(overflows))
-  return np.asarray(scales, np.float64), np.asarray(errors)
+ours = replay_scalers
 
 
 # ------------------------------------------------------------------------------
