@@ -70,9 +70,23 @@ BY_KEY = {r.key: r for r in RECIPES + OPTIONS}
 OVERFLOW_ROW = "b. fp16_scaling, overflow step"
 
 
-def leaf_sizes(n, leaves):
-  sizes = [n // leaves] * leaves
-  sizes[0] += n - sum(sizes)
+def leaf_sizes(n, leaves, distinct=False):
+  """``leaves`` sizes that sum to ``n``: equal (the first takes the
+  remainder), or with ``distinct`` each one element larger than the one
+  before, around the same mean (the last takes the remainder), so that no
+  two leaves share a shape: XLA:CPU compiles one kernel for all the fusions
+  alike, leaves of one shape included, and a real model has many shapes."""
+  base = n // leaves
+  if not distinct:
+    sizes = [base] * leaves
+    sizes[0] += n - sum(sizes)
+    return sizes
+  if base <= leaves:
+    raise ValueError(
+      f"distinct sizes need more than {leaves} params a leaf, got {base}"
+    )
+  sizes = [base + i - leaves // 2 for i in range(leaves)]
+  sizes[-1] += n - sum(sizes)  # the largest: it stays the only one its size
   return sizes
 
 
@@ -218,23 +232,26 @@ def jitted(key, num_leaves):
   return init, jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_inputs(n, num_leaves, seed=0):
-  """float32 params and two float16 gradient trees: clean and one inf."""
-  import jax
-  import jax.numpy as jnp
+def make_inputs(n, num_leaves, seed=0, distinct=False):
+  """float32 params and two float16 gradient trees: clean and one inf;
+  ``distinct``: leaf sizes as :func:`leaf_sizes` spreads them.
 
-  sizes = leaf_sizes(n, num_leaves)
-  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * num_leaves)
+  Drawn with numpy and copied to the device: ``jax.random`` would compile a
+  sampler for every leaf shape (minutes for 200 distinct sizes), and the
+  values matter to no measurement.
+  """
+  import jax.numpy as jnp
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  sizes = leaf_sizes(n, num_leaves, distinct)
   params = [
-    0.02 * jax.random.normal(keys[i], (s,), jnp.float32)
-    for i, s in enumerate(sizes)
+    jnp.asarray(0.02 * rng.standard_normal(s, np.float32)) for s in sizes
   ]
-  grads = [
-    jax.random.normal(keys[num_leaves + i], (s,), jnp.float16)
-    for i, s in enumerate(sizes)
-  ]
-  overflow = list(grads)
-  overflow[0] = overflow[0].at[0].set(jnp.inf)
+  draws = [rng.standard_normal(s, np.float32).astype(np.float16) for s in sizes]
+  grads = [jnp.asarray(g) for g in draws]
+  draws[0][0] = np.inf
+  overflow = [jnp.asarray(draws[0])] + grads[1:]
   return params, grads, overflow
 
 

@@ -81,23 +81,33 @@ SHAPES = {
 DEFAULT_SHAPES = ("20M/200", "2M/1000")
 # ``--recipes options``: b's options next to b (and the floor).
 OPTION_SET = ("floor", "fp16") + tuple(r.key for r in OPTIONS)
+DISTINCT = ":distinct"
 SHAPE_HELP = (
   "PARAMS/LEAVES (20M/200: 20,000,000 params in 200 leaves; K, M, G "
   "suffixes) or LEAVESxSIZE (500x16: 500 leaves of 16 elements each, "
-  "8,000 params), or 'tiny'"
+  "8,000 params), or 'tiny'; a PARAMS/LEAVES shape ending in "
+  f"'{DISTINCT}' gives every leaf a size of its own (10M/200{DISTINCT})"
 )
+
+
+def is_distinct(text):
+  """Whether shape ``text`` asks for leaves of distinct sizes."""
+  return text.endswith(DISTINCT)
 
 
 def parse_shape(text):
   """'20M/200', '2000000/1000', '1.5M/300', '500x16' or a name in SHAPES."""
   if text in SHAPES:
     return text, SHAPES[text]
+  spec = text.removesuffix(DISTINCT)
   try:
-    if "x" in text:
-      leaves, size = (int(v) for v in text.split("x"))
+    if "x" in spec:
+      if spec != text:
+        raise ValueError  # LEAVESxSIZE fixes every leaf's size
+      leaves, size = (int(v) for v in spec.split("x"))
       n = leaves * size
     else:
-      size, leaves = text.split("/")
+      size, leaves = spec.split("/")
       mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(size[-1:].upper(), 1)
       n = int(float(size[:-1] if mult > 1 else size) * mult)
       leaves = int(leaves)
@@ -107,6 +117,10 @@ def parse_shape(text):
     ) from None
   if leaves < 1 or n < leaves:
     raise argparse.ArgumentTypeError(f"need 1 <= leaves <= params: {text!r}")
+  if spec != text and n // leaves <= leaves:
+    raise argparse.ArgumentTypeError(
+      f"{DISTINCT} needs more params a leaf than leaves: {text!r}"
+    )
   return text, (n, leaves)
 
 
@@ -130,7 +144,9 @@ def worker(args):
 
   _, (n, num_leaves) = parse_shape(args.shape)
   init, step = jitted(args.worker, num_leaves)
-  params, grads, _ = make_inputs(n, num_leaves)
+  params, grads, _ = make_inputs(
+    n, num_leaves, distinct=is_distinct(args.shape)
+  )
   state = init(params)
   jax.block_until_ready((params, state, grads))
   print("READY", flush=True)
@@ -294,6 +310,8 @@ def run_shape(shape_name, n, num_leaves, keys, args):
         continue
     print(f"[{shape_name}] compiling {key} ...", file=sys.stderr, flush=True)
     shape_arg = shape_name if shape_name in SHAPES else f"{n}/{num_leaves}"
+    if is_distinct(shape_name):
+      shape_arg += DISTINCT
     attempts = []
     for i in range(args.compile_repeats):
       first = i == 0
@@ -333,7 +351,9 @@ def run_shape(shape_name, n, num_leaves, keys, args):
       flush=True,
     )
 
-  params, grads, grads_overflow = make_inputs(n, num_leaves)
+  params, grads, grads_overflow = make_inputs(
+    n, num_leaves, distinct=is_distinct(shape_name)
+  )
   rows = []
   for key in keys:
     if results[key]["status"] != "ok":

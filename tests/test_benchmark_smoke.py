@@ -207,9 +207,34 @@ def test_shape_spellings(bench):
   assert bench.parse_shape("2000x16") == ("2000x16", (32000, 2000))
   assert bench.parse_shape("8K/500") == ("8K/500", (8000, 500))
   assert bench.parse_shape("20M/200") == ("20M/200", (20_000_000, 200))
-  for bad in ("16x", "x16", "20M", "10/20"):
+  assert bench.parse_shape("10M/200:distinct") == (
+    "10M/200:distinct",
+    (10_000_000, 200),
+  )
+  bad_shapes = (
+    "16x",
+    "x16",
+    "20M",
+    "10/20",
+    "500x16:distinct",
+    "2K/100:distinct",
+  )
+  for bad in bad_shapes:
     with pytest.raises(Exception, match="shape|leaves"):
       bench.parse_shape(bad)
+
+
+@pytest.mark.parametrize("n, leaves", [(10_000_000, 200), (300_307, 300)])
+def test_distinct_leaf_sizes(bench, n, leaves):
+  # What a ":distinct" shape compiles: every leaf its own size (so XLA can
+  # share no kernel between leaves), the same total and about the same mean.
+  sizes = bench.leaf_sizes(n, leaves, distinct=True)
+  assert sum(sizes) == n and len(sizes) == leaves
+  assert len(set(sizes)) == leaves
+  assert max(sizes) - min(sizes) < 3 * leaves
+  assert bench.leaf_sizes(n, leaves) == [n // leaves + n % leaves] + [
+    n // leaves
+  ] * (leaves - 1)
 
 
 def test_step_cost_keeps_every_name_it_had(bench):
