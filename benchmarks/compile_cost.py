@@ -21,6 +21,7 @@ compile).
   python benchmarks/compile_cost.py                  # 10M/200 and 2M/1000
   python benchmarks/compile_cost.py --shape 2M/1000 --rounds 2
   python benchmarks/compile_cost.py --recipes floor,fp16,apply_if_finite
+  python benchmarks/compile_cost.py --shape 10M/200:distinct  # leaf sizes
 """
 
 import argparse
