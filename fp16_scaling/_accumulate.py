@@ -28,7 +28,6 @@ A window's last microbatch and the others are the two branches of one
 and the accumulator and writes the accumulator; the optimizer does not run.
 """
 
-import contextlib
 import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -38,8 +37,8 @@ import jax.numpy as jnp
 import optax
 
 from fp16_scaling import _donation
-from fp16_scaling import _guard
 from fp16_scaling import _lookup
+from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 from fp16_scaling import _validate
@@ -151,14 +150,12 @@ def accumulate_gradients(
 
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
-    _refuse_inside_guard()
     return _initial_state(tx.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    _refuse_inside_guard()
     leaves = _checked_microbatch(updates, state.acc_grads)
     k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
-    ends = _window_ends(state, k)
+    ends = state.mini_step + 1 >= k
     bad = _dropped(updates, partition_specs) if drop else jnp.bool_(False)
     window = _Window(k, bad, state.clean_in_window + (~bad).astype(jnp.int32))
     losses = _Losses.of(extra_args.get("value"), state, window, drop)
@@ -169,7 +166,7 @@ def accumulate_gradients(
     summed = _accumulated(
       jax.tree.leaves(state.acc_grads), leaves, window, drop
     )
-    new_updates, inner_state, acc = _end_window_if(
+    new_updates, inner_state, acc, overflow = _end_window_if(
       ends,
       lambda acc: _mean_of(acc, window, drop),
       tx,
@@ -177,7 +174,6 @@ def accumulate_gradients(
       extra_args,
       in_range=all(jnp.result_type(g) == jnp.float16 for g in leaves),
     )
-    overflow = _lookup.loss_scale_state(inner_state).overflow
     return new_updates, AccumulationState(
       mini_step=jnp.where(ends, 0, state.mini_step + 1),
       windows=state.windows + ends.astype(jnp.int32),
@@ -187,7 +183,7 @@ def accumulate_gradients(
       microbatches=state.microbatches + 1,
       applied_steps=state.applied_steps + (ends & ~overflow).astype(jnp.int32),
       dropped_microbatches=state.dropped_microbatches + bad.astype(jnp.int32),
-      # Write-only: read its old value so that it keeps its buffer.
+      # Write-only: reads its old value to keep its donated buffer.
       window_ended=_donation.written_over(state.window_ended, ends),
       loss_sum=jnp.where(ends, 0.0, losses.loss_sum),
       loss_nonfinite=~ends & losses.loss_nonfinite,
@@ -214,18 +210,6 @@ def _initial_state(inner_state, params) -> AccumulationState:
   )
 
 
-def _window_ends(state: AccumulationState, k: jax.Array) -> jax.Array:
-  """Whether this microbatch ends its window of ``k``: ``window_ended``'s
-  new value.
-
-  Written after its old value, it is one instruction that XLA computes once
-  and every reader of it reads; a bare compare XLA would recompute from the
-  donated ``mini_step`` inside each reader, and copy ``mini_step`` before
-  overwriting it.
-  """
-  return _donation.after(state.mini_step + 1 >= k, state.window_ended)
-
-
 def _checked_microbatch(updates, acc_grads) -> list:
   """``updates``' leaves, checked against the accumulator's tree and shapes."""
   leaves, treedef = jax.tree.flatten(updates)
@@ -244,13 +228,10 @@ def _checked_microbatch(updates, acc_grads) -> list:
 
 
 def _dropped(updates, partition_specs) -> jax.Array:
-  """Whether this microbatch holds an inf or NaN, on any device: the one
-  pass of ``_norm`` decides."""
-  leaf_axes = _sharding.leaf_axes_from_specs(
-    partition_specs, updates, "accumulate_gradients"
-  )
-  leaves = jax.tree.leaves(updates)
-  return _norm.NormPass.over(leaves).norms(leaf_axes=leaf_axes).overflow
+  """Whether this microbatch holds an inf or NaN, on any device."""
+  return _measure.measure(
+    updates, 1.0, partition_specs, what="accumulate_gradients"
+  ).overflow
 
 
 class _Window(NamedTuple):
@@ -334,40 +315,33 @@ def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
       range and the norm's float32 rescue is not compiled in.
 
   Returns:
-    ``(updates, inner_state, acc_grads)``, the accumulator reset to zeros
-    when the window ended.
+    ``(updates, inner_state, acc_grads, overflow)``: the accumulator reset
+    to zeros when the window ended, and whether its mean overflowed.
   """
   summed, state, params = operands
 
   def run_inner(acc, inner_state, params):
-    with _norm.float16_range() if in_range else contextlib.nullcontext():
-      return tx.update(mean_of(acc), inner_state, params, **extra_args)
+    mean = mean_of(acc)
+    # The one measurement of the mean, handed to the guarded chain.
+    m = _measure.measure_step(
+      mean, inner_state, extra_args.get("loss_scale"), in_float16_range=in_range
+    )
+    out = tx.update(mean, inner_state, params, measurement=m, **extra_args)
+    return out, m.overflow
 
-  out_shape, _ = jax.eval_shape(run_inner, summed, state.inner_state, params)
+  (out_shape, _), _ = jax.eval_shape(
+    run_inner, summed, state.inner_state, params
+  )
 
   def final(acc, inner_state, params):
-    new_updates, new_inner = run_inner(acc, inner_state, params)
+    (new_updates, new_inner), overflow = run_inner(acc, inner_state, params)
     # The reset replaces the sum (a select, in effect): a NaN in it is
     # dropped, never multiplied by 0, which would keep it.
-    return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
+    return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc), overflow
 
   def middle(acc, inner_state, params):
     del params
-    return jax.tree.map(_skip_like, out_shape), inner_state, acc
+    skip = jax.tree.map(_skip_like, out_shape)
+    return skip, inner_state, acc, jnp.bool_(False)
 
   return lax.cond(ends, final, middle, summed, state.inner_state, params)
-
-
-_INSIDE_GUARD = (
-  "accumulate_gradients runs inside skip_on_overflow: the guarded chain "
-  "would see each microbatch, not the window's mean, and its skip would "
-  "not cover the accumulator. Nest them the other way round: "
-  "accumulate_gradients(skip_on_overflow(optax.chain(fp16_loss_scale(...), "
-  "clip_by_unscaled_norm(...), optimizer)), every_k_schedule)."
-)
-
-
-def _refuse_inside_guard() -> None:
-  """Raises when called inside :func:`skip_on_overflow`'s inner chain."""
-  if _guard.current() is not None:
-    raise ValueError(_INSIDE_GUARD)

@@ -14,10 +14,11 @@ import numpy as np
 import optax
 
 from fp16_scaling import _donation
-from fp16_scaling import _guard
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 from fp16_scaling import _validate
+from fp16_scaling._measure import Handed
+from fp16_scaling._measure import measure
 from fp16_scaling._states import EXPERT
 from fp16_scaling._states import SHARED
 from fp16_scaling._states import ClipState
@@ -68,10 +69,10 @@ def clip_by_unscaled_norm(
   below 1 and left alone otherwise: the formula of
   ``torch.nn.utils.clip_grad_norm_`` and of DeepSpeed's fp16 optimizers.
   Placed right after :func:`fp16_loss_scale` inside
-  :func:`skip_on_overflow`, it receives the very arrays ``fp16_loss_scale``
-  returned and takes their norm from the pass ``fp16_loss_scale`` made over
-  the gradients: the step reads them once. With anything in between, it
-  measures what it receives itself; the result is the same as a plain clip's.
+  :func:`skip_on_overflow`, it receives the unscaled gradients and takes
+  their norm from the skip's one measurement of them: the step reads them
+  once. With anything in between, it measures what it
+  receives itself; the result is the same as a plain clip's.
 
   Args:
     max_norm: the largest global norm let through; positive.
@@ -87,10 +88,8 @@ def clip_by_unscaled_norm(
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
-
-  Raises:
-    ValueError: at trace time, if it runs inside :func:`skip_on_overflow`
-      before :func:`fp16_loss_scale`.
+    Inside :func:`skip_on_overflow` a clip before :func:`fp16_loss_scale`
+    is refused.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -133,53 +132,30 @@ def clip_by_unscaled_norm(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    _norm.check_float_leaves(leaves, "clip_by_unscaled_norm gradients")
     groups = _expert_groups(expert_mask, updates)
-    leaf_axes = _sharding.leaf_axes_from_specs(
-      partition_specs, updates, "clip_by_unscaled_norm"
+    what = "clip_by_unscaled_norm"
+    _sharding.leaf_axes_from_specs(partition_specs, updates, what)
+    if isinstance(state, Handed):
+      # Right after fp16_loss_scale: ``updates`` are the measured gradients,
+      # unscaled; the one pass has their sums.
+      state, measurement = state
+      norms = measurement.grouped(groups, 2)
+    else:
+      own = measure(updates, 1.0, partition_specs, what=what)
+      norms = own.grouped(groups, 2)
+      leaves = _norm.discard_if(norms.overflow, leaves)
+    factor = jnp.minimum(
+      jnp.float32(1), jnp.float32(max_norm) / (norms.norm + jnp.float32(eps))
     )
-    measured = _measured(leaves)
-    norms = measured.norms(
-      leaf_groups=groups, num_groups=2, leaf_axes=leaf_axes
-    )
-    clipped = _clipped(measured, norms, max_norm, eps)
+    clipped = [x * factor.astype(x.dtype) for x in leaves]
     new_state = ClipState(
       grad_norm=norms.norm,
       expert_grad_norm=norms.group_norms[EXPERT],
       shared_grad_norm=norms.group_norms[SHARED],
     )
+    # Write-only: each field reads its old value to keep its donated buffer.
     return jax.tree.unflatten(treedef, clipped), _donation.written_over(
       state, new_state
     )
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _measured(leaves) -> _norm.NormPass:
-  """The norm pass over ``leaves``: the one fp16_loss_scale made, when they
-  are the very arrays it returned; otherwise (no guard, or a transformation
-  in between) a pass of our own."""
-  guard = _guard.current()
-  if guard is None:
-    return _norm.NormPass.over(leaves)
-  guard.check_clip_order()
-  measured = guard.published_pass(leaves)
-  return _norm.NormPass.over(leaves) if measured is None else measured
-
-
-def _clipped(measured: _norm.NormPass, norms, max_norm, eps) -> list:
-  """``measured.leaves`` times ``max_norm / (norm + eps)`` where below 1.
-
-  On an overflow step the norm is 0.0 and the result is discarded by
-  skip_on_overflow; the gradients are zeros (``discard_if``, already applied
-  by fp16_loss_scale to the arrays it hands on), so gradients taken through
-  the step stay finite: the backward pass multiplies zero cotangents by
-  finite numbers only.
-  """
-  leaves = measured.leaves
-  if not measured.zeroed_on_overflow:
-    leaves = _norm.discard_if(norms.overflow, leaves)
-  factor = jnp.minimum(
-    jnp.float32(1), jnp.float32(max_norm) / (norms.norm + jnp.float32(eps))
-  )
-  return [x * factor.astype(x.dtype) for x in leaves]

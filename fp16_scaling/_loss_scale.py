@@ -8,7 +8,8 @@ fp16 optimizers (0.19) update the scale before unscaling and so apply half
 the gradient on every growth step; here that ordering cannot be written.
 """
 
-from typing import Any, Callable, Optional, Tuple
+import dataclasses
+from typing import Any, Callable, Optional
 import warnings
 
 import jax
@@ -17,10 +18,11 @@ import numpy as np
 import optax
 
 from fp16_scaling import _donation
-from fp16_scaling import _guard
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 from fp16_scaling import _validate
+from fp16_scaling._measure import Handed
+from fp16_scaling._measure import Measurement
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._states import BACKWARD
 from fp16_scaling._states import FORWARD
@@ -34,7 +36,8 @@ from fp16_scaling._states import LossScaleState
 from fp16_scaling._states import register_with_flax
 
 _UNGUARDED = (
-  "fp16_loss_scale ran outside skip_on_overflow. In a bare optax.chain the "
+  "fp16_loss_scale ran outside skip_on_overflow (nothing measured the "
+  "gradients and handed it the measurement). In a bare optax.chain the "
   "optimizer after it still runs on an overflow step and its momentum moves "
   "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
   "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
@@ -102,11 +105,13 @@ def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
     )
 
 
-def _leaf_paths(tree) -> LeafPaths:
+def _leaf_paths(tree, scaler, partition_specs) -> LeafPaths:
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   return LeafPaths(
     [jax.tree_util.keystr(path) for path, _ in with_paths],
     [jnp.size(x) for _, x in with_paths],
+    scaler=scaler,
+    specs=partition_specs,
   )
 
 
@@ -254,62 +259,62 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    if _guard.current() is None:
-      raise RuntimeError(_UNGUARDED)
-    return _initial_state(scaler.init(), params, grad_range)
+    paths = _leaf_paths(params, scaler, partition_specs)
+    return _initial_state(scaler.init(), paths, grad_range)
 
-  def update_fn(updates, state, params=None, *, value=None, **extra_args):
-    del params, extra_args
-    guard = _guard.current()
-    if guard is None:
+  def update_fn(updates, state, params=None, **extra):
+    del params
+    if not isinstance(state, Handed):
       raise RuntimeError(_UNGUARDED)
+    state, measurement = state
+    # The state must be this transformation's: the skip measured by the
+    # specs it holds, and its counters follow its scaler's rules.
+    _sharding.leaf_axes_from_specs(partition_specs, updates, "fp16_loss_scale")
+    _check_built_here(state.leaf_paths, scaler, partition_specs)
+    value = extra.get("value")
     if value is not None:
       value = _scalar_value(value)
     leaves, treedef = jax.tree.flatten(updates)
-    guard.check_loss_scale_input(leaves)
-    _norm.check_float_leaves(leaves, "fp16_loss_scale gradients")
     _warn_bfloat16_grads(leaves, scaler)
-    leaf_axes = _sharding.leaf_axes_from_specs(
-      partition_specs, updates, "fp16_loss_scale"
-    )
-    state = _scale_read_once(state)
-    measured, norms = _unscaled(leaves, state.scaler.loss_scale, leaf_axes)
-    # The clip after us reduces this pass instead of reading the gradients
-    # again, if it receives ``measured.leaves`` themselves.
-    guard.publish(measured)
     grad_range_now = None
     if grad_range or scaler.needs_grad_max:
-      grad_range_now = _grad_range(leaves, measured.scale, leaf_axes)
+      grad_range_now = _grad_range(leaves, measurement)
     new_state = _next_state(
-      scaler, state, norms, value, grad_range_now, keep_range=grad_range
+      scaler, state, measurement, value, grad_range_now, keep_range=grad_range
     )
     if log_overflows:
       _log_if_overflow(state, new_state)
-    outputs = jax.tree.unflatten(treedef, measured.leaves)
+    outputs = jax.tree.unflatten(treedef, measurement.unscaled(leaves))
+    # Write-only fields read their old values: each keeps its donated buffer.
     return outputs, _donation.written_over(state, new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _scale_read_once(state: LossScaleState) -> LossScaleState:
-  """``state``, its loss scale read once, into ``prev_loss_scale``.
-
-  The scale the gradients were made with is read by the unscale, the floor
-  checks and the scale machine, and becomes ``prev_loss_scale``: one value
-  for two donated buffers, which XLA copied out of the old scale's buffer
-  before the new scale overwrote it. Read through one snapshot
-  (:func:`_donation.snapshot`), it is written into ``prev_loss_scale``'s
-  buffer by an instruction of its own, every reader reads it there, and the
-  new scale overwrites a buffer nobody else reads.
-  """
-  scaler = state.scaler
-  return state._replace(
-    scaler=scaler._replace(loss_scale=_donation.snapshot(scaler.loss_scale))
+def _check_built_here(paths: LeafPaths, scaler, partition_specs) -> None:
+  """Raises when the state was built by another configuration (say a
+  checkpoint of another preset's chain, restored with its own target)."""
+  if paths == LeafPaths((), (), scaler=scaler, specs=partition_specs):
+    return
+  what = "other partition_specs"
+  if paths.scaler != scaler and paths.scaler is not None:
+    theirs, mine = dataclasses.asdict(paths.scaler), dataclasses.asdict(scaler)
+    diff = [
+      f"{k}={theirs[k]!r}, here {mine[k]!r}"
+      for k in mine
+      if k != "init_scale" and theirs[k] != mine[k]
+    ]
+    what = f"another scaler ({'; '.join(diff)})"
+  raise ValueError(
+    f"fp16_loss_scale: this state was built with {what}: its counters follow "
+    "that scaler's rules, not this one's. Build the state with this chain's "
+    "tx.init(params), and move a saved scale across with "
+    "fs.scaler_state_dict / fs.load_scaler_state_dict, which check it."
   )
 
 
-def _initial_state(scaler_state, params, grad_range: bool) -> LossScaleState:
-  n = len(jax.tree.leaves(params))
+def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
+  n = len(paths)
   zeros = lambda: jnp.zeros([n], jnp.float32)
   # Every field its own buffer: a donating step gives each field's buffer
   # to its successor, and one buffer cannot be donated twice.
@@ -323,58 +328,28 @@ def _initial_state(scaler_state, params, grad_range: bool) -> LossScaleState:
     leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
     overflow_kind=jnp.int32(NONE),
     grad_range=GradRange(zeros(), zeros()) if grad_range else None,
-    leaf_paths=_leaf_paths(params),
+    leaf_paths=paths,
   )
 
 
-def _unscaled(leaves, scale, leaf_axes) -> Tuple[_norm.NormPass, _norm.Norms]:
-  """The one pass over the scaled gradients, and the unscaled gradients.
-
-  Returns:
-    ``(measured, norms)``: ``measured.leaves`` are the gradients divided by
-    ``scale``, promoted to at least float32, zeros on an overflow;
-    ``norms`` are those of the scaled gradients (overflow, per leaf).
-  """
-  inv_scale = 1.0 / scale
-  sums = _norm.leaf_sums(leaves)
-  norms = _norm.reduce_norms(sums, leaves, leaf_axes=leaf_axes)
-  # Differentiated, an overflow step's gradients are zeros before the
-  # multiply: gradients through the discarded step stay finite.
-  safe = _norm.discard_if(
-    norms.overflow,
-    [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves],
-  )
-  outputs = tuple(x * inv_scale for x in safe)
-  measured = _norm.NormPass(
-    outputs,
-    tuple(leaves),
-    tuple(sums),
-    inv_scale,
-    zeroed_on_overflow=True,
-    reduced=norms,
-    leaf_axes=tuple(leaf_axes),
-  )
-  return measured, norms
-
-
-def _grad_range(leaves, inv_scale, leaf_axes) -> GradRange:
+def _grad_range(leaves, measurement: Measurement) -> GradRange:
   """Per leaf the largest finite unscaled ``|g|`` and the zero fraction."""
-  peaks, zero_fraction = _norm.leaf_range(leaves, leaf_axes)
-  return GradRange(peaks * inv_scale, zero_fraction)
+  peaks, zero_fraction = _norm.leaf_range(leaves, measurement.leaf_axes)
+  return GradRange(peaks * measurement.inv_scale, zero_fraction)
 
 
-def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
-  """The state after a step whose scaled gradients have ``norms``.
+def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
+  """The state after a step whose scaled gradients ``measurement`` read.
 
   Args:
     scaler: the :class:`Scaler`.
     state: the :class:`LossScaleState` the gradients were made under.
-    norms: the scaled gradients' :class:`~fp16_scaling._norm.Norms`.
+    measurement: the step's :class:`Measurement`.
     value: the loss passed as ``value=``, or None.
     grad_range: this step's :class:`GradRange`, or None when not measured.
     keep_range: whether the state records ``grad_range``.
   """
-  scale = state.scaler.loss_scale
+  scale, norms = measurement.scale, measurement.norms
   overflow = norms.overflow
   fit = _leaf_fitter(state.leaf_paths, norms.leaf_nonfinite)
   grad_max = None
@@ -386,7 +361,7 @@ def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
     prev_loss_scale=scale,
     overflow=overflow,
     skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
-    grad_norm=_own_norm(overflow, norms.norm * (1.0 / scale)),
+    grad_norm=norms.norm * measurement.inv_scale,
     leaf_nonfinite=leaf_nonfinite,
     leaf_nonfinite_steps=state.leaf_nonfinite_steps
     + leaf_nonfinite.astype(jnp.int32),
@@ -394,19 +369,6 @@ def _next_state(scaler, state, norms, value, grad_range, *, keep_range):
     grad_range=jax.tree.map(fit, grad_range) if keep_range else None,
     leaf_paths=state.leaf_paths,
   )
-
-
-def _own_norm(overflow, norm) -> jax.Array:
-  """``norm`` (the clip's, unscaled as the clip unscales it), as a value of
-  its own.
-
-  ``clip_by_unscaled_norm`` reports the very same expression in its
-  ``ClipState``, and XLA merges the two into one value: two donated output
-  buffers then hold one value and the step copies it into the second. The
-  select is a no-op (``norm`` is already 0.0 on an overflow) that XLA cannot
-  prove to be one, so each state writes its own buffer.
-  """
-  return jnp.where(overflow, 0.0, norm)
 
 
 def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:

@@ -31,8 +31,6 @@ the ``lax.cond`` (whose rescue branch holds collectives). Under plain
 ``jit`` the arrays are global and the specs call for no collective.
 """
 
-import contextlib
-import contextvars
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -71,24 +69,6 @@ class Norms(NamedTuple):
   overflow: jax.Array
   leaf_nonfinite: jax.Array
   leaf_sums: jax.Array
-
-
-_FLOAT16_RANGE: contextvars.ContextVar = contextvars.ContextVar(
-  "fp16_scaling_float16_range", default=False
-)
-
-
-@contextlib.contextmanager
-def float16_range():
-  """Trace-time promise, while open: every leaf given to :func:`reduce_norms`
-  holds values within float16's range (a float32 mean of float16 gradients,
-  as ``accumulate_gradients`` makes), so no finite square can overflow a
-  float32 sum and the rescue is not traced."""
-  token = _FLOAT16_RANGE.set(True)
-  try:
-    yield
-  finally:
-    _FLOAT16_RANGE.reset(token)
 
 
 def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
@@ -230,6 +210,7 @@ def reduce_norms(
   num_groups: int = 1,
   leaf_axes: Optional[Sequence[AxisNames]] = None,
   per_leaf: Optional[jax.Array] = None,
+  in_float16_range: bool = False,
 ) -> Norms:
   """Global and per-group norms, and per-leaf overflow, from
   :func:`leaf_sums`.
@@ -244,6 +225,9 @@ def reduce_norms(
       :func:`leaf_axes_from_specs` (default: none).
     per_leaf: ``Norms.leaf_sums`` of an earlier reduction of the same
       ``sums`` over the same ``leaf_axes``: the vector is not built again.
+    in_float16_range: every leaf holds values within float16's range (a
+      float32 mean of float16 gradients): no finite square can reach the
+      cap, and the rescue is not traced.
 
   Returns:
     :class:`Norms`.
@@ -262,9 +246,7 @@ def reduce_norms(
       lambda local: _marked(local, cap=needs_rescue),
     )
   common, total = _group_sums(per_leaf, leaf_groups, num_groups)
-  # Under float16_range() every leaf holds float16-range values: no finite
-  # square can reach the cap, and the rescue is not traced.
-  if needs_rescue and not _FLOAT16_RANGE.get():
+  if needs_rescue and not in_float16_range:
     rescue = lambda _: _rescued_roots(
       leaves, leaf_groups, leaf_axes, num_groups
     )
@@ -373,58 +355,6 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
     peaks * jnp.sqrt(rel),
     jnp.bool_(False),  # entered only for a finite total
   )
-
-
-class NormPass(NamedTuple):
-  """One read of a gradient tree: the per-leaf sums of squares of ``leaves``.
-
-  ``fp16_loss_scale`` makes the pass over the scaled gradients it receives
-  and describes with it the unscaled ones it returns; a clip that receives
-  those very arrays reduces these sums instead of reading the gradients a
-  second time.
-
-  Attributes:
-    leaves: the arrays whose norm the pass gives.
-    read: the arrays the pass read; ``leaves == read * scale`` elementwise.
-    sums: per-leaf local sums of squares of ``read``, from :func:`leaf_sums`.
-    scale: float32 scalar, the factor from ``read`` to ``leaves``.
-    zeroed_on_overflow: static; True when ``leaves`` are already zeros on an
-      overflow (:func:`discard_if` applied), so users of the pass need not
-      discard again.
-    reduced: the :class:`Norms` its maker reduced it to, or None: a user
-      that sums over the same mesh axes reuses their per-leaf vector.
-    leaf_axes: the mesh axes ``reduced`` summed each leaf over.
-  """
-
-  leaves: tuple
-  read: tuple
-  sums: tuple
-  scale: jax.Array
-  zeroed_on_overflow: bool
-  reduced: Optional[Norms] = None
-  leaf_axes: Optional[tuple] = None
-
-  @classmethod
-  def over(cls, leaves: Sequence[jax.Array]) -> "NormPass":
-    """A new pass over ``leaves`` themselves."""
-    leaves = tuple(leaves)
-    return cls(leaves, leaves, tuple(leaf_sums(leaves)), jnp.float32(1), False)
-
-  def norms(self, **grouping) -> Norms:
-    """:func:`reduce_norms` of the sums, in the units of ``leaves``.
-
-    Args:
-      **grouping: ``leaf_groups``, ``num_groups`` and ``leaf_axes``, as
-        :func:`reduce_norms` takes them.
-    """
-    axes = grouping.get("leaf_axes")
-    axes = tuple(axes) if axes is not None else ((),) * len(self.leaves)
-    if self.reduced is not None and axes == self.leaf_axes:
-      grouping = dict(grouping, per_leaf=self.reduced.leaf_sums)
-    norms = reduce_norms(self.sums, self.read, **grouping)
-    return norms._replace(
-      norm=norms.norm * self.scale, group_norms=norms.group_norms * self.scale
-    )
 
 
 def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:

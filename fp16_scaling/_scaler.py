@@ -31,7 +31,6 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from fp16_scaling import _donation
 from fp16_scaling import _validate
 
 F16_MAX = 65504.0  # float16's largest finite value
@@ -210,7 +209,7 @@ class Scaler:
       min_scale_errors=errors,
       floor_overflows=floor_overflows,
     )
-    return _in_place_order(new)
+    return new
 
   def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array):
     """The next scale after a clean step, from the largest gradient."""
@@ -239,30 +238,6 @@ class Scaler:
     return jnp.maximum(
       jnp.where(move, capped, scale), jnp.float32(self.min_scale)
     )
-
-
-def _in_place_order(new: ScalerState) -> ScalerState:
-  """``new``, with each counter written after the fields that read its old
-  value.
-
-  The old hysteresis is read by the new scale (absorbed or not) and by both
-  floor counters, the old growth tracker by the new scale and the new
-  hysteresis (grow or not). Neither new counter depends on those readers,
-  and XLA orders instructions by their data alone: under a donating ``jit``
-  it copied each old counter before overwriting it in place. Written after
-  them (:func:`_donation.after`), each has no other reader left when it is
-  overwritten. The values are unchanged.
-  """
-  hysteresis_left = _donation.after(
-    new.hysteresis_left,
-    new.loss_scale,
-    new.min_scale_errors,
-    new.floor_overflows,
-  )
-  growth_tracker = _donation.after(new.growth_tracker, hysteresis_left)
-  return new._replace(
-    hysteresis_left=hysteresis_left, growth_tracker=growth_tracker
-  )
 
 
 def static_scaler(scale: float) -> Scaler:

@@ -1,35 +1,58 @@
 """``skip_on_overflow``: an exact skip of the whole chain on an overflow step.
 
 An element of ``optax.chain`` cannot stop the elements after it, so the guard
-wraps the chain. On an overflow step it returns zero updates and keeps every
-leaf of the inner state bit for bit (Adam's moments, its count, a schedule's
-step), except the bookkeeping that must move: the loss-scale state and the
-clip's reported norms.
-
-Unlike ``optax.apply_if_finite``, it does not look at the gradients again:
-the overflow decision comes from ``fp16_loss_scale``'s one pass. Every select
-is an elementwise select that XLA fuses into the optimizer's own update, so a
-skip adds no pass over memory and no host round-trip, and an overflow step
-costs no more than a clean one. The selects are placed by ``_inplace``, early
-enough that the optimizer's update reads the selected state: XLA can then
-write every donated state buffer in place, as it does for plain optax.
-
-``optax.MultiSteps`` around the guarded chain is refused by the state
-lookup (``_lookup.loss_scale_state``) that ``current_scale`` and the other
-helpers share: the first step that scales its loss raises.
+wraps the chain. It measures the gradients once (:func:`_measure.measure`),
+hands that measurement to its own elements with their state, and on an
+overflow step returns ``-0.0`` updates and keeps every leaf of the inner
+state bit for bit, except the bookkeeping that must move: the loss-scale
+state and the clip's norms. The selects come after the inner update, as in
+``optax.apply_if_finite`` and jmp; each is elementwise and XLA fuses it
+into the optimizer's own pass.
 """
 
+from typing import Any
+import warnings
+
 import jax
+import jax.numpy as jnp
 import optax
 
-from fp16_scaling import _guard
-from fp16_scaling import _inplace
 from fp16_scaling import _lookup
-from fp16_scaling import _validate
+from fp16_scaling import _measure
+from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import LossScaleState
 
 _BOOKKEEPING = (LossScaleState, ClipState)
+
+FIX = (
+  "The order is skip_on_overflow(optax.chain(fp16_loss_scale(...), "
+  "clip_by_unscaled_norm(...), optimizer))."
+)
+_NOT_ONE = (
+  "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale (it "
+  "decides the overflow); found {found}. A second one would unscale "
+  "gradients that are already unscaled and step a second scale. " + FIX
+)
+_NOT_FIRST = (
+  "fp16_loss_scale is not the first element of the chain: a transformation "
+  "before it (an optimizer or a clip placed first) would change the "
+  "gradients before it sees them, and it must see the raw scaled gradients "
+  "to divide by the scale they were made with. Move fp16_loss_scale to the "
+  "front. " + FIX
+)
+_CLIP_FIRST = (
+  "clip_by_unscaled_norm comes before fp16_loss_scale: it would clip by the "
+  "norm of the gradients still multiplied by the loss scale. Put it right "
+  "after fp16_loss_scale. " + FIX
+)
+_INSIDE = (
+  "accumulate_gradients runs inside skip_on_overflow: the guarded chain "
+  "would see each microbatch, not the window's mean, and its skip would "
+  "not cover the accumulator. Nest them the other way round: "
+  "accumulate_gradients(skip_on_overflow(optax.chain(fp16_loss_scale(...), "
+  "clip_by_unscaled_norm(...), optimizer)), every_k_schedule)."
+)
 
 
 def _is_bookkeeping(x) -> bool:
@@ -37,36 +60,31 @@ def _is_bookkeeping(x) -> bool:
 
 
 def skip_on_overflow(
-  inner: optax.GradientTransformation,
-  *,
-  early_select: bool = True,
+  inner: optax.GradientTransformation, *, early_select: Any = None
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and discards the step exactly when its gradients overflowed.
 
   Args:
-    inner: a chain that contains exactly one :func:`fp16_loss_scale`,
-      typically ``optax.chain(fp16_loss_scale(...),
-      clip_by_unscaled_norm(...), optimizer)``.
-    early_select: place the state selects inside the traced inner update,
-      so that XLA updates donated state in place (see ``_inplace``; it
-      relies on JAX internals and falls back to ``False``'s behaviour, with
-      one warning, where they fail). ``False`` selects after the inner
-      update with public JAX only: the same values, but on XLA:CPU a copy
-      of every donated optimizer moment per step.
+    inner: a chain whose first element is :func:`fp16_loss_scale`, typically
+      ``optax.chain(fp16_loss_scale(...), clip_by_unscaled_norm(...),
+      optimizer)``.
+    early_select: deprecated and ignored (the selects follow the inner
+      update; on XLA:CPU see docs/design.md for the compiler option that
+      keeps the step in place).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
     state. On an overflow step the updates are ``-0.0`` (so ``params +
     updates`` is bit-identical to ``params``, signed zeros included) and the
     inner state is unchanged except for :class:`LossScaleState` and
-    :class:`ClipState`. Extra arguments that are not arrays (``optax.lbfgs``'s
-    ``value_fn``) reach ``inner`` as they are, untraced. Gradients taken
-    through an overflow step are finite: zero through the discarded update.
+    :class:`ClipState`. Extra arguments reach ``inner`` as they are.
+    Gradients taken through an overflow step are finite: zero through the
+    discarded update.
 
   Raises:
-    ValueError: at ``init``, unless ``inner``'s state holds exactly one
-      :class:`LossScaleState`; when the update is traced, if the chain's
-      order is wrong (see :func:`fp16_loss_scale`).
+    ValueError: at ``init`` and ``update``, unless ``inner``'s state holds
+      exactly one :class:`LossScaleState`, that of its first element, and
+      no clip before it or accumulation inside it.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -91,67 +109,99 @@ def skip_on_overflow(
     <https://arxiv.org/abs/1710.03740>`_, ICLR 2018: a step whose gradients
     overflowed is skipped and the scale lowered.
   """
-  early_select = _validate.flag("early_select", early_select)
+  if early_select is not None:
+    warnings.warn(
+      "skip_on_overflow's early_select is deprecated and ignored: the "
+      "selects follow the inner update, with public JAX only. On XLA:CPU, "
+      "compile the step with compiler_options={'xla_cpu_copy_insertion_"
+      "use_region_analysis': True} to keep it in place (docs/design.md).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    with _guard.guarded():
-      state = inner.init(params)
-    _single_loss_scale_state(state)
+    state = inner.init(params)
+    chain_layout(state)
     return state
 
-  def update_fn(updates, state, params=None, **extra_args):
-    _single_loss_scale_state(state)
-    return _inplace.call_selecting(
-      _guarded_update(inner),
-      (updates, state, params, extra_args),
-      _state_labels(state),
-      early=early_select,
-    )
+  def update_fn(
+    updates, state, params=None, *, measurement=None, loss_scale=None, **extra
+  ):
+    clip_follows = chain_layout(state)
+    if measurement is None:
+      measurement = _measure.measure_step(updates, state, loss_scale)
+    handed = _handed(state, measurement, clip_follows)
+    new_updates, new_state = inner.update(updates, handed, params, **extra)
+    return skipped_if(measurement.overflow, new_updates, state, new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _single_loss_scale_state(state) -> None:
-  found = _lookup.all_with_path(state, LossScaleState)
-  if len(found) != 1:
+def skipped_if(overflow, updates, old_state, new_state) -> tuple:
+  """``(updates, new_state)``, or ``-0.0`` updates and ``old_state``'s
+  values (but for the bookkeeping) when ``overflow``."""
+  if jax.tree.structure(new_state) != jax.tree.structure(old_state):
     raise ValueError(
-      "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale "
-      f"(it decides the overflow); found {len(found)}. Build it as "
-      "skip_on_overflow(optax.chain(fp16_loss_scale(...), "
-      "clip_by_unscaled_norm(...), optimizer))."
+      "skip_on_overflow: the inner update returned a state whose structure "
+      f"differs from its input state: {jax.tree.structure(new_state)} "
+      f"against {jax.tree.structure(old_state)}"
     )
 
+  def keep(new, old):
+    return new if _is_bookkeeping(new) else jnp.where(overflow, old, new)
 
-def _guarded_update(inner: optax.GradientTransformationExtraArgs):
-  """``inner.update`` inside the guard, told the gradients it starts from."""
-
-  def update(updates, state, params, extra_args):
-    with _guard.guarded() as guard:
-      guard.receive(jax.tree.leaves(updates))
-      return inner.update(updates, state, params, **extra_args)
-
-  return update
+  state = jax.tree.map(keep, new_state, old_state, is_leaf=_is_bookkeeping)
+  updates = jax.tree.map(lambda u: jnp.where(overflow, -0.0, u), updates)
+  return updates, state
 
 
-def _state_labels(state) -> _inplace.StateLabels:
-  """What the skip does to each leaf of the state the inner update returns.
+def _handed(state, measurement, clip_follows: bool):
+  """``state`` with the loss-scale state, and the clip's when it follows,
+  each handed the measurement (:class:`_measure.Handed`)."""
 
-  The state has the structure of ``state``: every leaf takes its old value
-  on an overflow (``SELECT``, with that old value), except the bookkeeping,
-  returned as computed (``KEEP``; the overflow flag itself is
-  ``OVERFLOW``). The updates all become ``-0.0``.
+  def hand(x):
+    if isinstance(x, LossScaleState) or (
+      clip_follows and isinstance(x, ClipState)
+    ):
+      return _measure.Handed(x, measurement)
+    return x
+
+  return jax.tree.map(hand, state, is_leaf=_is_bookkeeping)
+
+
+def _elements(state) -> list:
+  """The states of a chain's elements, in order: an optax chain's state (a
+  plain tuple, list or dict) is opened; any other value is one element's."""
+  if isinstance(state, dict) and state:
+    return [e for v in state.values() for e in _elements(v)]
+  if (
+    isinstance(state, (tuple, list)) and state and not hasattr(state, "_fields")
+  ):
+    return [e for v in state for e in _elements(v)]
+  return [state]
+
+
+def chain_layout(state) -> bool:
+  """Checks the order of the chain whose state is ``state``; returns whether
+  its one clip comes right after ``fp16_loss_scale``.
+
+  Raises:
+    ValueError: not exactly one loss-scale state, or not the first
+      element's; a clip before it; accumulation inside the chain.
   """
-  labels, olds = [], []
-  for old in jax.tree.leaves(state, is_leaf=_is_bookkeeping):
-    if _is_bookkeeping(old):
-      tags = jax.tree.map(lambda _: _inplace.KEEP, old)
-      if isinstance(old, LossScaleState):
-        tags = tags._replace(overflow=_inplace.OVERFLOW)
-      tags = jax.tree.leaves(tags)
-      labels += tags
-      olds += [None] * len(tags)
-    else:
-      labels.append(_inplace.SELECT)
-      olds.append(old)
-  return _inplace.StateLabels(jax.tree.structure(state), labels, olds)
+  found = _lookup.all_with_path(state, LossScaleState)
+  if len(found) != 1:
+    raise ValueError(_NOT_ONE.format(found=len(found)))
+  if _lookup.all_with_path(state, AccumulationState):
+    raise ValueError(_INSIDE)
+  elements = _elements(state)
+  first = next(
+    (i for i, e in enumerate(elements) if isinstance(e, LossScaleState)), -1
+  )
+  if any(isinstance(e, ClipState) for e in elements[:first]):
+    raise ValueError(_CLIP_FIRST)
+  if first != 0:
+    raise ValueError(_NOT_FIRST)
+  clips = [i for i, e in enumerate(elements) if isinstance(e, ClipState)]
+  return clips == [1]

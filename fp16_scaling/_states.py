@@ -9,8 +9,9 @@ types (no module imports a transformation to learn its state's shape).
 :class:`Scaler` in ``_scaler``.
 """
 
+import dataclasses
 import sys
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 
@@ -21,27 +22,56 @@ NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
 KINDS = ("none", "unknown", "forward", "backward", "persistent")
 
 
+def _is_spec(x) -> bool:
+  return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
-  """The gradient tree's leaf names and sizes, held statically in the
-  state's treedef.
+  """Static facts of a :class:`LossScaleState`, held in its treedef.
 
-  A pytree node with no children: the paths (``jax.tree_util.keystr``
-  strings, in tree order) and element counts live in the tree structure,
-  not in arrays. They cost nothing per step, survive ``jit``, ``scan`` and
-  ``jax.tree.map``, and come back from any checkpoint restored into a target
-  built by ``tx.init(params)`` (the restore that keeps the state's types).
-  Paths built from a tree without leaves (``optax.tree_map_params``'
-  placeholder) compare equal to any, so specs laid out that way match.
+  A pytree node with no children: nothing here is an array, so it costs
+  nothing per step and survives ``jit``, ``scan`` and ``jax.tree.map``; a
+  checkpoint restored into ``tx.init(params)`` takes the target's.
+
+  Attributes:
+    paths: the gradient leaves' names (``jax.tree_util.keystr``), in tree
+      order, for the reports.
+    sizes: their element counts.
+    scaler: the :class:`Scaler` of the ``fp16_loss_scale`` that built it.
+    shared: whether that ``fp16_loss_scale`` shares its scale (the scale
+      then lives in the caller's state, passed as ``loss_scale=``).
+    partition_specs: the gradients' ``PartitionSpec`` pytree it was given.
+
+  Equality and hash are those of ``(scaler, shared, partition_specs)``: the
+  configuration the state was built for, which decides how a step is
+  traced. The names do not take part: they follow from the gradient tree,
+  which the step's other arguments already key, and a tree without leaves
+  (``optax.tree_map_params``' placeholder) must match the real one.
   """
 
-  def __init__(self, paths: Tuple[str, ...], sizes: Tuple[int, ...]):
+  def __init__(self, paths, sizes, scaler=None, shared=False, specs=None):
     self.paths = tuple(paths)
     self.sizes = tuple(int(n) for n in sizes)
+    self.scaler = scaler
+    self.shared = bool(shared)
+    # Hashable: the specs' leaves and treedef, not the (maybe dict) pytree.
+    self._specs = jax.tree.flatten(specs, is_leaf=_is_spec)
+    self._specs = (tuple(self._specs[0]), self._specs[1])
+
+  @property
+  def partition_specs(self):
+    return jax.tree.unflatten(self._specs[1], self._specs[0])
+
+  def _key(self):
+    # The initial scale does not matter once a run is under way.
+    scaler = self.scaler
+    if scaler is not None:
+      scaler = dataclasses.replace(scaler, init_scale=1.0)
+    return (scaler, self.shared, self._specs)
 
   def tree_flatten(self):
-    # The node itself is the treedef's metadata, compared by __eq__ below.
-    return (), self
+    return (), self  # the node itself is the treedef's metadata
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -49,19 +79,10 @@ class LeafPaths:
     return aux
 
   def __eq__(self, other):
-    # Empty paths come from an init without leaves: optax.tree_map_params
-    # calls init with a placeholder to lay a state's specs out, and then
-    # matches that state against the real one. They match any paths.
-    if self is other:  # every call of a jitted step: no per-leaf work
-      return True
-    return isinstance(other, LeafPaths) and (
-      not self.paths
-      or not other.paths
-      or (self.paths == other.paths and self.sizes == other.sizes)
-    )
+    return isinstance(other, LeafPaths) and self._key() == other._key()
 
   def __hash__(self):
-    return hash(LeafPaths)  # equal objects must hash equal; see __eq__
+    return hash(self._key())
 
   def __len__(self):
     return len(self.paths)

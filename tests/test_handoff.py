@@ -1,11 +1,11 @@
-"""The hand-off from fp16_loss_scale to clip_by_unscaled_norm.
+"""The hand-off of the one measurement to clip_by_unscaled_norm.
 
-fp16_loss_scale publishes its one pass over the gradients with the arrays it
-returned; clip_by_unscaled_norm reduces that pass only when it receives those
-very arrays. Pinned here from both sides: with a transformation in between,
-the clip is exactly a plain optax clip of what it receives (oracle: optax's
-own chain); right after fp16_loss_scale, or after a transformation that
-returns its input unchanged, the step reads the gradients once, as plain
+skip_on_overflow hands its measurement of the gradients to a clip that
+comes right after fp16_loss_scale in the chain (read off the chain's state),
+and the clip reduces its sums. Pinned here from both sides: with any
+element in between (an identity too), the clip is exactly a plain optax
+clip of what it receives (oracle: optax's own chain) and measures it itself;
+right after fp16_loss_scale, the step reads the gradients once, as plain
 optax's does.
 """
 
@@ -28,11 +28,11 @@ GRADS = {
 }
 EXPERT_MASK = {"w": True, "b": False}
 
-# Between the two: (transformation, whether it returns its input arrays).
+# Between the two: (transformation, whether the clip follows directly).
 BETWEEN = {
   "scale": (lambda: optax.scale(2.0), False),
   "decayed_weights": (lambda: optax.add_decayed_weights(0.1), False),
-  "identity": (optax.identity, True),
+  "identity": (optax.identity, False),
   "none": (None, True),
 }
 
@@ -138,7 +138,7 @@ def test_the_clip_is_a_plain_clip_of_what_it_receives(
 
 @pytest.mark.parametrize("between", sorted(BETWEEN))
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
-def test_the_gradients_are_read_once_exactly_when_the_arrays_are_handed_on(
+def test_the_gradients_are_read_once_exactly_when_the_clip_follows(
   between, dtype
 ):
   make, unchanged = BETWEEN[between]
@@ -150,8 +150,8 @@ def test_the_gradients_are_read_once_exactly_when_the_arrays_are_handed_on(
     tx.init(PARAMS),
     PARAMS,
   )
-  # One sum of squares per leaf from fp16_loss_scale; the clip adds one per
-  # leaf only when it got arrays the pass did not describe.
+  # One sum of squares per leaf from the skip's measurement; the clip adds
+  # one per leaf only when something stands between it and fp16_loss_scale.
   assert found == (leaves if unchanged else 2 * leaves)
 
 

@@ -158,11 +158,16 @@ def test_any_non_finite_element_is_an_overflow(bad):
     assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
 
 
-def test_bare_chain_fails_loudly_at_init():
+def test_bare_chain_fails_loudly_at_its_first_update():
+  # Without skip_on_overflow nobody measures the gradients and hands the
+  # measurement on: the first update, traced or eager, refuses to run
+  # (its init cannot tell: optax.chain's init takes the params alone).
   tx = optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adam(1e-3))
-  with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
-    tx.init(TRUE_GRADS)
-  # A state made by the guarded chain does not let the bare one update.
+  state = tx.init(TRUE_GRADS)
+  for update in (tx.update, jax.jit(tx.update)):
+    with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
+      update(TRUE_GRADS, state, TRUE_GRADS)
+  # Nor does a state made by the guarded chain let the bare one update.
   state = fs.skip_on_overflow(tx).init(TRUE_GRADS)
   with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
     jax.jit(tx.update)(TRUE_GRADS, state, TRUE_GRADS)

@@ -117,12 +117,11 @@ def test_below_the_cap_the_norm_is_the_float64_norm():
   )
 
 
-def _conds(leaves):
-  """How many ``cond`` the traced reduction holds (a fresh function each
-  time: make_jaxpr's cache does not see the float16_range context)."""
+def _conds(leaves, **kwargs):
+  """How many ``cond`` the traced reduction holds."""
 
   def reduce(leaves):
-    return _norm.reduce_norms(_norm.leaf_sums(leaves), leaves)
+    return _norm.reduce_norms(_norm.leaf_sums(leaves), leaves, **kwargs)
 
   return str(jax.make_jaxpr(reduce)(leaves)).count(" cond[")
 
@@ -134,10 +133,9 @@ def test_float16_gradients_never_trace_the_rescue():
   f32 = [jnp.ones(3, jnp.float32), jnp.ones(2, jnp.float16)]
   assert _conds(f16) == 0
   assert _conds(f32) == 1  # one wide leaf is enough
-  # float16_range() promises float16-range values: not traced either.
-  with _norm.float16_range():
-    assert _conds(f32) == 0
-  assert _conds(f32) == 1  # the promise ends with the block
+  # A caller's promise of float16-range values (a mean of float16
+  # microbatches): not traced either.
+  assert _conds(f32, in_float16_range=True) == 0
 
 
 def test_no_leaves():

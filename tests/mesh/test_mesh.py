@@ -649,9 +649,14 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
     r"names mesh axis 'experts'; the mesh has axes \('data', 'expert'\)",
   ):
     _shard_map_update(layout, make_tx(layout, typo))
+  # The same scaler as make_tx's: the state _shard_map_update traces with
+  # is that chain's (a state of another scaler is refused first).
   clip_only = fs.skip_on_overflow(
     optax.chain(
-      fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=layout.specs),
+      fs.fp16_loss_scale(
+        fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
+        partition_specs=layout.specs,
+      ),
       fs.clip_by_unscaled_norm(1.0, partition_specs=typo),
       optax.adam(LR),
     )

@@ -1,0 +1,142 @@
+"""The one measurement of a step's gradients, passed to whoever needs it.
+
+:func:`measure` reads the scaled gradients once (``_norm.leaf_sums``) and
+returns a :class:`Measurement`: the overflow decision, which leaves held an
+inf or NaN, the per-leaf sums of squares and the scale the gradients were
+made with. Nothing else looks at the gradients for these. The skip and
+accumulation hold it as a value; ``skip_on_overflow`` hands it to its own
+elements only, each with its state (:class:`Handed`): to ``fp16_loss_scale``,
+which unscales by it and records it for the diagnostics, and to a
+``clip_by_unscaled_norm`` right after it, which reduces its sums.
+"""
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fp16_scaling import _lookup
+from fp16_scaling import _norm
+from fp16_scaling import _sharding
+
+
+class Measurement(NamedTuple):
+  """One pass over a step's scaled gradients.
+
+  Attributes:
+    grads: the scaled gradient leaves measured, in tree order.
+    sums: per-leaf local sums of squares (``_norm.leaf_sums``).
+    norms: the global :class:`~fp16_scaling._norm.Norms` of ``grads``:
+      ``overflow``, ``leaf_nonfinite``, the per-leaf vector ``leaf_sums``
+      and ``norm`` (still multiplied by ``scale``).
+    scale: float32, the loss scale the gradients were made with.
+    leaf_axes: static, the mesh axes each leaf's sum is reduced over.
+    in_float16_range: static, every leaf holds float16-range values (a
+      mean of float16 microbatches): the norm's rescue is not traced.
+  """
+
+  grads: tuple
+  sums: tuple
+  norms: _norm.Norms
+  scale: jax.Array
+  leaf_axes: tuple
+  in_float16_range: bool = False
+
+  @property
+  def overflow(self) -> jax.Array:
+    return self.norms.overflow
+
+  @property
+  def inv_scale(self) -> jax.Array:
+    return 1.0 / self.scale
+
+  def unscaled(self, leaves: Sequence[jax.Array]) -> tuple:
+    """``leaves`` divided by the scale, promoted to at least float32; zeros
+    on an overflow (``_norm.discard_if``: gradients taken through a
+    discarded step stay finite)."""
+    wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves]
+    inv = self.inv_scale
+    return tuple(x * inv for x in _norm.discard_if(self.overflow, wide))
+
+  def grouped(self, leaf_groups, num_groups: int) -> _norm.Norms:
+    """The norms of :meth:`unscaled` gradients, per group of leaves."""
+    norms = _norm.reduce_norms(
+      self.sums,
+      self.grads,
+      leaf_groups=leaf_groups,
+      num_groups=num_groups,
+      leaf_axes=self.leaf_axes,
+      per_leaf=self.norms.leaf_sums,
+      in_float16_range=self.in_float16_range,
+    )
+    inv = self.inv_scale
+    return norms._replace(
+      norm=norms.norm * inv, group_norms=norms.group_norms * inv
+    )
+
+
+class Handed(NamedTuple):
+  """An element's state with the step's :class:`Measurement`, as
+  ``skip_on_overflow`` passes it to ``fp16_loss_scale`` and to a
+  ``clip_by_unscaled_norm`` right after it, in place of their state. Each
+  returns its plain state."""
+
+  state: Any
+  measurement: Measurement
+
+
+def measure(
+  grads: Any,
+  scale: jax.Array,
+  partition_specs: Optional[Any] = None,
+  *,
+  in_float16_range: bool = False,
+  what: str = "fp16_loss_scale",
+) -> Measurement:
+  """The one pass over ``grads``, made at loss scale ``scale``.
+
+  Args:
+    grads: the scaled gradients (a pytree of floating arrays).
+    scale: the loss scale they were made with.
+    partition_specs: under ``shard_map``, their ``PartitionSpec`` pytree.
+    in_float16_range: see :class:`Measurement`.
+    what: the transformation named in error messages.
+
+  Returns:
+    A :class:`Measurement`.
+  """
+  leaves = jax.tree.leaves(grads)
+  _norm.check_float_leaves(leaves, f"{what} gradients")
+  leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
+  sums = _norm.leaf_sums(leaves)
+  norms = _norm.reduce_norms(
+    sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range
+  )
+  return Measurement(
+    tuple(leaves),
+    tuple(sums),
+    norms,
+    jnp.asarray(scale, jnp.float32),
+    tuple(leaf_axes),
+    in_float16_range,
+  )
+
+
+def measure_step(
+  grads: Any,
+  opt_state: Any,
+  loss_scale: Optional[Any] = None,
+  *,
+  in_float16_range: bool = False,
+) -> Measurement:
+  """:func:`measure` of ``grads`` at the scale ``opt_state`` made them
+  with: its own, or ``loss_scale``'s (a shared scale's state) when given;
+  with the partition specs its ``fp16_loss_scale`` was built with."""
+  ls = _lookup.loss_scale_state(opt_state)
+  scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
+  return measure(
+    grads,
+    scale,
+    ls.leaf_paths.partition_specs,
+    in_float16_range=in_float16_range,
+  )
