@@ -18,6 +18,7 @@ from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
+from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
@@ -35,7 +36,6 @@ from fp16_scaling._skip import skip_on_overflow
 from fp16_scaling._state_dict import load_scaler_state_dict
 from fp16_scaling._state_dict import scaler_from_state_dict
 from fp16_scaling._state_dict import scaler_state_dict
-from fp16_scaling._state_dict import set_loss_scale
 from fp16_scaling._state_dict import to_peer_state_dict
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState

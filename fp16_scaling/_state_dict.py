@@ -358,33 +358,3 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
     float(host.loss_scale), int(host.growth_tracker), int(host.hysteresis_left)
   )
   return _peers.exported(peer, scaler).save(counters, scaler)
-
-
-def set_loss_scale(opt_state: Any, scale: float) -> Any:
-  """``opt_state`` with the loss scale for the next step set to ``scale``.
-
-  The growth tracker and hysteresis are left as they are.
-
-  Args:
-    opt_state: an optax state holding one :class:`LossScaleState`.
-    scale: the new scale, a positive normal finite float32.
-
-  Returns:
-    The new optax state.
-
-  Raises:
-    ValueError: ``scale`` is negative, zero, subnormal, inf or NaN.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(
-    ...     optax.chain(fs.fp16_loss_scale(fs.torch_scaler())))
-    >>> state = fs.set_loss_scale(tx.init(jnp.zeros(2)), 512.0)
-    >>> float(fs.current_scale(state))
-    512.0
-  """
-  scale = _validate.scale("scale", scale)
-  old = _lookup.loss_scale_state(opt_state)
-  loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
-  new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))
-  return _lookup.replace_loss_scale_state(opt_state, new)
