@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _lookup
-from fp16_scaling import _peers
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
+from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
 
