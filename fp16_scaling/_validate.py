@@ -185,9 +185,15 @@ def integer(name: str, value, low=None, high=None, why: str = "") -> int:
   return int(v)
 
 
-def boolean(name: str, value) -> bool:
-  """:func:`flag` for data: a value that is not a bool is a ValueError."""
+def from_data(check, name: str, value, **kwargs):
+  """``check(name, value, **kwargs)`` on a value read from data: a value of
+  the wrong type is a ValueError too, with the same message."""
   try:
-    return flag(name, value)
+    return check(name, value, **kwargs)
   except TypeError as e:
     raise ValueError(*e.args) from None
+
+
+def boolean(name: str, value) -> bool:
+  """A bool read from data: :func:`flag`, raising ValueError."""
+  return from_data(flag, name, value)

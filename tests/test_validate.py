@@ -187,6 +187,10 @@ def test_a_huge_python_int_is_named(make, name):
     make(10**400)
 
 
+def _scale_from_data(name, value):
+  return _validate.from_data(_validate.scale, name, value)
+
+
 # The checks of values read from data (a DeepSpeed config, a peer's saved
 # state): every bad value, whatever its type, is a ValueError that names the
 # field and what it must be.
@@ -225,6 +229,12 @@ DATA_REJECTS = [
   ),
   (_validate.boolean, {}, 1, "must be a bool, got 1 (int)"),
   (_validate.boolean, {}, "true", "must be a bool, got 'true' (str)"),
+  (
+    _scale_from_data,
+    {},
+    "8",
+    "must be a real number, got '8' (str)",
+  ),
   (
     _validate.one_element,
     {},

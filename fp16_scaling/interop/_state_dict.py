@@ -353,8 +353,5 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       "to_peer_state_dict needs one state, got a batched one of shape "
       f"{np.shape(ls.scaler.loss_scale)}: index one member first"
     )
-  host = jax.device_get(ls.scaler)
-  counters = _peers.Counters(
-    float(host.loss_scale), int(host.growth_tracker), int(host.hysteresis_left)
-  )
+  counters = _peers.Counters.of(jax.device_get(ls.scaler))
   return _peers.exported(peer, scaler).save(counters, scaler)
