@@ -2,34 +2,12 @@
 
 Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does
 (``runtime/precision_config.py``, ``runtime/config.py``,
-``runtime/engine.py``):
-
-* ``fp16.enabled`` false: no loss scaling (bf16 or fp32 training);
-* ``fp16.loss_scale`` > 0: that static scale; 0 (default): dynamic, starting at
-  ``2 ** initial_scale_power`` (16), growing every ``loss_scale_window``
-  (1000) clean steps, floored at ``min_loss_scale`` (1);
-* the same config gives different dynamics by engine path. Without ZeRO the
-  fp16 optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) read only the
-  initial scale, window and floor: ``hysteresis`` and
-  ``consecutive_hysteresis`` have no effect and nothing raises at the floor.
-  Under ZeRO stages 1-3, ``DynamicLossScaler`` uses ``hysteresis`` (default 2)
-  as ``delayed_shift``, honours ``consecutive_hysteresis`` and raises when an
-  overflow hits ``min_loss_scale``. The path is read from
-  ``zero_optimization.stage``. DeepSpeed's main branch after 0.19.8 makes the
-  fp16 optimizers honour ``hysteresis`` and ``consecutive_hysteresis`` too
-  (still without raising at the floor); ``stage0_hysteresis=True`` follows it;
-* ``gradient_clipping`` (default 1.0 in DeepSpeed 0.19; 0 or less disables it)
-  is the fp16 optimizers' ``clip_grad``;
-* ``gradient_accumulation_steps`` is derived from and checked against
-  ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` as
-  ``DeepSpeedConfig._set_batch_related_parameters`` and ``_batch_assertion``
-  do; above 1, ``.optimizer(...)`` wraps the chain in
-  :func:`accumulate_gradients`.
-
-Fields that change training but are not modelled here (``optimizer``,
-``scheduler``, the rest of ``zero_optimization``, ...) get one warning that
-names them. Hugging Face's ``"auto"`` values are refused: they are resolved by
-the Trainer, not by DeepSpeed.
+``runtime/engine.py``): the ``fp16`` section, the engine path that
+``zero_optimization.stage`` selects (hysteresis and the error at the floor
+only under ZeRO, unless ``stage0_hysteresis``), ``gradient_clipping`` and
+the batch sizes that give ``gradient_accumulation_steps``. Fields not
+modelled get one warning that names them; Hugging Face's ``"auto"`` values
+are refused. docs/peers.md ("DeepSpeed's JSON config") has the details.
 """
 
 import json

@@ -41,6 +41,8 @@ _NESTED_PREFIX = {"scaler": "", "grad_range": "grad_"}
 
 # Every dict the format ever saved holds these; fields added since are
 # optional on load (older dicts lack them, and the state's own are kept).
+# Written out on purpose, not derived from the NamedTuples' _fields: a field
+# added later must not become required.
 _FIRST_KEYS = frozenset(
   {
     "loss_scale",
@@ -211,8 +213,8 @@ def _from_own(d: Mapping, scaler: Scaler) -> Mapping:
       f"scaler_state_dict() holds them ({', '.join(sorted(_FIRST_KEYS))})"
     )
   for field in _SCALES:
-    for v in np.ravel(d[field]):
-      _validate.scale(f"state_dict[{field!r}]", float(v))
+    for v in np.ravel(d[field]).tolist():
+      _validate.from_data(_validate.scale, f"state_dict[{field!r}]", v)
   return d
 
 
