@@ -12,12 +12,11 @@ Usage::
 
 from fp16_scaling._accumulate import accumulate_gradients
 from fp16_scaling._clipping import clip_by_unscaled_norm
-from fp16_scaling._deepspeed_config import DeepSpeedFP16
-from fp16_scaling._deepspeed_config import from_deepspeed_config
 from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
+from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
@@ -32,16 +31,17 @@ from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
 from fp16_scaling._skip import skip_on_overflow
-from fp16_scaling._state_dict import load_scaler_state_dict
-from fp16_scaling._state_dict import scaler_from_state_dict
-from fp16_scaling._state_dict import scaler_state_dict
-from fp16_scaling._state_dict import set_loss_scale
-from fp16_scaling._state_dict import to_peer_state_dict
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LossScaleState
+from fp16_scaling.interop import DeepSpeedFP16
+from fp16_scaling.interop import from_deepspeed_config
+from fp16_scaling.interop import load_scaler_state_dict
+from fp16_scaling.interop import scaler_from_state_dict
+from fp16_scaling.interop import scaler_state_dict
+from fp16_scaling.interop import to_peer_state_dict
 
 __version__ = "0.1.0"
 

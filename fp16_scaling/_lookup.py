@@ -14,13 +14,18 @@ same kind.
 A :class:`LossScaleState` inside an ``optax.MultiStepsState`` is refused
 here, by type: ``current_scale`` and every other helper go through
 :func:`loss_scale_state`, so the first step that scales its loss raises.
+
+:func:`set_loss_scale`, the public edit of the scale, writes through
+:func:`replace_loss_scale_state` too.
 """
 
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from fp16_scaling import _validate
 from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import LossScaleState
@@ -187,3 +192,33 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
     opt_state,
     is_leaf=lambda x: isinstance(x, LossScaleState),
   )
+
+
+def set_loss_scale(opt_state: Any, scale: float) -> Any:
+  """``opt_state`` with the loss scale for the next step set to ``scale``.
+
+  The growth tracker and hysteresis are left as they are.
+
+  Args:
+    opt_state: an optax state holding one :class:`LossScaleState`.
+    scale: the new scale, a positive normal finite float32.
+
+  Returns:
+    The new optax state.
+
+  Raises:
+    ValueError: ``scale`` is negative, zero, subnormal, inf or NaN.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(
+    ...     optax.chain(fs.fp16_loss_scale(fs.torch_scaler())))
+    >>> state = fs.set_loss_scale(tx.init(jnp.zeros(2)), 512.0)
+    >>> float(fs.current_scale(state))
+    512.0
+  """
+  scale = _validate.scale("scale", scale)
+  old = loss_scale_state(opt_state)
+  loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
+  new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))
+  return replace_loss_scale_state(opt_state, new)

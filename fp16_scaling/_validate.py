@@ -1,4 +1,5 @@
-"""Construction-time argument checks shared by every public constructor.
+"""Argument checks shared by every public constructor, and the checks of
+values read from data (a DeepSpeed config, a peer's saved state).
 
 Each check raises ``ValueError`` (or ``TypeError``) naming the parameter, the
 allowed range and the value received, so that a bad configuration fails where
@@ -123,3 +124,76 @@ def in_range(name: str, value, low: float, high: float) -> float:
   if not (math.isfinite(v) and low <= v <= high):
     raise ValueError(f"{name} must lie in [{low:g}, {high:g}], got {value!r}")
   return v
+
+
+# Values read from data rather than passed as arguments: every bad value
+# there is a ValueError, whatever its type, as DeepSpeed's config raises.
+
+
+def one_element(name: str, value):
+  """The one element of a number, a numpy array or a torch tensor (read
+  without importing torch), as a Python scalar."""
+  if hasattr(value, "detach"):  # a torch tensor
+    value = value.detach().cpu().numpy()
+  a = np.asarray(value)
+  if a.size != 1:
+    raise ValueError(
+      f"{name} must be one number, got an array of shape {a.shape}"
+    )
+  return a.reshape(()).item()
+
+
+def number(name: str, value) -> float:
+  """A finite number, as ``float()`` reads it, that is not a bool."""
+  if isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a finite number, not a bool: {value!r}")
+  if isinstance(value, numbers.Real):
+    v = real(name, value)  # which names an int too long for a float
+  else:
+    try:
+      v = float(value)  # a numeric string too
+    except (TypeError, ValueError):
+      raise ValueError(
+        f"{name} must be a finite number, got {_describe(value)}"
+      ) from None
+  if not math.isfinite(v):
+    raise ValueError(
+      f"{name} must be a finite number (not inf, -inf or nan), got {value!r}"
+    )
+  return v
+
+
+def _bounds(low, high) -> str:
+  """``" in [low, high]"``, ``" >= low"``, ``" <= high"`` or ``""``."""
+  if low is not None and high is not None:
+    return f" in [{low}, {high}]"
+  if low is not None:
+    return f" >= {low}"
+  return "" if high is None else f" <= {high}"
+
+
+def integer(name: str, value, low=None, high=None, why: str = "") -> int:
+  """An integer-valued :func:`number` (``3`` or ``3.0``) in ``[low, high]``
+  (``None`` leaves that end open); ``why`` follows the range in messages."""
+  v = number(name, value)
+  span = _bounds(low, high)
+  if v != int(v):
+    raise ValueError(f"{name} must be an integer{span}{why}, got {value!r}")
+  if (low is not None and v < low) or (high is not None and v > high):
+    verb = "lie" if span.startswith(" in") else "be"
+    raise ValueError(f"{name} must {verb}{span}{why}, got {int(v)}")
+  return int(v)
+
+
+def from_data(check, name: str, value, **kwargs):
+  """``check(name, value, **kwargs)`` on a value read from data: a value of
+  the wrong type is a ValueError too, with the same message."""
+  try:
+    return check(name, value, **kwargs)
+  except TypeError as e:
+    raise ValueError(*e.args) from None
+
+
+def boolean(name: str, value) -> bool:
+  """A bool read from data: :func:`flag`, raising ValueError."""
+  return from_data(flag, name, value)

@@ -2,6 +2,7 @@
 nothing else: a field added to a NamedTuple without a word in the design
 document fails here."""
 
+import ast
 import pathlib
 import re
 
@@ -39,34 +40,62 @@ _PACKAGE = _DESIGN.parents[1] / "fp16_scaling"
 
 
 def _module_map():
+  """The table's modules as paths under fp16_scaling/ without ``.py``:
+  ``_scaler``, ``interop/_peers``."""
   names = []
   for line in _DESIGN.read_text().splitlines():
-    m = re.match(r"\| `(_\w+)\.py` \|", line)
+    m = re.match(r"\| `((?:interop/)?_\w+)\.py` \|", line)
     if m:
       names.append(m.group(1))
   return names
 
 
-def _imports(module):
-  """The fp16_scaling modules ``module`` imports."""
-  import ast
+def _on_disk(pattern):
+  return sorted(
+    p.relative_to(_PACKAGE).with_suffix("").as_posix()
+    for p in _PACKAGE.glob(pattern)
+    if p.stem != "__init__"
+  )
 
+
+def _as_path(dotted):
+  """``fp16_scaling.interop._peers.Peer`` as the module path
+  ``interop/_peers``: the longest prefix that is a module or a package."""
+  parts = dotted.split(".")[1:]
+  while parts:
+    path = "/".join(parts)
+    if (_PACKAGE / f"{path}.py").exists() or (_PACKAGE / path).is_dir():
+      return path
+    parts.pop()
+  return ""
+
+
+def _imports(module):
+  """The fp16_scaling modules ``module`` imports, as :func:`_module_map`
+  names them (``interop`` for the subpackage itself); relative imports
+  too."""
   tree = ast.parse((_PACKAGE / f"{module}.py").read_text())
+  package = ["fp16_scaling", *module.split("/")[:-1]]
   found = set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module:
-      if node.module == "fp16_scaling":
-        found.update(a.name for a in node.names)
-      elif node.module.startswith("fp16_scaling."):
-        found.add(node.module.split(".")[1])
-  return found
+    if isinstance(node, ast.Import):
+      dotted = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module.split(".") if node.module else []
+      if node.level:
+        base = package[: len(package) - node.level + 1] + base
+      dotted = [".".join(base + [a.name]) for a in node.names]
+    else:
+      continue
+    found.update(
+      _as_path(d) for d in dotted if d.split(".")[0] == "fp16_scaling"
+    )
+  return found - {""}
 
 
 def test_module_map_lists_every_module():
-  on_disk = sorted(
-    p.stem for p in _PACKAGE.glob("_*.py") if p.stem != "__init__"
-  )
-  assert sorted(_module_map()) == on_disk
+  on_disk = _on_disk("_*.py") + _on_disk("interop/_*.py")
+  assert sorted(_module_map()) == sorted(on_disk)
 
 
 def test_modules_import_only_those_above_them_in_the_map():
@@ -74,3 +103,25 @@ def test_modules_import_only_those_above_them_in_the_map():
   for i, module in enumerate(order):
     below = set(order[i:])
     assert not _imports(module) & below, (module, _imports(module) & below)
+
+
+def test_the_interop_modules_are_listed_after_the_core():
+  order = _module_map()
+  wing = [m.startswith("interop/") for m in order]
+  assert wing == sorted(wing) and any(wing), order
+
+
+def test_no_core_module_imports_the_interop_subpackage():
+  for module in _on_disk("_*.py"):
+    wing = {m for m in _imports(module) if m.split("/")[0] == "interop"}
+    assert not wing, (module, wing)
+
+
+def test_the_import_reader_sees_the_interop_subpackage():
+  # The check above reads these forms; a reader that missed one would pass
+  # it vacuously.
+  assert "interop/_peers" in _imports("interop/_state_dict")
+  assert "_lookup" in _imports("interop/_state_dict")
+  assert _as_path("fp16_scaling.interop") == "interop"
+  assert _as_path("fp16_scaling.interop._peers.Peer") == "interop/_peers"
+  assert _as_path("fp16_scaling._scaler.Scaler") == "_scaler"

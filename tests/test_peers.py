@@ -1,4 +1,4 @@
-"""The peer records of fp16_scaling/_peers.py, tested directly.
+"""The peer records of fp16_scaling/interop/_peers.py, tested directly.
 
 Each record's ``from_own`` and ``to_own`` are inverses on every counter value
 its scaler can hold; the DeepSpeed and Megatron mappings are checked against
@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import fp16_scaling as fs
-from fp16_scaling import _peers
+from fp16_scaling.interop import _peers
 
 SCALERS = {
   "torch": fs.torch_scaler(init_scale=2.0**10, growth_interval=4),

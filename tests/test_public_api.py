@@ -22,3 +22,13 @@ def test_exceptions_carry_their_public_path():
   )
   back = pickle.loads(pickle.dumps(err))
   assert type(back) is fs.MinLossScaleError and back.args == err.args
+
+
+def test_the_interop_names_are_the_packages_own():
+  # fp16_scaling.interop re-exports its modules' public names; the top level
+  # exports the very same objects, so users see no change from the move.
+  import fp16_scaling.interop as interop
+
+  assert set(interop.__all__) <= set(fs.__all__)
+  for name in interop.__all__:
+    assert getattr(fs, name) is getattr(interop, name), name

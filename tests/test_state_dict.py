@@ -3,7 +3,7 @@ batched and nnx-wrapped states, restores that lost their types.
 
 The peers' own code is run against these functions in
 tests/peers/test_peer_state_dict.py; here the peer dicts are written out by hand
-from each peer's ``state_dict()`` (see fp16_scaling/_peers.py).
+from each peer's ``state_dict()`` (see fp16_scaling/interop/_peers.py).
 """
 
 import dataclasses

@@ -2,7 +2,7 @@
 
 A field added to ``LossScaleState`` or ``ScalerState`` must be saved by
 ``scaler_state_dict`` and loaded by ``load_scaler_state_dict`` with no edit to
-fp16_scaling/_state_dict.py. These tests build states with a field the
+fp16_scaling/interop/_state_dict.py. These tests build states with a field the
 library does not have and run them through the same derivation, and compare
 the saved keys with what the NamedTuples' fields imply, so that a hand-written
 list of fields that drifts from the types fails here.
@@ -20,7 +20,7 @@ import pytest
 
 import fp16_scaling as fs
 from fp16_scaling import _lookup
-from fp16_scaling import _state_dict
+from fp16_scaling.interop import _state_dict
 
 SCALER = fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3)
 PARAMS = {"a": jnp.zeros(2), "b": jnp.zeros(3)}

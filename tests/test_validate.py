@@ -1,11 +1,13 @@
-"""fp16_scaling._validate: every constructor's argument checks.
+"""fp16_scaling._validate: every constructor's argument checks, and the
+checks of values read from data (a DeepSpeed config, a peer's state).
 
 Each validator accepts its range's edges, gives back the value as the state
 will hold it, and rejects a value outside its range with a message that
 names the parameter, the range allowed and the value received (a bool or a
 string where a number belongs is a TypeError that names its type). The
 ranges and messages are derived by hand from float32's limits: the smallest
-normal 2**-126 = 1.17549e-38, the largest 3.40282e+38.
+normal 2**-126 = 1.17549e-38, the largest 3.40282e+38. In data, a value of
+the wrong type is a ValueError too, as DeepSpeed's config raises.
 """
 
 import math
@@ -183,3 +185,103 @@ def test_a_huge_python_int_is_named(make, name):
   # message.
   with pytest.raises(ValueError, match=f"^{name} must be within float32"):
     make(10**400)
+
+
+def _scale_from_data(name, value):
+  return _validate.from_data(_validate.scale, name, value)
+
+
+# The checks of values read from data (a DeepSpeed config, a peer's saved
+# state): every bad value, whatever its type, is a ValueError that names the
+# field and what it must be.
+DATA_REJECTS = [
+  (_validate.number, {}, True, "must be a finite number, not a bool: True"),
+  (_validate.number, {}, "x", "must be a finite number, got 'x' (str)"),
+  (_validate.number, {}, None, "must be a finite number, got None (NoneType)"),
+  (
+    _validate.number,
+    {},
+    INF,
+    "must be a finite number (not inf, -inf or nan), got inf",
+  ),
+  (
+    _validate.number,
+    {},
+    10**400,
+    f"must be within float32's range (at most {MAX_TEXT}), got an integer "
+    "with 401 digits",
+  ),
+  (_validate.integer, {}, 2.5, "must be an integer, got 2.5"),
+  (_validate.integer, dict(low=0, high=3), 0.5, "must be an integer in [0, 3]"),
+  (_validate.integer, dict(low=0, high=3), 4, "must lie in [0, 3], got 4"),
+  (_validate.integer, dict(low=1), 0.0, "must be >= 1, got 0"),
+  (
+    _validate.integer,
+    dict(low=1),
+    NAN,
+    "must be a finite number (not inf, -inf or nan), got nan",
+  ),
+  (
+    _validate.integer,
+    dict(high=3, why=" (the limit)"),
+    4,
+    "must be <= 3 (the limit), got 4",
+  ),
+  (_validate.boolean, {}, 1, "must be a bool, got 1 (int)"),
+  (_validate.boolean, {}, "true", "must be a bool, got 'true' (str)"),
+  (
+    _scale_from_data,
+    {},
+    "8",
+    "must be a real number, got '8' (str)",
+  ),
+  (
+    _validate.one_element,
+    {},
+    np.zeros((1, 2)),
+    "must be one number, got an array of shape (1, 2)",
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "check, kwargs, value, says",
+  DATA_REJECTS,
+  ids=[f"{r[0].__name__}-{r[2]!r:.12}" for r in DATA_REJECTS],
+)
+def test_data_checks_raise_value_errors_naming_the_field(
+  check, kwargs, value, says
+):
+  with pytest.raises(ValueError) as err:
+    check("knob", value, **kwargs)
+  assert str(err.value).startswith(f"knob {says}")
+
+
+class _Tensor:
+  """What one_element reads of a torch tensor: detach().cpu().numpy()."""
+
+  def __init__(self, array):
+    self.array = array
+
+  def detach(self):
+    return self
+
+  def cpu(self):
+    return self
+
+  def numpy(self):
+    return self.array
+
+
+def test_data_checks_accept_their_edges_as_python_values():
+  assert _validate.number("n", np.float32(0.5)) == 0.5
+  assert _validate.number("n", "2.5") == 2.5
+  for value in (3, 3.0, np.int32(3)):
+    got = _validate.integer("i", value, low=3, high=3)
+    assert got == 3 and type(got) is int
+  assert _validate.integer("i", -(2**40)) == -(2**40)
+  assert _validate.boolean("b", np.bool_(False)) is False
+  for value in (4.0, np.array([[4.0]]), _Tensor(np.array([4.0], np.float32))):
+    got = _validate.one_element("e", value)
+    assert got == 4.0 and type(got) is float
+  assert type(_validate.one_element("e", np.array([7]))) is int

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _lookup
-from fp16_scaling import _peers
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
+from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
 
@@ -41,6 +41,8 @@ _NESTED_PREFIX = {"scaler": "", "grad_range": "grad_"}
 
 # Every dict the format ever saved holds these; fields added since are
 # optional on load (older dicts lack them, and the state's own are kept).
+# Written out on purpose, not derived from the NamedTuples' _fields: a field
+# added later must not become required.
 _FIRST_KEYS = frozenset(
   {
     "loss_scale",
@@ -211,8 +213,8 @@ def _from_own(d: Mapping, scaler: Scaler) -> Mapping:
       f"scaler_state_dict() holds them ({', '.join(sorted(_FIRST_KEYS))})"
     )
   for field in _SCALES:
-    for v in np.ravel(d[field]):
-      _validate.scale(f"state_dict[{field!r}]", float(v))
+    for v in np.ravel(d[field]).tolist():
+      _validate.from_data(_validate.scale, f"state_dict[{field!r}]", v)
   return d
 
 
@@ -353,38 +355,5 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       "to_peer_state_dict needs one state, got a batched one of shape "
       f"{np.shape(ls.scaler.loss_scale)}: index one member first"
     )
-  host = jax.device_get(ls.scaler)
-  counters = _peers.Counters(
-    float(host.loss_scale), int(host.growth_tracker), int(host.hysteresis_left)
-  )
+  counters = _peers.Counters.of(jax.device_get(ls.scaler))
   return _peers.exported(peer, scaler).save(counters, scaler)
-
-
-def set_loss_scale(opt_state: Any, scale: float) -> Any:
-  """``opt_state`` with the loss scale for the next step set to ``scale``.
-
-  The growth tracker and hysteresis are left as they are.
-
-  Args:
-    opt_state: an optax state holding one :class:`LossScaleState`.
-    scale: the new scale, a positive normal finite float32.
-
-  Returns:
-    The new optax state.
-
-  Raises:
-    ValueError: ``scale`` is negative, zero, subnormal, inf or NaN.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(
-    ...     optax.chain(fs.fp16_loss_scale(fs.torch_scaler())))
-    >>> state = fs.set_loss_scale(tx.init(jnp.zeros(2)), 512.0)
-    >>> float(fs.current_scale(state))
-    512.0
-  """
-  scale = _validate.scale("scale", scale)
-  old = _lookup.loss_scale_state(opt_state)
-  loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
-  new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))
-  return _lookup.replace_loss_scale_state(opt_state, new)

@@ -1,42 +1,20 @@
-"""The PyTorch peers' scaler states: one record per peer.
+"""The PyTorch peers' scaler states: one :class:`Peer` record per peer.
 
-Each :class:`Peer` says how a peer's saved state is recognised (the keys it
-always holds), what configuration it implies (checked against the
-:class:`Scaler` it is loaded into), how its counters map to the
-:class:`ScalerState` here (``to_own``) and back (``from_own``, for
-``to_peer_state_dict``), and which preset it describes
-(``scaler_from_state_dict``). The peers:
-
-* ``torch.amp.GradScaler.state_dict()``: ``scale``, ``growth_factor``,
-  ``backoff_factor``, ``growth_interval``, ``_growth_tracker``;
-* Megatron-core ``DynamicGradScaler.state_dict()``: ``scale``,
-  ``growth_tracker``, ``hysteresis_tracker``;
-* DeepSpeed ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer.state_dict()``:
-  ``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
-  ``scale_factor``, ``scale_window``, and ``cur_hysteresis`` from DeepSpeed
-  releases after 0.19.8;
-* a ZeRO checkpoint's ``loss_scaler`` (DeepSpeed's ``DynamicLossScaler``, or
-  its attributes as a dict);
-* DeepSpeed's static scale: its ``LossScaler`` (``dynamic`` false), or an fp16
-  optimizer's ``state_dict()`` with ``dynamic_loss_scale`` false.
-
-The peers count differently from :class:`ScalerState`; each mapping below is
-exact, so that a run continued here takes the same decisions as the peer:
-
-* DeepSpeed grows when ``cur_iter - last_overflow_iter - 1`` (``k`` for the
-  next step) is a positive multiple of ``scale_window``; here the tracker is
-  ``-1`` when ``k == 0`` and ``(k - 1) % scale_window`` otherwise. Going back,
-  the iteration counter restarts: ``cur_iter`` is ``k`` and
-  ``last_overflow_iter`` is -1. ``cur_hysteresis`` (1 to ``delayed_shift``) is
-  ``hysteresis_left + 1``.
-* Megatron's ``hysteresis_tracker`` goes on falling below 1 while it backs
-  off; every value <= 1 backs off on the next overflow, as
-  ``hysteresis_left == 0`` does here.
-* torch's ``_growth_tracker`` is the tracker here; torch has no hysteresis.
+A record says how a peer's saved state is recognised (the keys it always
+holds), what configuration it implies (checked against the :class:`Scaler`
+it is loaded into), how its counters map to the :class:`ScalerState` here
+(``to_own``) and back (``from_own``, for ``to_peer_state_dict``), and which
+preset it describes (``scaler_from_state_dict``). The peers: torch
+``GradScaler``; Megatron-core ``DynamicGradScaler``; DeepSpeed's fp16
+optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``; ``cur_hysteresis``
+from releases after 0.19.8) and a ZeRO checkpoint's ``loss_scaler``
+(``DynamicLossScaler``, or its attributes as a dict); DeepSpeed's static
+scale. Each mapping of the counters is exact, so a run continued on the
+other side takes the same decisions; docs/checkpoints.md says how each peer
+counts.
 """
 
 import dataclasses
-import math
 from typing import (
   Any,
   Callable,
@@ -58,36 +36,28 @@ from fp16_scaling._scaler import torch_scaler
 # ---------------------------------------------------------------- values
 
 
-def number(x: Any) -> float:
-  """A Python float from a number, a one-element tensor or array."""
-  if hasattr(x, "detach"):  # a torch tensor, read without importing torch
-    x = x.detach().cpu().numpy()
-  a = np.asarray(x)
-  if a.size != 1:
-    raise ValueError(f"expected one number, got an array of shape {a.shape}")
-  return float(a.reshape(()))
+def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
+  """``d[key]`` (a number, or an array or tensor of one) through a
+  :mod:`_validate` check (``kw`` its range), named ``state_dict[key]``."""
+  name = f"state_dict[{key!r}]"
+  value = _validate.one_element(name, d[key])
+  return _validate.from_data(check, name, value, **kw)
 
 
-def integer(field: str, x: Any) -> int:
-  v = number(x)
-  if not math.isfinite(v) or v != int(v):
-    raise ValueError(f"state_dict[{field!r}] must be an integer, got {x!r}")
-  return int(v)
+def _scale(d: Mapping, key: str) -> float:
+  return _read(d, key, _validate.scale)
 
 
-def scale(field: str, x: Any) -> float:
-  return _validate.scale(f"state_dict[{field!r}]", number(x))
-
-
-def _tracker(field: str, d: Mapping, scaler: Scaler) -> int:
-  value = integer(field, d[field])
-  if not -scaler.growth_delay <= value < scaler.growth_interval:
-    raise ValueError(
-      f"state_dict[{field!r}] must lie in [{-scaler.growth_delay}, "
-      f"{scaler.growth_interval - 1}] for growth_interval "
-      f"{scaler.growth_interval}, got {value}"
-    )
-  return value
+def _tracker(d: Mapping, key: str, scaler: Scaler) -> int:
+  """A growth tracker, in the range ``scaler`` counts it in."""
+  return _read(
+    d,
+    key,
+    _validate.integer,
+    low=-scaler.growth_delay,
+    high=scaler.growth_interval - 1,
+    why=f" for growth_interval {scaler.growth_interval}",
+  )
 
 
 # ---------------------------------------------------------- configuration
@@ -146,6 +116,11 @@ class Counters(NamedTuple):
   growth_tracker: int
   hysteresis_left: int
 
+  @classmethod
+  def of(cls, state: Any) -> "Counters":
+    """The counters of one (unbatched) host :class:`ScalerState`."""
+    return cls(*(np.asarray(getattr(state, f)).item() for f in cls._fields))
+
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
@@ -193,79 +168,63 @@ class Peer:
     return self.from_own(counters, scaler)
 
 
-# torch.amp.GradScaler
+# torch.amp.GradScaler: its tracker is the one here; no hysteresis. Its
+# configuration entries have the names of Scaler's fields and of
+# torch_scaler's arguments.
+
+_TORCH_CONFIG = {
+  "growth_factor": _validate.number,
+  "backoff_factor": _validate.number,
+  "growth_interval": _validate.integer,
+}
 
 
-def _torch_implies(d: Mapping) -> dict:
-  return {
-    "growth_factor": float(d["growth_factor"]),
-    "backoff_factor": float(d["backoff_factor"]),
-    "growth_interval": int(d["growth_interval"]),
-    "growth_delay": 0,
-    "hysteresis": 1,
-  }
-
-
-def _torch_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  tracker = _tracker("_growth_tracker", d, scaler)
-  return Counters(scale("scale", d["scale"]), tracker, 0)
+def _torch_config(d: Mapping) -> dict:
+  return {key: _read(d, key, check) for key, check in _TORCH_CONFIG.items()}
 
 
 def _torch_from_own(c: Counters, scaler: Scaler) -> dict:
   return {
     "scale": c.loss_scale,
-    "growth_factor": scaler.growth_factor,
-    "backoff_factor": scaler.backoff_factor,
-    "growth_interval": scaler.growth_interval,
+    **{key: getattr(scaler, key) for key in _TORCH_CONFIG},
     "_growth_tracker": c.growth_tracker,
   }
-
-
-def _torch_preset(d: Mapping, overrides: dict) -> Scaler:
-  kw = dict(
-    init_scale=scale("scale", d["scale"]),
-    growth_factor=float(d["growth_factor"]),
-    backoff_factor=float(d["backoff_factor"]),
-    growth_interval=int(d["growth_interval"]),
-  )
-  return torch_scaler(**{**kw, **overrides})
 
 
 TORCH = Peer(
   name="torch GradScaler",
   saved_by="torch GradScaler.state_dict()",
-  keys=frozenset(
-    {
-      "scale",
-      "growth_factor",
-      "backoff_factor",
-      "growth_interval",
-      "_growth_tracker",
-    }
+  keys=frozenset({"scale", "_growth_tracker", *_TORCH_CONFIG}),
+  implies=lambda d: {**_torch_config(d), "growth_delay": 0, "hysteresis": 1},
+  to_own=lambda d, scaler: Counters(
+    _scale(d, "scale"), _tracker(d, "_growth_tracker", scaler), 0
   ),
-  implies=_torch_implies,
-  to_own=_torch_to_own,
   from_own=_torch_from_own,
   needs=(
     ("growth_delay", 0, "torch grows after growth_interval clean steps"),
     ("hysteresis", 1, "torch has no hysteresis"),
   ),
-  preset=_torch_preset,
+  preset=lambda d, overrides: torch_scaler(
+    **{"init_scale": _scale(d, "scale"), **_torch_config(d), **overrides}
+  ),
 )
 
 
-# Megatron-core DynamicGradScaler
+# Megatron-core DynamicGradScaler: its hysteresis_tracker goes on falling
+# below 1 while it backs off; every value <= 1 backs off on the next
+# overflow, as hysteresis_left == 0 does here.
 
 
 def _megatron_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  tracker = integer("hysteresis_tracker", d["hysteresis_tracker"])
-  if tracker > scaler.hysteresis:
-    raise ValueError(
-      f"state_dict['hysteresis_tracker'] ({tracker}) exceeds the scaler's "
-      f"hysteresis ({scaler.hysteresis})"
-    )
-  growth = _tracker("growth_tracker", d, scaler)
-  return Counters(scale("scale", d["scale"]), growth, max(tracker - 1, 0))
+  tracker = _read(
+    d,
+    "hysteresis_tracker",
+    _validate.integer,
+    high=scaler.hysteresis,
+    why=" (the scaler's hysteresis)",
+  )
+  growth = _tracker(d, "growth_tracker", scaler)
+  return Counters(_scale(d, "scale"), growth, max(tracker - 1, 0))
 
 
 def _megatron_from_own(c: Counters, scaler: Scaler) -> dict:
@@ -302,53 +261,67 @@ MEGATRON = Peer(
 )
 
 
-# DeepSpeed's DynamicLossScaler, also inside the fp16 optimizers' state
+# DeepSpeed's DynamicLossScaler, also inside the fp16 optimizers' state. It
+# grows when k = cur_iter - last_overflow_iter - 1 is a positive multiple of
+# scale_window; here the tracker is -1 when k == 0 and (k - 1) % scale_window
+# otherwise. Going back, the iteration counter restarts (cur_iter is k,
+# last_overflow_iter -1). cur_hysteresis is hysteresis_left + 1.
+
+# What a ZeRO loss_scaler adds: each attribute (also deepspeed_scaler's
+# argument), the Scaler field it is, and its check. Releases before
+# raise_error_at_min_scale existed lack that one.
+_DS_ZERO = (
+  ("min_scale", "min_scale", _validate.number),
+  ("delayed_shift", "hysteresis", _validate.integer),
+  ("consecutive_hysteresis", "consecutive_hysteresis", _validate.boolean),
+  ("raise_error_at_min_scale", "raise_at_min_scale", _validate.boolean),
+)
+
+
+def _ds_zero(d: Mapping) -> dict:
+  return {key: _read(d, key, check) for key, _, check in _DS_ZERO if key in d}
 
 
 def _ds_implies(d: Mapping) -> dict:
-  factor = number(d["scale_factor"])
+  factor = _read(d, "scale_factor", _validate.positive)
   return {
     "growth_factor": factor,
     "backoff_factor": 1.0 / factor,
-    "growth_interval": integer("scale_window", d["scale_window"]),
+    "growth_interval": _read(d, "scale_window", _validate.integer),
     "growth_delay": 1,
   }
 
 
-def _ds_scaler_implies(d: Mapping) -> dict:
-  """A ZeRO ``loss_scaler`` also holds the floor and the hysteresis."""
-  out = _ds_implies(d)
-  out.update(
-    min_scale=number(d["min_scale"]),
-    hysteresis=integer("delayed_shift", d["delayed_shift"]),
-    consecutive_hysteresis=bool(d["consecutive_hysteresis"]),
-  )
-  if "raise_error_at_min_scale" in d:
-    out["raise_at_min_scale"] = bool(d["raise_error_at_min_scale"])
-  return out
+def _ds_loss_scaler_implies(d: Mapping) -> dict:
+  zero = _ds_zero(d)
+  fields = {field: zero[key] for key, field, _ in _DS_ZERO if key in zero}
+  return {**_ds_implies(d), **fields}
 
 
 def _ds_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  since = (
-    integer("cur_iter", d["cur_iter"])
-    - integer("last_overflow_iter", d["last_overflow_iter"])
-    - 1
+  cur_iter = _read(d, "cur_iter", _validate.integer)
+  last = _read(
+    d,
+    "last_overflow_iter",
+    _validate.integer,
+    high=cur_iter - 1,
+    why=" (below state_dict['cur_iter'])",
   )
-  if since < 0:
-    raise ValueError(
-      "state_dict['last_overflow_iter'] must be below state_dict['cur_iter'], "
-      f"got {d['last_overflow_iter']} and {d['cur_iter']}"
-    )
+  since = cur_iter - last - 1
   # A 0.19.8 FP16_Optimizer keeps no hysteresis; DeepSpeed after 0.19.8
   # loads such a checkpoint with its hysteresis full, and so does this.
-  cur = integer("cur_hysteresis", d.get("cur_hysteresis", scaler.hysteresis))
-  if not 1 <= cur <= scaler.hysteresis:
-    raise ValueError(
-      f"state_dict['cur_hysteresis'] must lie in [1, {scaler.hysteresis}] "
-      f"for the scaler's hysteresis, got {cur}"
+  cur = scaler.hysteresis
+  if "cur_hysteresis" in d:
+    cur = _read(
+      d,
+      "cur_hysteresis",
+      _validate.integer,
+      low=1,
+      high=scaler.hysteresis,
+      why=" for the scaler's hysteresis",
     )
   tracker = -1 if since == 0 else (since - 1) % scaler.growth_interval
-  return Counters(scale("cur_scale", d["cur_scale"]), tracker, cur - 1)
+  return Counters(_scale(d, "cur_scale"), tracker, cur - 1)
 
 
 def _ds_from_own(c: Counters, scaler: Scaler) -> dict:
@@ -362,10 +335,7 @@ def _ds_from_own(c: Counters, scaler: Scaler) -> dict:
     "scale_factor": 2.0,
     "scale_window": scaler.growth_interval,
     "cur_hysteresis": c.hysteresis_left + 1,
-    "min_scale": scaler.min_scale,
-    "delayed_shift": scaler.hysteresis,
-    "consecutive_hysteresis": scaler.consecutive_hysteresis,
-    "raise_error_at_min_scale": scaler.raise_at_min_scale,
+    **{key: getattr(scaler, field) for key, field, _ in _DS_ZERO},
   }
 
 
@@ -377,32 +347,22 @@ _DS_NEEDS = (
 
 
 def _ds_preset(d: Mapping, overrides: dict, zero: dict) -> Scaler:
-  """``deepspeed_scaler`` from the optimizer's entries, then ``zero`` (what a
-  ZeRO loss_scaler adds), then ``overrides``."""
-  if number(d["scale_factor"]) != 2.0:
+  """``deepspeed_scaler`` from the optimizer's entries, then ``zero`` (what
+  a ZeRO loss_scaler adds), then ``overrides``."""
+  if _read(d, "scale_factor") != 2.0:
     raise ValueError(
       "DeepSpeed's DynamicLossScaler scales by 2; state_dict['scale_factor']"
       f" is {d['scale_factor']!r}"
     )
-  kw = dict(
-    init_scale=scale("cur_scale", d["cur_scale"]),
-    scale_window=integer("scale_window", d["scale_window"]),
-    raise_error_at_min_scale=False,
-  )
-  kw.update(zero)
-  kw.update(overrides)
+  kw = {
+    "init_scale": _scale(d, "cur_scale"),
+    "scale_window": _read(d, "scale_window", _validate.integer),
+    "raise_error_at_min_scale": False,  # the fp16 optimizers never raise
+    **zero,
+    **overrides,
+  }
   kw["min_scale"] = min(kw.get("min_scale", 1.0), kw["init_scale"])
   return deepspeed_scaler(**kw)
-
-
-def _ds_loss_scaler_preset(d: Mapping, overrides: dict) -> Scaler:
-  zero = dict(
-    min_scale=number(d["min_scale"]),
-    delayed_shift=integer("delayed_shift", d["delayed_shift"]),
-    consecutive_hysteresis=bool(d["consecutive_hysteresis"]),
-    raise_error_at_min_scale=bool(d.get("raise_error_at_min_scale", True)),
-  )
-  return _ds_preset(d, overrides, zero)
 
 
 _DS_OPTIMIZER_KEYS = frozenset({"dynamic_loss_scale", "cur_scale", "cur_iter"})
@@ -423,11 +383,13 @@ DS_LOSS_SCALER = Peer(
       "consecutive_hysteresis",
     }
   ),
-  implies=_ds_scaler_implies,
+  implies=_ds_loss_scaler_implies,
   to_own=_ds_to_own,
   from_own=_ds_from_own,
   needs=_DS_NEEDS,
-  preset=_ds_loss_scaler_preset,
+  preset=lambda d, overrides: _ds_preset(
+    d, overrides, {"raise_error_at_min_scale": True, **_ds_zero(d)}
+  ),
 )
 
 DS_OPTIMIZER = Peer(
@@ -455,7 +417,7 @@ def _ds_static(d: Mapping) -> bool:
 
 
 def _ds_static_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  loss_scale = scale("cur_scale", d["cur_scale"])
+  loss_scale = _scale(d, "cur_scale")
   if scaler.dynamic:
     raise ValueError(
       "DeepSpeed state disagrees with the scaler on dynamic: the state holds "
@@ -480,7 +442,7 @@ DS_STATIC = Peer(
     "cur_iter": 0,
   },
   needs=(),
-  preset=lambda d, overrides: static_scaler(scale("cur_scale", d["cur_scale"])),
+  preset=lambda d, overrides: static_scaler(_scale(d, "cur_scale")),
   when=_ds_static,
 )
 

@@ -2,38 +2,15 @@
 
 Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does
 (``runtime/precision_config.py``, ``runtime/config.py``,
-``runtime/engine.py``):
-
-* ``fp16.enabled`` false: no loss scaling (bf16 or fp32 training);
-* ``fp16.loss_scale`` > 0: that static scale; 0 (default): dynamic, starting at
-  ``2 ** initial_scale_power`` (16), growing every ``loss_scale_window``
-  (1000) clean steps, floored at ``min_loss_scale`` (1);
-* the same config gives different dynamics by engine path. Without ZeRO the
-  fp16 optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) read only the
-  initial scale, window and floor: ``hysteresis`` and
-  ``consecutive_hysteresis`` have no effect and nothing raises at the floor.
-  Under ZeRO stages 1-3, ``DynamicLossScaler`` uses ``hysteresis`` (default 2)
-  as ``delayed_shift``, honours ``consecutive_hysteresis`` and raises when an
-  overflow hits ``min_loss_scale``. The path is read from
-  ``zero_optimization.stage``. DeepSpeed's main branch after 0.19.8 makes the
-  fp16 optimizers honour ``hysteresis`` and ``consecutive_hysteresis`` too
-  (still without raising at the floor); ``stage0_hysteresis=True`` follows it;
-* ``gradient_clipping`` (default 1.0 in DeepSpeed 0.19; 0 or less disables it)
-  is the fp16 optimizers' ``clip_grad``;
-* ``gradient_accumulation_steps`` is derived from and checked against
-  ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` as
-  ``DeepSpeedConfig._set_batch_related_parameters`` and ``_batch_assertion``
-  do; above 1, ``.optimizer(...)`` wraps the chain in
-  :func:`accumulate_gradients`.
-
-Fields that change training but are not modelled here (``optimizer``,
-``scheduler``, the rest of ``zero_optimization``, ...) get one warning that
-names them. Hugging Face's ``"auto"`` values are refused: they are resolved by
-the Trainer, not by DeepSpeed.
+``runtime/engine.py``): the ``fp16`` section, the engine path that
+``zero_optimization.stage`` selects (hysteresis and the error at the floor
+only under ZeRO, unless ``stage0_hysteresis``), ``gradient_clipping`` and
+the batch sizes that give ``gradient_accumulation_steps``. Fields not
+modelled get one warning that names them; Hugging Face's ``"auto"`` values
+are refused. docs/peers.md ("DeepSpeed's JSON config") has the details.
 """
 
 import json
-import math
 import os
 from typing import Any, Mapping, NamedTuple, Optional, Union
 import warnings
@@ -104,31 +81,6 @@ class DeepSpeedFP16(NamedTuple):
     return tx
 
 
-def _number(field: str, value) -> float:
-  if isinstance(value, bool):
-    raise ValueError(f"{field} must be a number, not bool")
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{field} must be a number, got {value!r}") from None
-  if not math.isfinite(v):
-    raise ValueError(f"{field} must be a finite number (not inf/-inf/nan)")
-  return v
-
-
-def _integer(field: str, value) -> int:
-  v = _number(field, value)
-  if v != int(v):
-    raise ValueError(f"{field} must be an integer, got {value!r}")
-  return int(v)
-
-
-def _flag(field: str, value) -> bool:
-  if not isinstance(value, bool):
-    raise ValueError(f"{field} must be a bool, got {value!r}")
-  return value
-
-
 # Read here; everything else at the top level is named in a warning.
 _MODELLED = {
   "fp16",
@@ -185,7 +137,7 @@ def _accumulation_steps(config, world_size: int) -> int:
   (default 1) as it is.
   """
   train, micro, steps = (
-    None if config.get(f) is None else _integer(f, config[f])
+    None if config.get(f) is None else _validate.integer(f, config[f])
     for f in _BATCH_FIELDS
   )
   if train is None and micro is None:
@@ -201,8 +153,8 @@ def _accumulation_steps(config, world_size: int) -> int:
   elif micro is not None and train is None:
     steps, train = 1, micro * world_size
   for field, value in zip(_BATCH_FIELDS, (train, micro, steps)):
-    if value is not None and value <= 0:
-      raise ValueError(f"{field} must be > 0, got {value}")
+    if value is not None:
+      _validate.integer(field, value, low=1)
   if train is not None and train != micro * steps * world_size:
     raise ValueError(
       "train_batch_size must equal train_micro_batch_size_per_gpu * "
@@ -266,13 +218,15 @@ def from_deepspeed_config(
   fp16 = _fp16_section(config)
   stage = _zero_stage(config)
   # The fp16 optimizers clip only when clip_grad > 0.
-  clipping = _number("gradient_clipping", config.get("gradient_clipping", 1.0))
+  clipping = _validate.number(
+    "gradient_clipping", config.get("gradient_clipping", 1.0)
+  )
   max_norm = (
     _validate.positive("gradient_clipping", clipping) if clipping > 0 else None
   )
-  if not _flag("fp16.enabled", fp16.get("enabled", False)):
+  if not _validate.boolean("fp16.enabled", fp16.get("enabled", False)):
     return DeepSpeedFP16(no_scaler(), max_norm, stage, accumulation)
-  loss_scale = _number("fp16.loss_scale", fp16.get("loss_scale", 0))
+  loss_scale = _validate.number("fp16.loss_scale", fp16.get("loss_scale", 0))
   if loss_scale < 0:
     raise ValueError(
       "fp16.loss_scale must be >= 0 (0 enables dynamic loss scaling)"
@@ -313,43 +267,31 @@ def _fp16_section(config: Mapping) -> Mapping:
 
 
 def _zero_stage(config: Mapping) -> int:
-  stage = _integer(
-    "zero_optimization.stage",
-    config.get("zero_optimization", {}).get("stage", 0),
-  )
-  if not 0 <= stage <= 3:
-    raise ValueError(
-      f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}"
-    )
-  return stage
+  stage = config.get("zero_optimization", {}).get("stage", 0)
+  return _validate.integer("zero_optimization.stage", stage, low=0, high=3)
 
 
 def _dynamic_scaler(
   fp16: Mapping, stage: int, stage0_hysteresis: bool
 ) -> Scaler:
   """The ``DynamicLossScaler`` the engine builds for ``fp16.loss_scale`` 0."""
-  power = _integer(
-    "fp16.initial_scale_power", fp16.get("initial_scale_power", 16)
+  power = _validate.integer(
+    "fp16.initial_scale_power",
+    fp16.get("initial_scale_power", 16),
+    low=-126,
+    high=127,
+    why=" so that 2**power is a normal float32",
   )
-  if not -126 <= power <= 127:
-    raise ValueError(
-      "fp16.initial_scale_power must be in [-126, 127] so that "
-      f"2**power is a normal float32, got {power}"
-    )
-  window = _integer(
-    "fp16.loss_scale_window", fp16.get("loss_scale_window", 1000)
+  dynamic = " when dynamic loss scaling is enabled (loss_scale=0)"
+  window = _validate.integer(
+    "fp16.loss_scale_window",
+    fp16.get("loss_scale_window", 1000),
+    low=1,
+    why=dynamic,
   )
-  if window <= 0:
-    raise ValueError(
-      "fp16.loss_scale_window must be > 0 when dynamic loss "
-      "scaling is enabled (loss_scale=0)"
-    )
-  min_scale = _integer("fp16.min_loss_scale", fp16.get("min_loss_scale", 1))
-  if min_scale <= 0:
-    raise ValueError(
-      "fp16.min_loss_scale must be > 0 when dynamic loss "
-      "scaling is enabled (loss_scale=0)"
-    )
+  min_scale = _validate.integer(
+    "fp16.min_loss_scale", fp16.get("min_loss_scale", 1), low=1, why=dynamic
+  )
   hysteresis, consecutive, raise_at_min = _hysteresis(
     fp16, stage, stage0_hysteresis
   )
@@ -372,15 +314,14 @@ def _dynamic_scaler(
 def _hysteresis(fp16: Mapping, stage: int, stage0_hysteresis: bool) -> tuple:
   """``(hysteresis, consecutive_hysteresis, raise_at_min_scale)`` on the
   engine path that ``stage`` selects."""
-  hysteresis = _integer("fp16.hysteresis", fp16.get("hysteresis", 2))
-  consecutive = _flag(
+  hysteresis = _validate.integer("fp16.hysteresis", fp16.get("hysteresis", 2))
+  consecutive = _validate.boolean(
     "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
   )
   if stage == 0 and not stage0_hysteresis:
     # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
     return 1, False, False
-  if hysteresis < 1:
-    raise ValueError(f"fp16.hysteresis must be >= 1, got {hysteresis}")
+  _validate.integer("fp16.hysteresis", hysteresis, low=1)
   # After 0.19.8 the fp16 optimizers (stage 0) honour hysteresis but still
   # never raise at the floor; ZeRO's DynamicLossScaler raises there.
   return hysteresis, consecutive, stage > 0
