@@ -22,6 +22,11 @@ compile).
   python benchmarks/compile_cost.py --shape 2M/1000 --rounds 2
   python benchmarks/compile_cost.py --recipes floor,fp16,apply_if_finite
   python benchmarks/compile_cost.py --shape 10M/200:distinct  # leaf sizes
+  python benchmarks/compile_cost.py --compiler-option \
+      xla_cpu_copy_insertion_use_region_analysis=true
+
+``--compiler-option KEY=VALUE`` (repeatable, as ``step_cost.py`` takes it)
+compiles every step with those XLA options.
 """
 
 import argparse
@@ -39,25 +44,28 @@ DEFAULT_SHAPES = ("10M/200", "2M/1000")
 PAIR = ("floor", "fp16")
 
 
-def compile_once(key, shape, budget):
-  """One cold compile of ``key`` at ``shape``: CPU seconds of trace + lower
-  and of compile, and the wall seconds of both."""
+def compile_once(key, shape, budget, compiler_options=None):
+  """One cold compile of ``key`` at ``shape`` (with ``compiler_options``):
+  CPU seconds of trace + lower and of compile, and the wall seconds of
+  both."""
   with tempfile.TemporaryDirectory() as cache_dir:
-    res = step_cost.compile_in_worker(key, shape, cache_dir, budget, None)
+    res = step_cost.compile_in_worker(
+      key, shape, cache_dir, budget, None, compiler_options=compiler_options
+    )
   if res is None:
     raise RuntimeError(f"{key} at {shape}: compile past {budget:g} s")
   wall = res["lower_s"] + res["compile_s"]
   return res["lower_cpu_s"], res["compile_cpu_s"], wall
 
 
-def measure(shape, rounds, budget, keys=PAIR, log=print):
+def measure(shape, rounds, budget, keys=PAIR, log=print, compiler_options=None):
   """Per recipe the list of (lower CPU s, compile CPU s, wall s), one entry
   a round."""
   times = {key: [] for key in keys}
   for r in range(rounds):
     shift = r % len(keys)
     for key in keys[shift:] + keys[:shift]:
-      lower, comp, wall = compile_once(key, shape, budget)
+      lower, comp, wall = compile_once(key, shape, budget, compiler_options)
       times[key].append((lower, comp, wall))
       log(
         f"[{shape}] round {r + 1} {key}: CPU s lower {lower:.2f}, compile "
@@ -116,6 +124,14 @@ def main(argv=None):
   )
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--budget", type=float, default=600.0)
+  parser.add_argument(
+    "--compiler-option",
+    action="append",
+    type=step_cost.parse_compiler_option,
+    metavar="KEY=VALUE",
+    help="an XLA compiler option every step is compiled with, as "
+    "step_cost.py takes it (repeatable; default none: XLA's defaults)",
+  )
   args = parser.parse_args(argv)
   if args.rounds < 1:
     parser.error("--rounds must be >= 1")
@@ -128,6 +144,8 @@ def main(argv=None):
   shapes = args.shape or list(DEFAULT_SHAPES)
   for shape in shapes:
     step_cost.parse_shape(shape)
+  options = step_cost.compiler_options(parser, args.compiler_option)
+  step_cost.check_compiler_options(parser, options)
   header = (
     "| shape | recipe | trace + lower CPU s | compile CPU s | total CPU s "
     "| vs floor | wall s | vs floor |\n"
@@ -136,12 +154,14 @@ def main(argv=None):
   rows, notes = [], []
   for shape in shapes:
     lines, per_round, _ = summary(
-      shape, measure(shape, args.rounds, args.budget, keys)
+      shape,
+      measure(shape, args.rounds, args.budget, keys, compiler_options=options),
     )
     rows += lines
     notes.append(per_round)
   print()
   print(f"Cold compiles, median of {args.rounds}, alternating order:")
+  print(step_cost.options_line(options))
   print(header)
   print("\n".join(rows))
   print()

@@ -57,3 +57,47 @@ def test_one_round_at_a_tiny_shape(capsys):
 def test_bad_recipe_lists_are_refused(recipes):
   with pytest.raises(SystemExit):
     compile_cost.main(["--recipes", recipes])
+
+
+COPY_OPTION = "xla_cpu_copy_insertion_use_region_analysis"
+
+
+def test_compiler_options_reach_every_worker(monkeypatch, capsys):
+  # step_cost's smoke test checks that a worker compiles with the options it
+  # is given; here, that compile_cost gives them to every one.
+  given = []
+  compile_in_worker = compile_cost.step_cost.compile_in_worker
+
+  def spy(*args, **kwargs):
+    given.append(kwargs.get("compiler_options"))
+    return compile_in_worker(*args, **kwargs)
+
+  monkeypatch.setattr(compile_cost.step_cost, "compile_in_worker", spy)
+  compile_cost.main(
+    [
+      "--shape",
+      "4K/4",
+      "--rounds",
+      "1",
+      "--compiler-option",
+      f"{COPY_OPTION}=true",
+    ]
+  )
+  out = capsys.readouterr().out
+  assert given == [{COPY_OPTION: True}] * 2
+  assert f"Compiler options: {COPY_OPTION}=true" in out.splitlines()
+  rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
+  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+
+
+@pytest.mark.parametrize(
+  "option, error",
+  [
+    (COPY_OPTION, "argument --compiler-option: expected KEY=VALUE"),
+    (f"{COPY_OPTION}s=true", "--compiler-option: XLA refused it"),
+  ],
+)
+def test_bad_compiler_options_are_refused(option, error, capsys):
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--shape", "4K/4", "--compiler-option", option])
+  assert error in capsys.readouterr().err
