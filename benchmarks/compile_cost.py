@@ -13,15 +13,28 @@ on a shared machine other load moves it far less than wall time, which is
 printed beside it). The steps are ``recipes.py``'s; the worker is
 ``step_cost.py``'s.
 
+A shape ``lm:SIZE`` (``lm:medium``, ``lm:tiny``) compiles the whole jitted,
+donated train step of ``examples/train_lm.py --size SIZE`` instead, as
+``train_step_cost.py`` builds it: ``fp16`` is train_lm's step with
+fp16_scaling, ``floor`` the same model's step with plain optax (float16
+gradients cast to float32, ``chain(clip_by_global_norm, adamw)``, no
+scaling). Other recipes are not compiled at such a shape.
+
 Printed per shape: the median of each part for each recipe, the ratio of
 the medians to the floor's, and for each recipe the median [min, max] of
 its per-round paired ratios to the floor of the total (trace + lower +
 compile).
 
-  python benchmarks/compile_cost.py                  # 10M/200 and 2M/1000
+  python benchmarks/compile_cost.py        # 10M/200, 2M/1000 and lm:medium
+  python benchmarks/compile_cost.py --shape lm:medium --rounds 4
   python benchmarks/compile_cost.py --shape 2M/1000 --rounds 2
   python benchmarks/compile_cost.py --recipes floor,fp16,apply_if_finite
   python benchmarks/compile_cost.py --shape 10M/200:distinct  # leaf sizes
+  python benchmarks/compile_cost.py --compiler-option \
+      xla_cpu_copy_insertion_use_region_analysis=true
+
+``--compiler-option KEY=VALUE`` (repeatable, as ``step_cost.py`` takes it)
+compiles every step with those XLA options.
 """
 
 import argparse
@@ -35,29 +48,77 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recipes  # noqa: E402
 import step_cost  # noqa: E402
 
-DEFAULT_SHAPES = ("10M/200", "2M/1000")
+DEFAULT_SHAPES = ("10M/200", "2M/1000", "lm:medium")
 PAIR = ("floor", "fp16")
+LM = "lm:"  # a shape "lm:SIZE": train_lm's whole train step at --size SIZE
 
 
-def compile_once(key, shape, budget):
-  """One cold compile of ``key`` at ``shape``: CPU seconds of trace + lower
-  and of compile, and the wall seconds of both."""
+def lm_size(shape):
+  """SIZE of a shape ``lm:SIZE``; None for a synthetic shape."""
+  return shape[len(LM) :] if shape.startswith(LM) else None
+
+
+def lm_steps():
+  """{recipe: train_step_cost.py's builder of that train step}."""
+  import train_step_cost
+
+  return {
+    "floor": train_step_cost.plain_step,
+    "fp16": train_step_cost.scaled_step,
+  }
+
+
+def lm_worker(args):
+  """A compile worker for a shape ``lm:SIZE``: builds train_step_cost.py's
+  step (the donated params and optimizer state from train_lm's init, its
+  batch), then traces, lowers and compiles it as ``step_cost.py``'s worker
+  does."""
+  step_cost.configure_cache(args.cache_dir)
+  import jax
+  import train_step_cost
+
+  cfg = train_step_cost.make_config(lm_size(args.shape))
+  x, y = train_step_cost.make_batch(cfg)
+  tx, step = lm_steps()[args.worker](cfg)
+  params = train_step_cost.train_lm.init_params(cfg)
+  state = tx.init(params)
+  jax.block_until_ready((params, state, x, y))
+  step_cost.compile_and_report(
+    step,
+    (params, state, x, y),
+    compiler_options=dict(args.compiler_option or ()),
+  )
+
+
+def compile_once(key, shape, budget, compiler_options=None):
+  """One cold compile of ``key`` at ``shape`` (with ``compiler_options``):
+  CPU seconds of trace + lower and of compile, and the wall seconds of
+  both."""
+  script = os.path.abspath(__file__) if lm_size(shape) else None
   with tempfile.TemporaryDirectory() as cache_dir:
-    res = step_cost.compile_in_worker(key, shape, cache_dir, budget, None)
+    res = step_cost.compile_in_worker(
+      key,
+      shape,
+      cache_dir,
+      budget,
+      None,
+      compiler_options=compiler_options,
+      script=script,
+    )
   if res is None:
     raise RuntimeError(f"{key} at {shape}: compile past {budget:g} s")
   wall = res["lower_s"] + res["compile_s"]
   return res["lower_cpu_s"], res["compile_cpu_s"], wall
 
 
-def measure(shape, rounds, budget, keys=PAIR, log=print):
+def measure(shape, rounds, budget, keys=PAIR, log=print, compiler_options=None):
   """Per recipe the list of (lower CPU s, compile CPU s, wall s), one entry
   a round."""
   times = {key: [] for key in keys}
   for r in range(rounds):
     shift = r % len(keys)
     for key in keys[shift:] + keys[:shift]:
-      lower, comp, wall = compile_once(key, shape, budget)
+      lower, comp, wall = compile_once(key, shape, budget, compiler_options)
       times[key].append((lower, comp, wall))
       log(
         f"[{shape}] round {r + 1} {key}: CPU s lower {lower:.2f}, compile "
@@ -105,8 +166,9 @@ def main(argv=None):
   parser.add_argument(
     "--shape",
     action="append",
-    help="params/leaves, e.g. 10M/200 (default: "
-    f"{' and '.join(DEFAULT_SHAPES)})",
+    help="params/leaves, e.g. 10M/200 (step_cost.py's spellings), or "
+    "lm:SIZE, train_lm.py's whole train step at --size SIZE (lm:medium, "
+    f"lm:tiny); repeatable (default: {', '.join(DEFAULT_SHAPES)})",
   )
   parser.add_argument(
     "--recipes",
@@ -116,7 +178,20 @@ def main(argv=None):
   )
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--budget", type=float, default=600.0)
+  parser.add_argument(
+    "--compiler-option",
+    action="append",
+    type=step_cost.parse_compiler_option,
+    metavar="KEY=VALUE",
+    help="an XLA compiler option every step is compiled with, as "
+    "step_cost.py takes it (repeatable; default none: XLA's defaults)",
+  )
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.worker:  # a shape lm:SIZE's compile, in a process of its own
+    args.shape = args.shape[0]
+    return lm_worker(args)
   if args.rounds < 1:
     parser.error("--rounds must be >= 1")
   keys = tuple(args.recipes.split(","))
@@ -126,8 +201,22 @@ def main(argv=None):
   if unknown:
     parser.error(f"--recipes: unknown {', '.join(unknown)}")
   shapes = args.shape or list(DEFAULT_SHAPES)
+  sizes = None
   for shape in shapes:
-    step_cost.parse_shape(shape)
+    if lm_size(shape) is None:
+      step_cost.parse_shape(shape)
+      continue
+    if sizes is None:
+      import train_step_cost
+
+      sizes = sorted(train_step_cost.train_lm.SIZES)
+    if lm_size(shape) not in sizes:
+      parser.error(
+        f"--shape {shape}: train_lm.py's sizes are "
+        + ", ".join(LM + s for s in sizes)
+      )
+  options = step_cost.compiler_options(parser, args.compiler_option)
+  step_cost.check_compiler_options(parser, options)
   header = (
     "| shape | recipe | trace + lower CPU s | compile CPU s | total CPU s "
     "| vs floor | wall s | vs floor |\n"
@@ -135,13 +224,26 @@ def main(argv=None):
   )
   rows, notes = [], []
   for shape in shapes:
+    shape_keys = keys
+    if lm_size(shape):
+      shape_keys = tuple(k for k in keys if k in PAIR)
+      left_out = [k for k in keys if k not in PAIR]
+      if left_out:
+        notes.append(
+          f"{shape}: only floor (plain optax) and fp16 (fp16_scaling) have a "
+          f"train step; {', '.join(left_out)} not compiled"
+        )
     lines, per_round, _ = summary(
-      shape, measure(shape, args.rounds, args.budget, keys)
+      shape,
+      measure(
+        shape, args.rounds, args.budget, shape_keys, compiler_options=options
+      ),
     )
     rows += lines
     notes.append(per_round)
   print()
   print(f"Cold compiles, median of {args.rounds}, alternating order:")
+  print(step_cost.options_line(options))
   print(header)
   print("\n".join(rows))
   print()

@@ -25,7 +25,8 @@ and b's options, priced against b on clean steps:
 This module holds no timer: ``step_cost.py`` times these steps and
 ``targets.py`` judges them. ``build(key, num_leaves)`` returns ``(init,
 step)``; ``jitted`` the same with the step jitted and its parameters and
-state donated, as a training step is.
+state donated, as a training step is (and, given ``compiler_options``,
+compiled with those XLA options).
 """
 
 import dataclasses
@@ -224,12 +225,16 @@ def build(key, num_leaves):
   raise KeyError(key)
 
 
-def jitted(key, num_leaves):
-  """``build``'s pair with the step jitted, params and state donated."""
+def jitted(key, num_leaves, compiler_options=None):
+  """``build``'s pair with the step jitted, params and state donated;
+  ``compiler_options``: XLA options its compile gets (``jax.jit``'s), none
+  for XLA's defaults."""
   import jax
 
   init, step = build(key, num_leaves)
-  return init, jax.jit(step, donate_argnums=(0, 1))
+  return init, jax.jit(
+    step, donate_argnums=(0, 1), compiler_options=compiler_options or None
+  )
 
 
 def make_inputs(n, num_leaves, seed=0, distinct=False):

@@ -41,6 +41,12 @@ must cost next to (a)) are judged on the same measurement by
       --recipes floor,fp16 --repeats 20 --inner 20   # per-leaf host cost
   python benchmarks/step_cost.py --shape 500x16 --recipes options
   python benchmarks/step_cost.py --tiny            # seconds; the smoke test
+  python benchmarks/step_cost.py --recipes floor,fp16,jmp \
+      --compiler-option xla_cpu_copy_insertion_use_region_analysis=true
+
+``--compiler-option KEY=VALUE`` (repeatable) compiles every recipe's step
+with those XLA options (``jax.jit(..., compiler_options=...)``): the timed
+executable and the one whose bytes accessed and copy count are printed.
 """
 
 import argparse
@@ -48,6 +54,7 @@ import atexit
 import json
 import os
 import platform
+import re
 import select
 import shutil
 import statistics
@@ -63,6 +70,7 @@ for _path in (ROOT, HERE):
   if _path not in sys.path:
     sys.path.insert(0, _path)
 
+from hlo_traffic import computations  # noqa: E402
 from recipes import BY_KEY  # noqa: E402
 from recipes import OPTIONS  # noqa: E402
 from recipes import OVERFLOW_ROW  # noqa: E402
@@ -124,6 +132,93 @@ def parse_shape(text):
   return text, (n, leaves)
 
 
+def _option_value(text):
+  """A compiler option's value: bool ('true'/'false', any case), int, float,
+  else the string itself."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_compiler_option(text):
+  """'KEY=VALUE' -> (KEY, value), the value as ``_option_value`` reads it."""
+  key, sep, value = text.partition("=")
+  key = key.strip()
+  if not sep or not re.fullmatch(r"[A-Za-z_]\w*", key) or not value.strip():
+    raise argparse.ArgumentTypeError(
+      "expected KEY=VALUE, an XLA compiler option and its value (e.g. "
+      f"xla_cpu_copy_insertion_use_region_analysis=true); got {text!r}"
+    )
+  return key, _option_value(value.strip())
+
+
+def option_text(value):
+  """The spelling of a value that ``_option_value`` reads back as it is."""
+  if isinstance(value, bool):
+    return str(value).lower()
+  return repr(value) if isinstance(value, float) else str(value)
+
+
+def compiler_options(parser, pairs):
+  """``{KEY: value}`` of the ``--compiler-option`` pairs; a key given twice
+  is a usage error."""
+  options = {}
+  for key, value in pairs or ():
+    if key in options:
+      parser.error(f"--compiler-option {key} given twice")
+    options[key] = value
+  return options
+
+
+def options_line(options):
+  """The header line that names the compiler options."""
+  if not options:
+    return "Compiler options: none (XLA's defaults)"
+  return "Compiler options: " + ", ".join(
+    f"{k}={option_text(v)}" for k, v in options.items()
+  )
+
+
+def option_args(options):
+  """``options`` as the ``--compiler-option`` arguments of a worker."""
+  args = []
+  for key, value in (options or {}).items():
+    args += ["--compiler-option", f"{key}={option_text(value)}"]
+  return args
+
+
+def check_compiler_options(parser, options):
+  """A usage error unless XLA takes ``options`` (it refuses an unknown key
+  or a value of the wrong type): one compile of a scalar add."""
+  if not options:
+    return
+  import jax
+  import numpy as np
+
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=options).lower(
+      np.float32(0)
+    ).compile()
+  except Exception as e:  # XLA's error type differs between jax versions
+    parser.error(f"--compiler-option: XLA refused it: {e}")
+
+
+_COPY = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s+copy(-start)?\(")
+
+
+def count_copies(hlo_text):
+  """Copy instructions in the entry computation of an optimized HLO module:
+  copies that copy insertion added (of a donated buffer the step still
+  reads, for one), each a pass over its buffer."""
+  comps, entry = computations(hlo_text)
+  return sum(bool(_COPY.match(line)) for line in comps.get(entry, []))
+
+
 def configure_cache(cache_dir):
   import jax
 
@@ -143,26 +238,41 @@ def worker(args):
   import jax
 
   _, (n, num_leaves) = parse_shape(args.shape)
-  init, step = jitted(args.worker, num_leaves)
+  options = dict(args.compiler_option or ())
+  init, step = jitted(args.worker, num_leaves, compiler_options=options)
   params, grads, _ = make_inputs(
     n, num_leaves, distinct=is_distinct(args.shape)
   )
   state = init(params)
   jax.block_until_ready((params, state, grads))
+  dump = None
+  if args.dump_hlo:
+    name = f"{args.worker}_{args.shape.replace('/', '_')}.hlo.txt"
+    dump = os.path.join(args.dump_hlo, name)
+  # The options are the jit's own, so that the timing process's jit, built
+  # with the same ones, finds this executable in the cache.
+  compile_and_report(step, (params, state, grads), dump_path=dump)
+
+
+def compile_and_report(step, call_args, compiler_options=None, dump_path=None):
+  """What a compile worker does once its inputs exist: prints READY, traces
+  and lowers ``step`` on ``call_args``, compiles it (with
+  ``compiler_options`` on top of the jit's own), each timed, and prints
+  RESULT and the figures as JSON."""
   print("READY", flush=True)
   t0, c0 = time.perf_counter(), time.process_time()
-  lowered = step.lower(params, state, grads)
+  lowered = step.lower(*call_args)
   t1, c1 = time.perf_counter(), time.process_time()
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options or None)
   t2, c2 = time.perf_counter(), time.process_time()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older jax: one dict per device
     cost = cost[0]
-  if args.dump_hlo:
-    os.makedirs(args.dump_hlo, exist_ok=True)
-    name = f"{args.worker}_{args.shape.replace('/', '_')}.hlo.txt"
-    with open(os.path.join(args.dump_hlo, name), "w") as f:
-      f.write(compiled.as_text())
+  text = compiled.as_text()
+  if dump_path:
+    os.makedirs(os.path.dirname(dump_path), exist_ok=True)
+    with open(dump_path, "w") as f:
+      f.write(text)
   print(
     "RESULT "
     + json.dumps(
@@ -173,17 +283,32 @@ def worker(args):
         compile_cpu_s=c2 - c1,
         bytes_accessed=float(cost.get("bytes accessed", float("nan"))),
         flops=float(cost.get("flops", float("nan"))),
+        copies=count_copies(text),
       )
     ),
     flush=True,
   )
 
 
-def compile_in_worker(key, shape, cache_dir, budget, dump_hlo, startup_s=300):
-  """Cold compile of one recipe in a subprocess; None when past the budget."""
+def compile_in_worker(
+  key,
+  shape,
+  cache_dir,
+  budget,
+  dump_hlo,
+  startup_s=300,
+  compiler_options=None,
+  script=None,
+):
+  """Cold compile of one recipe in a subprocess; None when past the budget.
+
+  ``compiler_options``: XLA options for the compile. ``script``: the
+  script whose ``--worker`` compiles (default this one); it takes the same
+  arguments and answers READY and RESULT as ``compile_and_report`` does.
+  """
   cmd = [
     sys.executable,
-    os.path.abspath(__file__),
+    script or os.path.abspath(__file__),
     "--worker",
     key,
     "--shape",
@@ -193,6 +318,7 @@ def compile_in_worker(key, shape, cache_dir, budget, dump_hlo, startup_s=300):
   ]
   if dump_hlo:
     cmd += ["--dump-hlo", dump_hlo]
+  cmd += option_args(compiler_options)
   with tempfile.TemporaryFile() as err:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, bufsize=0)
     lines = _Lines(proc.stdout)
@@ -320,7 +446,12 @@ def run_shape(shape_name, n, num_leaves, keys, args):
       scratch = cache_dir if first else tempfile.mkdtemp(prefix="step_cost_")
       try:
         res = compile_in_worker(
-          key, shape_arg, scratch, args.budget, args.dump_hlo if first else None
+          key,
+          shape_arg,
+          scratch,
+          args.budget,
+          args.dump_hlo if first else None,
+          compiler_options=args.options,
         )
       finally:
         if not first:
@@ -358,14 +489,25 @@ def run_shape(shape_name, n, num_leaves, keys, args):
   for key in keys:
     if results[key]["status"] != "ok":
       continue
-    init, fn = jitted(key, num_leaves)
+    init, fn = jitted(key, num_leaves, compiler_options=args.options)
     p = copy_tree(params)
     s = copy_tree(init(p))
     # The first call traces and loads the worker's executable from the cache
     # (it does not compile again); it is one more untimed warm-up step.
     t0 = time.perf_counter()
-    p, s = jax.block_until_ready(fn(p, s, grads))
+    with _CacheEvents() as events:
+      p, s = jax.block_until_ready(fn(p, s, grads))
     results[key]["load_s"] = time.perf_counter() - t0
+    # The cache key holds the compiler options: a hit is the worker's
+    # executable, compiled with them.
+    hit = events.hit()
+    results[key]["first_call_cache_hit"] = hit
+    if hit is False:
+      print(
+        f"[{shape_name}]   {key}: not in the worker's cache, compiled again",
+        file=sys.stderr,
+        flush=True,
+      )
     unit = [[BY_KEY[key].label, fn, p, s, grads, BY_KEY[key].calls]]
     if key == "fp16" and not args.no_overflow:
       p = copy_tree(params)
@@ -381,6 +523,38 @@ def run_shape(shape_name, n, num_leaves, keys, args):
   samples = time_rows(rows, args.repeats, args.inner, args.warmup, cpu)
   jax.clear_caches()
   return results, samples, cpu
+
+
+class _CacheEvents:
+  """The persistent compilation cache's hit and miss events inside a
+  ``with``; ``hit()`` is None where jax has no event listeners."""
+
+  HIT = "/jax/compilation_cache/cache_hits"
+  MISS = "/jax/compilation_cache/cache_misses"
+
+  def __init__(self):
+    self.events = []
+
+  def _listen(self, event, **_):
+    self.events.append(event)
+
+  def __enter__(self):
+    import jax
+
+    monitoring = getattr(jax, "monitoring", None)
+    self._off = getattr(monitoring, "unregister_event_listener", None)
+    if self._off is not None:
+      monitoring.register_event_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc):
+    if self._off is not None:
+      self._off(self._listen)
+
+  def hit(self):
+    if self._off is None:
+      return None
+    return self.HIT in self.events and self.MISS not in self.events
 
 
 _CACHE = []
@@ -483,6 +657,8 @@ def table(
       cpu_s_samples=cpu.get(name, []),
       bytes_accessed=b,
       flops=res["flops"],
+      copies=res.get("copies"),
+      first_call_cache_hit=res.get("first_call_cache_hit"),
     )
     if floor_ok and name in samples and floor_label in samples:
       row["wall_vs_floor_per_round"] = _paired(
@@ -514,6 +690,17 @@ def table(
   for key, name in names:
     if key in OPTION_SET[2:] and name in samples and fp16_label in samples:
       notes.append(f"{name} / b, per round: {both(name, fp16_label)}")
+  copies = [
+    f"{key} {results[key]['copies']}"
+    for key in keys
+    if results[key].get("status") == "ok"
+    and results[key].get("copies") is not None
+  ]
+  if copies:
+    notes.append(
+      "copy instructions in each compiled step (entry computation): "
+      + ", ".join(copies)
+    )
   if notes_fn is not None:
     notes += notes_fn(keys, results, samples, record)
   lines += [""] + [f"- {x}" for x in notes]
@@ -620,6 +807,16 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
     metavar="DIR",
     help="write each compiled step's optimized HLO here",
   )
+  parser.add_argument(
+    "--compiler-option",
+    action="append",
+    type=parse_compiler_option,
+    metavar="KEY=VALUE",
+    help="an XLA compiler option every recipe's step is compiled with "
+    "(jax.jit's compiler_options), e.g. "
+    "xla_cpu_copy_insertion_use_region_analysis=true; VALUE is read as a "
+    "bool, int, float or string. Repeatable; default none (XLA's defaults)",
+  )
   parser.add_argument("--json", metavar="PATH", help="write results as JSON")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -644,6 +841,10 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
       parser.error(f"unknown recipe {k!r}; choose from {list(BY_KEY)}")
   if "floor" not in keys:
     keys.insert(0, "floor")  # everything is a ratio to it
+  args.options = compiler_options(parser, args.compiler_option)
+  if args.options:
+    _process_cache()  # before this process's first compile: see there
+    check_compiler_options(parser, args.options)
 
   print(f"Machine: {machine()}")
   if os.environ.get("XLA_FLAGS"):
@@ -656,6 +857,7 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
     f"repeats={args.repeats} inner={args.inner} warmup={args.warmup} "
     f"budget={args.budget:g}s compile_repeats={args.compile_repeats}"
   )
+  print(options_line(args.options))
   records = []
   for shape_name, (n, num_leaves) in shapes:
     results, samples, cpu = run_shape(shape_name, n, num_leaves, keys, args)
@@ -672,6 +874,7 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
           machine=machine(),
           argv=argv or sys.argv[1:],
           xla_flags=os.environ.get("XLA_FLAGS", ""),
+          compiler_options=args.options,
           shapes=records,
         ),
         f,

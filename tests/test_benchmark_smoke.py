@@ -237,6 +237,101 @@ def test_distinct_leaf_sizes(bench, n, leaves):
   ] * (leaves - 1)
 
 
+COPY_OPTION = "xla_cpu_copy_insertion_use_region_analysis"
+
+
+@pytest.fixture(scope="module")
+def copy_option_run(tmp_path_factory):
+  """step_cost.py --tiny, floor, fp16 and jmp, compiled with COPY_OPTION:
+  (stdout, the whole JSON)."""
+  pytest.importorskip("jmp")
+  out = tmp_path_factory.mktemp("copy_option") / "r.json"
+  stdout = _ran(
+    helpers.run_script(
+      SCRIPT,
+      "--tiny",
+      "--recipes",
+      "floor,fp16,jmp",
+      "--compiler-option",
+      f"{COPY_OPTION}=true",
+      "--repeats",
+      REPEATS,
+      "--warmup",
+      1,
+      "--json",
+      out,
+      timeout=900,
+    )
+  )
+  return stdout, json.loads(out.read_text())
+
+
+def test_compiler_option_spellings(bench):
+  parse = bench.parse_compiler_option
+  assert parse(f"{COPY_OPTION}=true") == (COPY_OPTION, True)
+  assert parse("xla_a=False") == ("xla_a", False)
+  assert parse("xla_n=3") == ("xla_n", 3)
+  assert parse("xla_x=0.5") == ("xla_x", 0.5)
+  assert parse("xla_s=some/where") == ("xla_s", "some/where")
+  for value in (True, 3, 0.5, 1.0, "some/where"):  # what a worker is given
+    assert parse(f"k={bench.option_text(value)}") == ("k", value)
+    assert type(parse(f"k={bench.option_text(value)}")[1]) is type(value)
+  for bad in (COPY_OPTION, f"{COPY_OPTION}=", "=true", "xla a=1"):
+    with pytest.raises(Exception, match="KEY=VALUE"):
+      parse(bad)
+  assert bench.option_args({"a": True, "b": 2}) == [
+    "--compiler-option",
+    "a=true",
+    "--compiler-option",
+    "b=2",
+  ]
+
+
+def test_a_bad_compiler_option_is_a_usage_error(bench, capsys):
+  # Not KEY=VALUE: argparse refuses it before anything runs.
+  with pytest.raises(SystemExit) as e:
+    bench.main(["--tiny", "--compiler-option", COPY_OPTION])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "argument --compiler-option: expected KEY=VALUE" in err
+  # A key XLA does not know: refused before any recipe compiles. (In a
+  # process of its own: the check compiles, and this one's compilation
+  # cache is left alone.)
+  proc = helpers.run_script(
+    SCRIPT, "--tiny", "--compiler-option", f"{COPY_OPTION}s=true"
+  )
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert "--compiler-option: XLA refused it" in proc.stderr
+  assert f"{COPY_OPTION}s" in proc.stderr and "compiling" not in proc.stderr
+
+
+def test_the_compiler_option_reaches_the_timed_executable(
+  copy_option_run, targets_run, bench
+):
+  """jmp's select after the update costs a copy of every donated buffer it
+  selects at XLA's defaults, none with the option: the option reaches the
+  worker's compile (whose copy count and bytes are printed), and the timed
+  executable is that one (loaded from the worker's cache, whose key holds
+  the options)."""
+  stdout, result = copy_option_run
+  assert f"Compiler options: {COPY_OPTION}=true" in stdout.splitlines()
+  assert result["compiler_options"] == {COPY_OPTION: True}
+  (shape,) = result["shapes"]
+  jmp = bench.BY_KEY["jmp"].label
+  assert shape["rows"][jmp]["status"] == "ok"
+  for label, row in shape["rows"].items():
+    assert row["copies"] == 0, label
+    assert row["first_call_cache_hit"] is True, label
+  assert (
+    "- copy instructions in each compiled step (entry computation): "
+    "floor 0, fp16 0, jmp 0"
+  ) in stdout
+  default_stdout, default_shape, _ = targets_run
+  assert "Compiler options: none (XLA's defaults)" in default_stdout
+  assert default_shape["rows"][jmp]["copies"] > 0
+  assert default_shape["rows"][jmp]["first_call_cache_hit"] is True
+
+
 def test_step_cost_keeps_every_name_it_had(bench):
   # Other scripts import from step_cost.py. The recipes live in recipes.py
   # and are re-exported; the verdicts live in targets.py only, which imports

@@ -57,3 +57,86 @@ def test_one_round_at_a_tiny_shape(capsys):
 def test_bad_recipe_lists_are_refused(recipes):
   with pytest.raises(SystemExit):
     compile_cost.main(["--recipes", recipes])
+
+
+COPY_OPTION = "xla_cpu_copy_insertion_use_region_analysis"
+
+
+def test_compiler_options_reach_every_worker(monkeypatch, capsys):
+  # step_cost's smoke test checks that a worker compiles with the options it
+  # is given; here, that compile_cost gives them to every one.
+  given = []
+  compile_in_worker = compile_cost.step_cost.compile_in_worker
+
+  def spy(*args, **kwargs):
+    given.append(kwargs.get("compiler_options"))
+    return compile_in_worker(*args, **kwargs)
+
+  monkeypatch.setattr(compile_cost.step_cost, "compile_in_worker", spy)
+  compile_cost.main(
+    [
+      "--shape",
+      "4K/4",
+      "--rounds",
+      "1",
+      "--compiler-option",
+      f"{COPY_OPTION}=true",
+    ]
+  )
+  out = capsys.readouterr().out
+  assert given == [{COPY_OPTION: True}] * 2
+  assert f"Compiler options: {COPY_OPTION}=true" in out.splitlines()
+  rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
+  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+
+
+@pytest.mark.parametrize(
+  "option, error",
+  [
+    (COPY_OPTION, "argument --compiler-option: expected KEY=VALUE"),
+    (f"{COPY_OPTION}s=true", "--compiler-option: XLA refused it"),
+  ],
+)
+def test_bad_compiler_options_are_refused(option, error, capsys):
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--shape", "4K/4", "--compiler-option", option])
+  assert error in capsys.readouterr().err
+
+
+def test_one_round_of_train_lms_whole_step(capsys):
+  """``lm:tiny``: the whole train step of examples/train_lm.py --size tiny,
+  built by train_step_cost.py, with plain optax (the floor) and with
+  fp16_scaling. Other recipes have no train step and are left out."""
+  assert "lm:medium" in compile_cost.DEFAULT_SHAPES
+  steps = compile_cost.lm_steps()
+  assert [steps[k].__name__ for k in ("floor", "fp16")] == [
+    "plain_step",
+    "scaled_step",
+  ]
+  assert steps["fp16"].__module__ == "train_step_cost"
+  compile_cost.main(
+    [
+      "--shape",
+      "lm:tiny",
+      "--rounds",
+      "1",
+      "--recipes",
+      "floor,fp16,apply_if_finite",
+    ]
+  )
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| lm:tiny |")]
+  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+  assert rows[0].split("|")[6].strip() == "1.000x"
+  for cell in rows[1].split("|")[3:6]:  # trace + lower, compile, total
+    assert float(cell) > 0
+  assert 0.2 < float(rows[1].split("|")[6].strip().rstrip("x")) < 20
+  assert "lm:tiny: per-round fp16/floor of total CPU time, median" in out
+  assert "apply_if_finite not compiled" in out
+
+
+@pytest.mark.parametrize("shape", ["lm:huge", "lm:"])
+def test_unknown_train_lm_sizes_are_refused(shape, capsys):
+  with pytest.raises(SystemExit):
+    compile_cost.main(["--shape", shape])
+  assert "train_lm.py's sizes are lm:medium" in capsys.readouterr().err
