@@ -208,15 +208,19 @@ def check_compiler_options(parser, options):
     parser.error(f"--compiler-option: XLA refused it: {e}")
 
 
-_COPY = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s+copy(-start)?\(")
+_COPY = re.compile(
+  r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\S+)\s+copy(-start)?\("
+)
 
 
 def count_copies(hlo_text):
-  """Copy instructions in the entry computation of an optimized HLO module:
-  copies that copy insertion added (of a donated buffer the step still
-  reads, for one), each a pass over its buffer."""
+  """Array copy instructions in the entry computation of an optimized HLO
+  module: copies that copy insertion added (of a donated buffer the step
+  still reads, for one), each a pass over its buffer. A scalar's copy
+  (``f32[]``) moves four bytes and is not counted."""
   comps, entry = computations(hlo_text)
-  return sum(bool(_COPY.match(line)) for line in comps.get(entry, []))
+  found = [_COPY.match(line) for line in comps.get(entry, [])]
+  return sum(bool(m) and "[]" not in m.group(1) for m in found)
 
 
 def configure_cache(cache_dir):
@@ -698,7 +702,7 @@ def table(
   ]
   if copies:
     notes.append(
-      "copy instructions in each compiled step (entry computation): "
+      "array copy instructions in each compiled step (entry computation): "
       + ", ".join(copies)
     )
   if notes_fn is not None:

@@ -15,6 +15,12 @@ Each verdict is ``ok`` (median within the target), ``MISS`` (even the lower
 quartile above it) or ``within noise, above``. See benchmarks/README.md for
 the figures and how they were run.
 
+On XLA:CPU the steps are compiled with
+``--compiler-option xla_cpu_copy_insertion_use_region_analysis=true``, the
+setting docs/design.md gives CPU users (without it, a skip that selects
+after the update copies each donated moment), unless ``--compiler-option``
+is given.
+
   python benchmarks/targets.py --shape 20M/200 --recipes floor,fp16,fp16_expert
   python benchmarks/targets.py --tiny              # seconds; the smoke test
 """
@@ -92,7 +98,16 @@ def verdicts(keys, results, samples, record):
   return notes
 
 
+CPU_OPTION = "xla_cpu_copy_insertion_use_region_analysis=true"
+
+
 def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--compiler-option" not in argv:
+    import jax
+
+    if jax.default_backend() == "cpu":
+      argv += ["--compiler-option", CPU_OPTION]
   return step_cost.main(
     argv, notes_fn=verdicts, description=__doc__, prog="targets.py"
   )

@@ -306,13 +306,14 @@ def test_a_bad_compiler_option_is_a_usage_error(bench, capsys):
 
 
 def test_the_compiler_option_reaches_the_timed_executable(
-  copy_option_run, targets_run, bench
+  copy_option_run, targets_run, options_run, bench
 ):
-  """jmp's select after the update costs a copy of every donated buffer it
-  selects at XLA's defaults, none with the option: the option reaches the
-  worker's compile (whose copy count and bytes are printed), and the timed
-  executable is that one (loaded from the worker's cache, whose key holds
-  the options)."""
+  """A select after the update (jmp's, fp16_scaling's) costs a copy of
+  every donated buffer it selects at XLA:CPU's defaults, none with the
+  option: the option reaches the worker's compile (whose copy count and
+  bytes are printed), and the timed executable is that one (loaded from the
+  worker's cache, whose key holds the options). targets.py applies it on
+  XLA:CPU by default."""
   stdout, result = copy_option_run
   assert f"Compiler options: {COPY_OPTION}=true" in stdout.splitlines()
   assert result["compiler_options"] == {COPY_OPTION: True}
@@ -323,13 +324,16 @@ def test_the_compiler_option_reaches_the_timed_executable(
     assert row["copies"] == 0, label
     assert row["first_call_cache_hit"] is True, label
   assert (
-    "- copy instructions in each compiled step (entry computation): "
+    "- array copy instructions in each compiled step (entry computation): "
     "floor 0, fp16 0, jmp 0"
   ) in stdout
-  default_stdout, default_shape, _ = targets_run
+  targets_stdout, targets_shape, _ = targets_run
+  assert f"Compiler options: {COPY_OPTION}=true" in targets_stdout
+  assert targets_shape["rows"][jmp]["copies"] == 0
+  default_stdout, default_shape = options_run
   assert "Compiler options: none (XLA's defaults)" in default_stdout
-  assert default_shape["rows"][jmp]["copies"] > 0
-  assert default_shape["rows"][jmp]["first_call_cache_hit"] is True
+  fp16 = default_shape["rows"][bench.BY_KEY["fp16"].label]
+  assert fp16["copies"] > 0 and fp16["first_call_cache_hit"] is True
 
 
 def test_step_cost_keeps_every_name_it_had(bench):

@@ -88,12 +88,14 @@ def test_tiny_run_records_every_part(tmp_path):
     assert row["cpu_vs_floor"] > 0
     gb_s = row["bytes_accessed"] / (row["step_ms"] / 1e3) / 1e9
     assert row["gb_s"] == pytest.approx(gb_s, rel=1e-9)
-  # One executable for the clean and the overflow step; fewer bytes than
-  # the floor's.
+  # One executable for the clean and the overflow step. (Its bytes against
+  # the floor's are judged where the backend is known: on a GPU by
+  # gpu_check's table, on XLA:CPU, which needs the copy option, by
+  # tests/test_alias.py and targets.py.)
   assert (
     rows[f"{B}, overflow step"]["bytes_accessed"] == (rows[B]["bytes_accessed"])
   )
-  assert 0 < rows[B]["bytes_accessed"] <= rows[FLOOR]["bytes_accessed"]
+  assert rows[B]["bytes_accessed"] > 0
   for name in RAN:
     assert (out / parts[name]["log"]).exists()
 
