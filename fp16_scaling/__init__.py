@@ -16,6 +16,7 @@ from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
+from fp16_scaling._grad import value_and_grad
 from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
@@ -30,6 +31,8 @@ from fp16_scaling._scaler import megatron_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
+from fp16_scaling._shared import SharedLossScale
+from fp16_scaling._shared import shared_loss_scale
 from fp16_scaling._skip import skip_on_overflow
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState
@@ -57,6 +60,7 @@ __all__ = [
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
+  "SharedLossScale",
   "accumulate_gradients",
   "clip_by_unscaled_norm",
   "current_scale",
@@ -74,8 +78,10 @@ __all__ = [
   "scaler_from_state_dict",
   "scaler_state_dict",
   "set_loss_scale",
+  "shared_loss_scale",
   "skip_on_overflow",
   "static_scaler",
   "to_peer_state_dict",
   "torch_scaler",
+  "value_and_grad",
 ]

@@ -138,7 +138,7 @@ def clip_by_unscaled_norm(
     if isinstance(state, Handed):
       # Right after fp16_loss_scale: ``updates`` are the measured gradients,
       # unscaled; the one pass has their sums.
-      state, measurement = state
+      state, measurement = state.state, state.measurement
       norms = measurement.grouped(groups, 2)
     else:
       own = measure(updates, 1.0, partition_specs, what=what)

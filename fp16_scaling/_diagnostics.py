@@ -211,7 +211,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
 
   Raises:
     ValueError: ``opt_state`` holds no ``fp16_loss_scale`` state (or more
-      than one); ``top`` is out of range.
+      than one), or a batched one; ``top`` is out of range.
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
 
   Examples:
@@ -231,6 +231,13 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   _lookup.require_host(opt_state, "overflow_report")
   ls = _lookup.loss_scale_state(opt_state)
   host = jax.device_get(ls._replace(leaf_paths=None))
+  if np.ndim(host.overflow):
+    raise ValueError(
+      "overflow_report reads one optimizer state; this one is batched "
+      f"(shape {np.shape(host.overflow)}, as jax.vmap(tx.init) makes). Ask "
+      "for one member's report: fs.overflow_report(jax.tree.map(lambda x: "
+      "x[i], opt_state))."
+    )
   paths = ls.leaf_paths.paths
   flags = np.asarray(host.leaf_nonfinite, bool)
   counts = np.asarray(host.leaf_nonfinite_steps)

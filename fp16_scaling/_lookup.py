@@ -6,10 +6,10 @@ Every host helper (``current_scale``, ``scale_metrics``, ...),
 :class:`AccumulationState` through these functions, so a state that has lost its
 types, or holds the wrong number of them, gets the same message everywhere.
 
-``nnx.Optimizer`` holds every array of its optax state in an nnx ``Variable``;
-the states found here come back with plain arrays (:func:`unwrap`), and
-:func:`replace_loss_scale_state` writes new values back into Variables of the
-same kind.
+``nnx.Optimizer`` holds every array of its optax state in an nnx ``Variable``
+(a pytree node around the array); the states found here come back with
+plain arrays (:func:`unwrap`), and :func:`replace_loss_scale_state` writes
+new values back into the same containers.
 
 A :class:`LossScaleState` inside an ``optax.MultiStepsState`` is refused
 here, by type: ``current_scale`` and every other helper go through
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from fp16_scaling import _validate
+from fp16_scaling._scaler import ScalerState
 from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import LossScaleState
@@ -39,18 +40,17 @@ def looks_like_loss_scale_state(keys) -> bool:
   return "scaler" in keys and len(keys) >= 3
 
 
-def _is_wrapped(x: Any) -> bool:
-  """Whether ``x`` is an nnx ``Variable`` (checked without importing flax)."""
-  return type(x).__module__.startswith("flax.") and hasattr(x, "get_value")
-
-
 def unwrap(tree: Any) -> Any:
-  """``tree`` with every nnx ``Variable`` replaced by the array it holds."""
-  return jax.tree.map(
-    lambda x: x.get_value() if _is_wrapped(x) else x,
-    tree,
-    is_leaf=_is_wrapped,
-  )
+  """``tree`` with every container around one array (an nnx ``Variable``, a
+  pytree node whose one leaf is the array) replaced by that array; tuples,
+  lists, dicts and NamedTuples are walked, anything else is kept."""
+  if isinstance(tree, (tuple, list)):
+    items = [unwrap(v) for v in tree]
+    return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+  if isinstance(tree, dict):
+    return {k: unwrap(v) for k, v in tree.items()}
+  leaves = jax.tree.leaves(tree)
+  return leaves[0] if len(leaves) == 1 else tree
 
 
 def all_with_path(tree: Any, cls: type) -> list:
@@ -172,20 +172,12 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``.
-
-  Where the old state's arrays sit in nnx ``Variable`` s, the new arrays are
-  put in Variables of the same kind (``Variable.replace``).
-  """
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``,
+  whose arrays go into the old state's containers (nnx ``Variable`` s)."""
   loss_scale_state(opt_state)
 
   def rewrap(old: LossScaleState) -> LossScaleState:
-    return jax.tree.map(
-      lambda o, n: o.replace(value=n) if _is_wrapped(o) else n,
-      old,
-      new,
-      is_leaf=_is_wrapped,
-    )
+    return jax.tree.unflatten(jax.tree.structure(old), jax.tree.leaves(new))
 
   return jax.tree.map(
     lambda x: rewrap(x) if isinstance(x, LossScaleState) else x,
@@ -194,20 +186,24 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
   )
 
 
-def set_loss_scale(opt_state: Any, scale: float) -> Any:
+def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   """``opt_state`` with the loss scale for the next step set to ``scale``.
 
-  The growth tracker and hysteresis are left as they are.
+  Traceable: call it inside the step with an array, or on the host with a
+  number. The growth tracker and hysteresis are left as they are.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState`.
-    scale: the new scale, a positive normal finite float32.
+    opt_state: an optax state holding one :class:`LossScaleState`, or a
+      shared scale's :class:`ScalerState`.
+    scale: the new scale: a positive normal finite float32 (a Python
+      number is checked), or a float32 scalar array.
 
   Returns:
-    The new optax state.
+    The new state.
 
   Raises:
-    ValueError: ``scale`` is negative, zero, subnormal, inf or NaN.
+    ValueError: a Python ``scale`` that is negative, zero, subnormal, inf
+      or NaN.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -217,7 +213,11 @@ def set_loss_scale(opt_state: Any, scale: float) -> Any:
     >>> float(fs.current_scale(state))
     512.0
   """
-  scale = _validate.scale("scale", scale)
+  if not hasattr(scale, "dtype"):
+    scale = _validate.scale("scale", scale)
+  if isinstance(opt_state, ScalerState):
+    scale = jnp.full_like(opt_state.loss_scale, scale)
+    return opt_state._replace(loss_scale=scale)
   old = loss_scale_state(opt_state)
   loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
   new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))

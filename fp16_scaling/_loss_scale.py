@@ -9,7 +9,7 @@ the gradient on every growth step; here that ordering cannot be written.
 """
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 import warnings
 
 import jax
@@ -24,6 +24,7 @@ from fp16_scaling import _validate
 from fp16_scaling._measure import Handed
 from fp16_scaling._measure import Measurement
 from fp16_scaling._scaler import Scaler
+from fp16_scaling._shared import SharedLossScale
 from fp16_scaling._states import BACKWARD
 from fp16_scaling._states import FORWARD
 from fp16_scaling._states import KINDS
@@ -41,6 +42,17 @@ _UNGUARDED = (
   "optimizer after it still runs on an overflow step and its momentum moves "
   "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
   "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
+)
+
+
+_SHARED = (
+  "fp16_loss_scale(shared) has no scale of its own: pass the shared scale's "
+  "state to every update, tx.update(grads, opt_state, params, "
+  "loss_scale=scale_state), and step it once with shared.update(...)"
+)
+_OWNED = (
+  "this fp16_loss_scale owns its scale, and was passed loss_scale=: build "
+  "it as fp16_loss_scale(fs.shared_loss_scale(scaler)) to share one"
 )
 
 
@@ -105,12 +117,13 @@ def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
     )
 
 
-def _leaf_paths(tree, scaler, partition_specs) -> LeafPaths:
+def _leaf_paths(tree, scaler, partition_specs, shared) -> LeafPaths:
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   return LeafPaths(
     [jax.tree_util.keystr(path) for path, _ in with_paths],
     [jnp.size(x) for _, x in with_paths],
     scaler=scaler,
+    shared=shared,
     specs=partition_specs,
   )
 
@@ -160,7 +173,7 @@ def _log_overflow(paths, skipped, kind, old, new, nonfinite):
 
 
 def fp16_loss_scale(
-  scaler: Scaler,
+  scaler: Union[Scaler, SharedLossScale],
   *,
   partition_specs: Optional[Any] = None,
   grad_range: bool = False,
@@ -168,27 +181,27 @@ def fp16_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling for float16 training, as the first element of a chain.
 
-  ``update`` receives the gradients of ``loss * current_scale(opt_state)``.
-  In one pass over them it decides overflow (any inf or NaN anywhere), which
-  leaves overflowed, and the squared norm; it returns the gradients divided
-  by the scale they were made with (promoted to at least float32) and steps
-  ``scaler``. It must come first in a chain wrapped by
-  :func:`skip_on_overflow`, which discards the step when it overflowed:
-  ``init`` raises outside the wrapper, and ``update`` raises at trace time
-  when something before it changed the gradients or a second
-  ``fp16_loss_scale`` runs.
+  ``update`` receives the gradients of ``loss * current_scale(opt_state)``
+  (:func:`value_and_grad` makes them) and the skip's one measurement of
+  them (:func:`skip_on_overflow` hands it over). It returns the gradients
+  divided by the scale they were made with (promoted to at least float32,
+  zeros on an overflow), records which leaves overflowed, the true norm and
+  the overflow's kind, and steps ``scaler``. It must be the first element
+  of a chain wrapped by :func:`skip_on_overflow`, which discards the step
+  when it overflowed.
 
-  Pass the loss by optax's extra-args convention, ``tx.update(grads, state,
-  params, value=loss)`` (unscaled, or scaled in float32), and an overflow is
-  told apart as "forward" (the loss itself is not finite: no scale helps) or
-  "backward" (the scale was too high: normal). Without it the kind is
-  "unknown"; with the scale at its floor it is "persistent". See
-  :func:`overflow_report`.
+  Pass the loss as ``tx.update(grads, state, params, value=loss)``
+  (unscaled, or scaled in float32), and an overflow is told apart as
+  "forward" (the loss itself is not finite: no scale helps) or "backward"
+  (the scale was too high: normal). Without it the kind is "unknown"; with
+  the scale at its floor it is "persistent". See :func:`overflow_report`.
 
   Args:
     scaler: a :class:`Scaler` from a preset (``deepspeed_scaler``,
       ``torch_scaler``, ``megatron_scaler``, ``flax_scaler``,
-      ``headroom_scaler``, ``static_scaler``, ``no_scaler``).
+      ``headroom_scaler``, ``static_scaler``, ``no_scaler``), or a
+      :func:`shared_loss_scale`: then ``update`` takes the shared scale's
+      state as ``loss_scale=`` and leaves stepping it to the caller.
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
       pytree (as given to ``shard_map``); each leaf's squared norm is summed
       across the mesh axes it is split over, so overflow and norm are global.
@@ -211,11 +224,10 @@ def fp16_loss_scale(
 
   Raises:
     TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
-    RuntimeError: from ``init`` or ``update`` outside
-      :func:`skip_on_overflow`.
-    ValueError: when the update is traced, if a transformation before it
-      changed the gradients, a second ``fp16_loss_scale`` runs, or ``value``
-      is not a scalar.
+    RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
+    ValueError: from ``update``, for a state built by another scaler,
+      ``loss_scale=`` given to a scale of its own or missing for a shared
+      one, or a ``value`` that is not a scalar.
 
   Examples:
     >>> import jax
@@ -244,13 +256,17 @@ def fp16_loss_scale(
     <https://arxiv.org/abs/1710.03740>`_, ICLR 2018; the scale update is the
     one of the peer ``scaler`` mimics.
   """
+  shared = isinstance(scaler, SharedLossScale)
+  scaler = scaler.scaler if shared else scaler
   if not isinstance(scaler, Scaler):
     raise TypeError(
       f"scaler must be a Scaler from a preset such as deepspeed_scaler(), "
-      f"got {type(scaler).__name__}"
+      f"or a shared_loss_scale(...), got {type(scaler).__name__}"
     )
   grad_range = _validate.flag("grad_range", grad_range)
   log_overflows = _validate.flag("log_overflows", log_overflows)
+  # A shared headroom scale reads each optimizer's range in shared.update.
+  keep_range = grad_range or (shared and scaler.needs_grad_max)
 
   def init_fn(params):
     register_with_flax()
@@ -259,18 +275,20 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    paths = _leaf_paths(params, scaler, partition_specs)
-    return _initial_state(scaler.init(), paths, grad_range)
+    paths = _leaf_paths(params, scaler, partition_specs, shared)
+    return _initial_state(scaler.init(), paths, keep_range)
 
   def update_fn(updates, state, params=None, **extra):
     del params
     if not isinstance(state, Handed):
       raise RuntimeError(_UNGUARDED)
-    state, measurement = state
+    state, measurement, loss_scale = state
+    if shared != (loss_scale is not None):
+      raise ValueError(_SHARED if shared else _OWNED)
     # The state must be this transformation's: the skip measured by the
     # specs it holds, and its counters follow its scaler's rules.
     _sharding.leaf_axes_from_specs(partition_specs, updates, "fp16_loss_scale")
-    _check_built_here(state.leaf_paths, scaler, partition_specs)
+    _check_built_here(state.leaf_paths, scaler, partition_specs, shared)
     value = extra.get("value")
     if value is not None:
       value = _scalar_value(value)
@@ -280,8 +298,10 @@ def fp16_loss_scale(
     if grad_range or scaler.needs_grad_max:
       grad_range_now = _grad_range(leaves, measurement)
     new_state = _next_state(
-      scaler, state, measurement, value, grad_range_now, keep_range=grad_range
+      scaler, state, measurement, value, grad_range_now, keep_range=keep_range
     )
+    if shared:  # the caller steps the shared scale; record the one given
+      new_state = new_state._replace(scaler=loss_scale)
     if log_overflows:
       _log_if_overflow(state, new_state)
     outputs = jax.tree.unflatten(treedef, measurement.unscaled(leaves))
@@ -291,12 +311,14 @@ def fp16_loss_scale(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_built_here(paths: LeafPaths, scaler, partition_specs) -> None:
+def _check_built_here(paths: LeafPaths, scaler, specs, shared) -> None:
   """Raises when the state was built by another configuration (say a
   checkpoint of another preset's chain, restored with its own target)."""
-  if paths == LeafPaths((), (), scaler=scaler, specs=partition_specs):
+  if paths == LeafPaths((), (), scaler=scaler, shared=shared, specs=specs):
     return
   what = "other partition_specs"
+  if paths.shared != shared:
+    what = "a shared scale" if paths.shared else "a scale of its own"
   if paths.scaler != scaler and paths.scaler is not None:
     theirs, mine = dataclasses.asdict(paths.scaler), dataclasses.asdict(scaler)
     diff = [

@@ -79,10 +79,18 @@ class Handed(NamedTuple):
   """An element's state with the step's :class:`Measurement`, as
   ``skip_on_overflow`` passes it to ``fp16_loss_scale`` and to a
   ``clip_by_unscaled_norm`` right after it, in place of their state. Each
-  returns its plain state."""
+  returns its plain state.
+
+  Attributes:
+    state: the element's own state.
+    measurement: the step's :class:`Measurement`.
+    loss_scale: a shared scale's state, as the caller passed it
+      (``fp16_loss_scale`` only), or None.
+  """
 
   state: Any
   measurement: Measurement
+  loss_scale: Any = None
 
 
 def measure(

@@ -13,6 +13,7 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling._scaler import F16_MAX
+from fp16_scaling._scaler import ScalerState
 
 
 class ScaleMetrics(TypedDict, total=False):
@@ -68,10 +69,15 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, at any
-      depth (inside ``skip_on_overflow``, ``optax.chain``, ...).
+      depth (inside ``skip_on_overflow``, ``optax.chain``, ...), or a
+      shared scale's :class:`ScalerState` (:func:`shared_loss_scale`).
 
   Returns:
     A float32 scalar array (traceable: use it inside the jitted step).
+
+  Raises:
+    ValueError: the state is that of an optimizer that shares its scale:
+      the next scale is the shared state's.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -83,7 +89,16 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
     >>> print(fs.current_scale(state))  # multiply the next loss by this
     65536.0
   """
-  return _lookup.loss_scale_state(opt_state).scaler.loss_scale
+  if isinstance(opt_state, ScalerState):
+    return opt_state.loss_scale
+  ls = _lookup.loss_scale_state(opt_state)
+  if ls.leaf_paths.shared:
+    raise ValueError(
+      "this optimizer shares its loss scale (fp16_loss_scale(shared)): its "
+      "state holds the scale of its last step, not the next one. Read "
+      "fs.current_scale(scale_state), the shared scale's state."
+    )
+  return ls.scaler.loss_scale
 
 
 def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
@@ -157,6 +172,8 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
   }
+  if ls.leaf_paths.shared:
+    del metrics["loss_scale"]  # the shared state's, not this optimizer's
   if ls.grad_range is not None:
     max_abs = ls.grad_range.max_abs
     sizes = jnp.asarray(ls.leaf_paths.sizes, jnp.float32)

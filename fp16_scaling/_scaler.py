@@ -168,18 +168,25 @@ class Scaler:
     scale = state.loss_scale
     overflow = jnp.asarray(overflow, jnp.bool_)
     full = jnp.int32(self.hysteresis - 1)
+    # Counters are read within this machine's ranges: a state of another
+    # preset (restored into this one's target) cannot carry its hysteresis
+    # or growth delay over. The identity on this machine's own states.
+    left = jnp.clip(state.hysteresis_left, 0, full)
+    counted = jnp.clip(
+      state.growth_tracker, -self.growth_delay, self.growth_interval - 1
+    )
 
     # Overflow: absorbed while hysteresis is left, else back off to the floor.
-    absorbed = state.hysteresis_left > 0
+    absorbed = left > 0
     backed_off = jnp.maximum(
       scale * jnp.float32(self.backoff_factor), jnp.float32(self.min_scale)
     )
     scale_after_overflow = jnp.where(absorbed, scale, backed_off)
-    hysteresis_after_overflow = jnp.maximum(state.hysteresis_left - 1, 0)
+    hysteresis_after_overflow = jnp.maximum(left - 1, 0)
     hit_floor = ~absorbed & self.at_floor(scale)
 
     # Clean step: count, and grow when the interval is complete.
-    tracker = state.growth_tracker + 1
+    tracker = counted + 1
     grow = tracker == self.growth_interval
     grown = scale * jnp.float32(self.growth_factor)
     scale_after_clean = jnp.where(grow & jnp.isfinite(grown), grown, scale)
@@ -188,7 +195,7 @@ class Scaler:
         raise ValueError("a headroom scaler needs the step's grad_max")
       scale_after_clean = self._headroom_scale(scale, grad_max)
     refill = grow | self.consecutive_hysteresis
-    hysteresis_after_clean = jnp.where(refill, full, state.hysteresis_left)
+    hysteresis_after_clean = jnp.where(refill, full, left)
 
     errors = state.min_scale_errors
     if self.raise_at_min_scale:
@@ -196,7 +203,7 @@ class Scaler:
     floor_overflows = state.floor_overflows + (overflow & hit_floor).astype(
       jnp.int32
     )
-    new = ScalerState(
+    return ScalerState(
       loss_scale=jnp.where(overflow, scale_after_overflow, scale_after_clean),
       growth_tracker=jnp.where(
         overflow,
@@ -209,7 +216,6 @@ class Scaler:
       min_scale_errors=errors,
       floor_overflows=floor_overflows,
     )
-    return new
 
   def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array):
     """The next scale after a clean step, from the largest gradient."""

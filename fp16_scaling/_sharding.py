@@ -147,6 +147,19 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
       says it is replicated over, so its blocks would disagree across it.
   """
   leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  if partition_specs is None:
+    for path, x in leaves_with_paths:
+      varying = varying_axes(jax.typeof(x), unreduced=True)
+      if varying:
+        raise ValueError(
+          f"{what}: under shard_map, gradient leaf "
+          f"{jax.tree_util.keystr(path)} varies over mesh axis "
+          f"{varying[0]!r}, and no partition_specs were given, so its sum "
+          "of squares would be this device's alone. Pass partition_specs= "
+          "(the gradients' PartitionSpecs, as given to shard_map), so that "
+          "each leaf's sum is reduced over the axes it is split over, or "
+          f"reduce the gradients over {varying[0]!r} first (lax.pmean)."
+        )
   if partition_specs is None or not leaves_with_paths:
     # No leaves, nothing to sum (optax.tree_map_params, the usual way to build
     # the optimizer state's specs, calls init with such a placeholder).

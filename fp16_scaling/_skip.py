@@ -131,7 +131,7 @@ def skip_on_overflow(
     clip_follows = chain_layout(state)
     if measurement is None:
       measurement = _measure.measure_step(updates, state, loss_scale)
-    handed = _handed(state, measurement, clip_follows)
+    handed = _handed(state, measurement, loss_scale, clip_follows)
     new_updates, new_state = inner.update(updates, handed, params, **extra)
     return skipped_if(measurement.overflow, new_updates, state, new_state)
 
@@ -156,14 +156,14 @@ def skipped_if(overflow, updates, old_state, new_state) -> tuple:
   return updates, state
 
 
-def _handed(state, measurement, clip_follows: bool):
+def _handed(state, measurement, loss_scale, clip_follows: bool):
   """``state`` with the loss-scale state, and the clip's when it follows,
   each handed the measurement (:class:`_measure.Handed`)."""
 
   def hand(x):
-    if isinstance(x, LossScaleState) or (
-      clip_follows and isinstance(x, ClipState)
-    ):
+    if isinstance(x, LossScaleState):
+      return _measure.Handed(x, measurement, loss_scale)
+    if clip_follows and isinstance(x, ClipState):
       return _measure.Handed(x, measurement)
     return x
 

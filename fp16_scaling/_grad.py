@@ -1,0 +1,103 @@
+"""``value_and_grad``: the scaled gradients a guarded chain expects.
+
+The user's side of loss scaling, as torch's ``scaler.scale(loss)``, Flax's
+``DynamicScale.value_and_grad`` and jmp's ``scale`` give it: differentiate
+``loss * S`` with S read from the state inside the trace, and get back the
+unscaled loss. ``tx.update`` then unscales; nothing else divides.
+"""
+
+from typing import Any, Callable, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from fp16_scaling._metrics import current_scale
+
+_STALE = (
+  "fs.value_and_grad: the loss scale was read from a state that is not "
+  "part of this trace, so every step would differentiate with that one "
+  "scale while tx.update divides by the current one. Call "
+  "fs.value_and_grad(fun, opt_state) inside the step, with the opt_state "
+  "the step receives."
+)
+
+
+def _is_traced(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  state: Any,
+  *,
+  argnums: Union[int, Sequence[int]] = 0,
+  has_aux: bool = False,
+  **kwargs: Any,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` of ``fun`` at the loss scale of ``state``.
+
+  Args:
+    fun: the loss, returning a scalar (and an aux value with ``has_aux``),
+      unscaled and not divided by the number of microbatches: under
+      :func:`accumulate_gradients` the window's mean is taken for you.
+    state: what holds the scale: the optimizer state (any nesting, under
+      :func:`accumulate_gradients`, inside ``vmap``), a shared scale's
+      state (:func:`shared_loss_scale`), or an ``nnx.Optimizer`` (then
+      ``fun`` takes nnx Modules and ``flax.nnx.value_and_grad`` is used).
+    argnums: as for ``jax.value_and_grad``.
+    has_aux: as for ``jax.value_and_grad``.
+    **kwargs: passed to ``jax.value_and_grad`` (``holomorphic``,
+      ``allow_int``).
+
+  Returns:
+    A function with ``fun``'s arguments returning ``(value, grads)`` or
+    ``((value, aux), grads)``: ``value`` is ``fun``'s, unscaled; ``grads``
+    are those of ``fun * S``, to pass to ``tx.update`` as they are.
+
+  Raises:
+    ValueError: when called under a trace (inside ``jit``) with the scale
+      read from a state outside it: a scale closed over goes stale.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
+    >>> tx = fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(8.0)), optax.sgd(1.0)))
+    >>> params = jnp.array([1.0, 2.0])
+    >>> state = tx.init(params)
+    >>> loss = lambda p: jnp.sum(p**2)
+    >>> value, grads = fs.value_and_grad(loss, state)(params)
+    >>> print(value, grads)  # the loss, and the gradients at scale 8
+    5.0 [16. 32.]
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates)
+    [-2. -4.]
+  """
+  nnx_optimizer = hasattr(state, "opt_state")
+  scale = current_scale(state.opt_state if nnx_optimizer else state)
+
+  def scaled(*args, **kw):
+    out = fun(*args, **kw)
+    value, aux = out if has_aux else (out, None)
+    value = jnp.asarray(value)
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+      raise TypeError(
+        "fs.value_and_grad: fun must return a floating scalar loss (and an "
+        f"aux value with has_aux=True), got {value.dtype}{list(value.shape)}"
+      )
+    return value.astype(jnp.float32) * scale, (value, aux)
+
+  if nnx_optimizer:
+    from flax import nnx  # the caller's: an nnx.Optimizer was passed
+
+    grad = nnx.grad(scaled, argnums=argnums, has_aux=True, **kwargs)
+  else:
+    grad = jax.grad(scaled, argnums=argnums, has_aux=True, **kwargs)
+
+  def value_and_scaled_grad(*args, **kw):
+    traced = any(_is_traced(x) for x in jax.tree.leaves((args, kw)))
+    if traced and not _is_traced(scale):
+      raise ValueError(_STALE)
+    grads, (value, aux) = grad(*args, **kw)
+    return ((value, aux) if has_aux else value), grads
+
+  return value_and_scaled_grad
