@@ -125,3 +125,84 @@ def test_the_import_reader_sees_the_interop_subpackage():
   assert _as_path("fp16_scaling.interop") == "interop"
   assert _as_path("fp16_scaling.interop._peers.Peer") == "interop/_peers"
   assert _as_path("fp16_scaling._scaler.Scaler") == "_scaler"
+
+
+# ---------------------------------------------------------------------------
+# The data-flow table: who makes each value, who receives it.
+
+
+def _flow_rows():
+  """``[(type, makers, receivers)]`` from the table under "## Data flow":
+  makers as ``module.qualname``, receivers as ``(module.qualname, arg)``."""
+  text = _DESIGN.read_text()
+  section = text[text.index("## Data flow") :]
+  section = section[: section.index("\n## ", 1)]
+  rows = []
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 4 or not cells[1].startswith("`"):
+      continue
+    makers = re.findall(r"`([\w.]+)`", cells[2])
+    receivers = re.findall(r"`([\w.]+)\((\w+)\)`", cells[3])
+    rows.append((cells[1].strip("`"), makers, receivers))
+  return rows
+
+
+def _functions():
+  """``{module.qualname: FunctionDef}`` for every function and method of
+  the package, nested ones included."""
+  found = {}
+
+  def walk(node, prefix):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+        name = f"{prefix}.{child.name}"
+        if isinstance(child, ast.FunctionDef):
+          found[name] = child
+        walk(child, name)
+
+  for module in _on_disk("_*.py") + _on_disk("interop/_*.py"):
+    walk(ast.parse((_PACKAGE / f"{module}.py").read_text()), module)
+  return found
+
+
+def _constructed_in(type_name, functions):
+  """The innermost functions whose own body calls ``type_name(...)`` (or
+  ``module.type_name(...)``)."""
+  makers = set()
+  for name, fn in functions.items():
+    inner = {
+      id(n)
+      for f in ast.walk(fn)
+      if f is not fn and isinstance(f, ast.FunctionDef)
+      for n in ast.walk(f)
+    }
+    for node in ast.walk(fn):
+      if id(node) in inner or not isinstance(node, ast.Call):
+        continue
+      f = node.func
+      called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+      if called == type_name:
+        makers.add(name)
+  return makers
+
+
+def test_data_flow_table_names_every_maker_and_real_receivers():
+  rows = _flow_rows()
+  assert len(rows) >= 7, rows
+  functions = _functions()
+  for type_name, makers, receivers in rows:
+    # Each value is constructed by exactly the functions the table names.
+    assert _constructed_in(type_name, functions) == set(makers), type_name
+    for qualname, arg in receivers:
+      fn = functions[qualname]
+      names = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+      assert arg in names, (type_name, qualname, arg)
+
+
+def test_the_package_has_no_hidden_channels():
+  """No context variable, no jax.extend, no jaxpr: values travel by
+  argument (the data-flow table above)."""
+  pattern = re.compile(r"contextvars|ContextVar|jax\.extend|jaxpr")
+  for path in _PACKAGE.rglob("*.py"):
+    assert not pattern.search(path.read_text()), path

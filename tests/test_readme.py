@@ -148,7 +148,9 @@ def test_the_metrics_named_are_the_metrics_returned():
 
 def test_quickstart_trains_and_skips_an_overflow():
   (code,) = re.findall(r"```python\n(.*?)```", _section("Quickstart"), re.S)
-  assert "loss * fs.current_scale(opt_state)" in code
+  assert "fs.value_and_grad(loss_fn, opt_state)(params, batch)" in code
+  # The hand-written form is named beside it.
+  assert "loss * fs.current_scale(opt_state)" in _section("Quickstart")
 
   rng = np.random.default_rng(0)
   # Small weights: adamw(1e-3) moves each by about 1e-3 a step.
