@@ -60,13 +60,8 @@ def loss_fn(model, x, y):
 @nnx.jit
 def train_step(model, opt, x, y):
   """One microbatch; the optimizer steps on each window's last one."""
-  scale = fs.current_scale(opt.opt_state)  # read inside the step
-
-  def scaled_loss(model):
-    loss = loss_fn(model, x, y)
-    return loss * scale, loss
-
-  grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+  # The loss, and the gradients of loss * S, S read from opt inside the step.
+  loss, grads = fs.value_and_grad(loss_fn, opt)(model, x, y)
   opt.update(model, grads, value=loss)
   return loss, fs.scale_metrics(opt.opt_state)
 

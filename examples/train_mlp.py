@@ -115,26 +115,18 @@ def main(argv=None):
 
   @jax.jit
   def train_step(params, opt_state, xb, yb):
-    scale = fs.current_scale(opt_state)
-    # Backward of the scaled loss: float16 gradients are multiplied by `scale`
-    # so that small ones do not flush to zero. Too large a scale overflows:
-    # at 2**24 the logits' gradient is already 2**24 / 128 * (p - y), and
-    # float16 tops out at 65504 (~2**16).
-    scaled_loss, grads = jax.value_and_grad(
-      lambda p: loss_fn(p, xb, yb) * scale
-    )(params)
+    # The loss, and the backward of the loss times the scale read from
+    # opt_state: float16 gradients are multiplied by the scale so that small
+    # ones do not flush to zero. Too large a scale overflows: at 2**24 the
+    # logits' gradient is already 2**24 / 128 * (p - y), and float16 tops
+    # out at 65504 (~2**16).
+    loss, grads = fs.value_and_grad(loss_fn, opt_state)(params, xb, yb)
     # Unscale, detect overflow, clip, AdamW. On an overflow the parameters and
     # AdamW's state are left exactly as they were; only the scale moves.
     # value=: the loss tells a forward overflow from a backward one.
-    updates, opt_state = tx.update(
-      grads, opt_state, params, value=scaled_loss / scale
-    )
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     params = optax.apply_updates(params, updates)
-    return (
-      params,
-      opt_state,
-      dict(fs.scale_metrics(opt_state), loss=scaled_loss / scale),
-    )
+    return params, opt_state, dict(fs.scale_metrics(opt_state), loss=loss)
 
   @jax.jit
   def accuracy(params, xs, ys):
