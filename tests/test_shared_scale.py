@@ -560,3 +560,33 @@ def test_set_loss_scale_on_a_shared_chain_sets_the_next_scale_or_refuses():
   # "opt_state with the loss scale for the next step set to scale".
   _, after = tx.update(jnp.ones(2), edited, p, loss_scale=scale_state)
   assert float(after[0].prev_loss_scale) == 64.0
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="library bug: raise_if_min_scale_reached never raises for a shared "
+  "DeepSpeed scale at its floor: the optimizer state's copy lags a step "
+  "(min_scale_errors 0) and the shared ScalerState, which counts 1, is "
+  "refused ('no fp16_loss_scale state found')",
+)
+def test_a_shared_deepspeed_scale_at_its_floor_raises_where_deepspeed_does():
+  shared = fs.shared_loss_scale(
+    fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)
+  )
+  tx = _pair(shared)[1]
+  p = jnp.ones(2)
+  scale_state = shared.init()
+  _, state = tx.update(
+    jnp.array([1.0, jnp.inf]), tx.init(p), p, loss_scale=scale_state
+  )
+  scale_state = shared.update(scale_state, state)
+  assert int(scale_state.min_scale_errors) == 1  # DeepSpeed raises here
+  raised = []
+  for s in (state, scale_state):
+    try:
+      fs.raise_if_min_scale_reached(s)
+    except fs.MinLossScaleError:
+      raised.append(s)
+    except ValueError:
+      pass
+  assert raised
