@@ -77,6 +77,66 @@ def test_orbax_round_trip_mid_run_is_bit_identical(tmp_path):
   assert fs.scaler_state_dict(resumed[1])["skipped_steps"] == 5
 
 
+# The same tail as TX behind torch's rule: the state's structure is TX's.
+TORCH_TX = fs.skip_on_overflow(
+  optax.chain(
+    fs.fp16_loss_scale(fs.torch_scaler(init_scale=2.0**8, growth_interval=2)),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.adamw(1e-2),
+  )
+)
+
+
+def test_deepspeed_state_restored_into_a_torch_target_follows_torch(tmp_path):
+  """D3: a delayed_shift=2 chain's checkpoint, restored into a torch
+  chain's ``tx.init(params)``, carries a full hysteresis that torch's rule
+  has no use for: the first overflow backs the scale off (the DeepSpeed
+  chain absorbs it), and the growth tracker restarts in torch's range."""
+  params, state = run(PARAMS, TX.init(PARAMS), [C, C, C, C], 0)
+  saved = fs.scaler_state_dict(state)
+  # DeepSpeed's delay: grown once, on the third clean step; hysteresis full.
+  assert saved["loss_scale"] == 2.0**9 and saved["hysteresis_left"] == 1
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ds", {"params": params, "opt_state": state})
+  ckpt.wait_until_finished()
+  target = {"params": PARAMS, "opt_state": TORCH_TX.init(PARAMS)}
+  restored = ckpt.restore(tmp_path / "ds", target)
+  assert fs.scaler_state_dict(restored["opt_state"])["hysteresis_left"] == 1
+
+  @jax.jit
+  def overflow_step(tx_state, params):
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.inf), params)
+    return TORCH_TX.update(grads, tx_state, params)[1]
+
+  after = overflow_step(restored["opt_state"], restored["params"])
+  assert float(fs.current_scale(after)) == 2.0**8  # torch: halved at once
+  assert fs.scaler_state_dict(after)["growth_tracker"] == 0  # torch's restart
+  # The DeepSpeed chain itself absorbs that overflow (the rule differs).
+  _, absorbed = run(params, state, [O], 4)
+  assert float(fs.current_scale(absorbed)) == 2.0**9
+  assert fs.scaler_state_dict(absorbed)["growth_tracker"] == -1
+
+
+def test_deepspeed_state_given_to_a_torch_chain_is_refused():
+  """D3: the DeepSpeed chain's own state (not restored into the torch
+  target) passed to the torch chain's update: its counters follow other
+  rules, and the message names each scaler field that differs."""
+  _, state = run(PARAMS, TX.init(PARAMS), [C, O], 0)
+  grads = jax.tree.map(jnp.ones_like, PARAMS)
+  with pytest.raises(ValueError, match="built with another scaler") as err:
+    TORCH_TX.update(grads, state, PARAMS)
+  message = str(err.value)
+  for field in (
+    "growth_delay=1, here 0",
+    "min_scale=1.0, here 1.17549",
+    "hysteresis=2, here 1",
+    "raise_at_min_scale=True, here False",
+  ):
+    assert field in message, field
+  assert "growth_interval" not in message  # 2 in both
+  assert "fs.load_scaler_state_dict" in message
+
+
 HELPERS = [
   fs.current_scale,
   fs.scale_metrics,

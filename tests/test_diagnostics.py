@@ -252,6 +252,30 @@ def test_bad_value_and_missing_state_are_clear_errors():
     fs.fp16_loss_scale(fs.static_scaler(2.0), grad_range=1)
 
 
+def test_report_of_a_batched_state_says_how_to_pick_a_member():
+  """D1: a vmapped state holds one report per member; the report refuses
+  it, naming the member pick, and that pick gives each member's report."""
+  tx = fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))
+  )
+  state = jax.vmap(tx.init)(jnp.ones((2, 3)))
+  pick = r"fs\.overflow_report\(jax\.tree\.map\(lambda x: x\[i\], opt_state\)\)"
+  with pytest.raises(ValueError, match=r"batched \(shape \(2,\).*" + pick):
+    fs.overflow_report(state)
+  # Member 1 overflows, member 0 does not.
+  grads = jnp.array([[4.0, 4.0, 4.0], [4.0, jnp.inf, 4.0]])
+  _, state = jax.vmap(lambda g, s: tx.update(g, s))(grads, state)
+  with pytest.raises(ValueError, match="batched"):
+    fs.overflow_report(state)
+  clean, bad = (
+    fs.overflow_report(jax.tree.map(lambda x: x[i], state)) for i in (0, 1)
+  )
+  assert not clean.step_overflowed and clean.counts == {}
+  assert bad.step_overflowed and bad.counts == {"": 1}
+  assert bad.nonfinite_leaves == ("",) and bad.skipped_steps == 1
+  assert bad.scale == bad.next_scale == 4.0
+
+
 def test_grad_range_is_exact():
   tx = _tx(fs.static_scaler(2.0**4), grad_range=True)
   state = tx.init(PARAMS)

@@ -690,6 +690,61 @@ def test_leaf_varying_over_an_axis_its_spec_replicates_is_refused():
     _shard_map_update(layout, make_tx(layout), grads_hook=per_device)
 
 
+@pytest.mark.parametrize("varying", [("f16",), ("f32",), ("f16", "f32")])
+def test_device_varying_gradients_without_partition_specs_are_named(varying):
+  """D2: under shard_map, float16 and float32 gradients split over "data"
+  and a chain built without partition_specs: the error is the library's,
+  naming the leaf, the axis and partition_specs (it used to be JAX's,
+  about lax.cond branches or out_specs)."""
+  mesh = make_mesh(DATA_EXPERT)
+  tx = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.torch_scaler()),
+      fs.clip_by_unscaled_norm(MAX_NORM),
+      optax.adam(LR),
+    )
+  )
+  params = {
+    "f16": np.ones((8, 4), np.float32),
+    "f32": np.ones((8, 4), np.float32),
+  }
+  specs = {k: P("data") if k in varying else P() for k in params}
+  st_specs = optax.tree_map_params(  # Adam's moments like the params
+    tx,
+    lambda _, spec: spec,
+    tx.init(params),
+    specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda s: isinstance(s, P),
+  )
+
+  def local(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  fn = jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(specs, st_specs, specs),
+    out_specs=(specs, st_specs),
+  )
+  grads = {"f16": jnp.ones((8, 4), jnp.float16), "f32": jnp.ones((8, 4))}
+  first = varying[0]  # in tree order
+  with jax.set_mesh(mesh):
+    args = (
+      place(grads, specs, mesh),
+      place(tx.init(params), st_specs, mesh),
+      place(params, specs, mesh),
+    )
+    with pytest.raises(
+      ValueError,
+      match=rf"^fp16_loss_scale: under shard_map, gradient leaf \['{first}'\] "
+      r"varies over mesh axis 'data', and no partition_specs were given.*"
+      r"Pass partition_specs=",
+    ):
+      jax.eval_shape(fn, *args)
+
+
 def test_same_optimizer_without_a_mesh():
   """partition_specs are inert outside shard_map: plain jit on one device needs
   no

@@ -1,0 +1,409 @@
+"""fs.value_and_grad: the unscaled loss and the gradients of ``loss * S``,
+with S read from the state inside the trace.
+
+Expectations are independent of the helper: hand-derived gradients for the
+``argnums`` and ``has_aux`` cases, ``jax.grad`` of the unscaled loss times
+the scale the state holds, and plain optax on the true gradients for the
+updates that follow. Scales are powers of two and the compute float32, so
+``S * g`` and its unscaling are exact and the comparisons are tight.
+"""
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+nnx = pytest.importorskip("flax.nnx")
+
+PARAMS = {
+  "w": jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]),
+  "b": jnp.array([0.125, -0.25]),
+}
+
+
+def _batch(i, n=4):
+  key = jax.random.PRNGKey(10 + i)
+  kx, ky = jax.random.split(key)
+  return jax.random.normal(kx, (n, 3)), jax.random.normal(ky, (n, 2))
+
+
+def loss(params, x, y):
+  pred = x @ params["w"].T + params["b"]
+  return jnp.mean((pred - y) ** 2)
+
+
+_grad = jax.jit(jax.grad(loss))
+_grad_times = jax.jit(jax.grad(lambda p, x, y, s: loss(p, x, y) * s))
+
+
+def _true_grads(params, x, y):
+  """The unscaled loss's gradients, as numpy arrays."""
+  return jax.tree.map(np.asarray, _grad(params, x, y))
+
+
+def _sgd(params, grads, lr=0.5):
+  """Plain sgd, in numpy float32."""
+  return jax.tree.map(
+    lambda p, g: np.asarray(p) - np.float32(lr) * np.asarray(g), params, grads
+  )
+
+
+def _assert_tree_equal(a, b, rtol=0.0):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    if rtol:
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol)
+    else:
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _scaled(tree, scale):
+  return jax.tree.map(lambda g: g * scale, tree)
+
+
+# ------------------------------------------------------ argnums and has_aux
+
+S = 8.0
+STATIC = helpers.guarded(fs.static_scaler(S), optax.sgd(0.5))
+
+
+def three(a, b, c):
+  """d/da = b + c**2, d/db = a, d/dc = 2 c sum(a): derived by hand."""
+  return jnp.sum(a * b) + c**2 * jnp.sum(a)
+
+
+A, B, C = jnp.array([1.0, -2.0]), jnp.array([3.0, 0.5]), jnp.float32(1.5)
+
+
+def test_argnums_an_int_and_a_tuple():
+  state = STATIC.init(A)
+  value = 3.0 - 1.0 + 2.25 * -1.0
+  da, db, dc = B + C**2, A, 2 * C * jnp.sum(A)
+
+  v, g = fs.value_and_grad(three, state)(A, B, C)
+  assert float(v) == value  # unscaled
+  np.testing.assert_array_equal(g, S * da)
+
+  v, g = fs.value_and_grad(three, state, argnums=1)(A, B, C)
+  np.testing.assert_array_equal(g, S * db)
+
+  v, g = fs.value_and_grad(three, state, argnums=(0, 2))(A, B, C)
+  assert float(v) == value
+  assert isinstance(g, tuple) and len(g) == 2
+  np.testing.assert_array_equal(g[0], S * da)
+  assert float(g[1]) == S * float(dc)
+
+  v, g = fs.value_and_grad(three, state, argnums=(2,))(A, B, C)
+  assert isinstance(g, tuple) and float(g[0]) == S * float(dc)
+
+
+def test_has_aux_returns_the_aux_as_fun_gave_it():
+  state = STATIC.init(A)
+
+  def with_aux(a, b, c):
+    return three(a, b, c), {"sum_a": jnp.sum(a), "tag": c * 2}
+
+  (v, aux), g = fs.value_and_grad(with_aux, state, has_aux=True)(A, B, C)
+  assert float(v) == float(three(A, B, C))
+  assert float(aux["sum_a"]) == -1.0 and float(aux["tag"]) == 3.0
+  np.testing.assert_array_equal(g, S * (B + C**2))
+
+  (v, aux), (ga, gc) = fs.value_and_grad(
+    with_aux, state, argnums=(0, 2), has_aux=True
+  )(A, B, C)
+  assert float(aux["tag"]) == 3.0
+  np.testing.assert_array_equal(ga, S * (B + C**2))
+  assert float(gc) == S * float(2 * C * jnp.sum(A))
+  # The gradients go to tx.update as they are: the update is sgd(0.5) on
+  # the true gradient.
+  updates, _ = STATIC.update(ga, state, A)
+  np.testing.assert_array_equal(updates, -0.5 * (B + C**2))
+
+
+# ------------------------------------------------- jit follows a new scale
+
+
+def test_one_jitted_step_follows_the_scale_as_it_moves():
+  """A torch scaler that grows every 2 clean steps, an injected overflow
+  that backs it off, and a scale set from the host: every call's gradients
+  are ``jax.grad(loss * S)`` at the state's current S, with one trace."""
+  tx = helpers.guarded(
+    fs.torch_scaler(init_scale=2.0**10, growth_interval=2), optax.sgd(0.5)
+  )
+  traces = []
+
+  @jax.jit
+  def step(params, state, x, y, poison):
+    traces.append(1)
+    value, grads = fs.value_and_grad(loss, state)(params, x, y)
+    returned = grads
+    grads = {
+      **grads,
+      "b": grads["b"].at[0].multiply(jnp.where(poison, jnp.inf, 1.0)),
+    }
+    updates, state = tx.update(grads, state, params)
+    return value, returned, optax.apply_updates(params, updates), state
+
+  params, state = PARAMS, tx.init(PARAMS)
+  poisons = [False, False, False, True, False, False, False]
+  seen = []
+  for i, poison in enumerate(poisons):
+    if i == 5:
+      state = fs.set_loss_scale(state, 2.0**3)  # from the host
+    x, y = _batch(i)
+    scale = float(fs.current_scale(state))
+    seen.append(scale)
+    value, grads, new_params, state = step(params, state, x, y, poison)
+    expected = _grad_times(params, x, y, scale)
+    _assert_tree_equal(grads, expected, rtol=1e-6)
+    assert float(value) == pytest.approx(float(loss(params, x, y)), rel=1e-6)
+    if poison:
+      _assert_tree_equal(new_params, params)
+    else:  # sgd(0.5) on the true gradient
+      plain = _sgd(params, _true_grads(params, x, y))
+      _assert_tree_equal(new_params, plain, rtol=1e-6)
+    params = new_params
+  # By hand: grown after 2 clean steps, backed off by the overflow, set
+  # from the host, grown again (the set leaves the tracker at 1).
+  assert seen == [2.0**10, 2.0**10, 2.0**11, 2.0**11, 2.0**10, 2.0**3, 2.0**4]
+  assert len(traces) == 1
+
+
+# ---------------------------------------------------- accumulate_gradients
+
+
+def test_under_accumulate_gradients_the_window_steps_on_the_mean():
+  """fun is the plain loss, not divided by K: the window's applied update
+  is plain optax's on the mean of the K microbatches' true gradients (sgd
+  with momentum: an update that a stray factor of K would change)."""
+  k = 4
+  inner = optax.sgd(0.25, momentum=0.5)
+  tx = fs.accumulate_gradients(
+    helpers.guarded(fs.torch_scaler(init_scale=2.0**12), inner), k
+  )
+
+  @jax.jit
+  def step(params, state, x, y):
+    value, grads = fs.value_and_grad(loss, state)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return value, optax.apply_updates(params, updates), state
+
+  params, state = PARAMS, tx.init(PARAMS)
+  plain_params, plain_state = PARAMS, inner.init(PARAMS)
+  for window in range(2):
+    true = []
+    for j in range(k):
+      x, y = _batch(window * k + j)
+      true.append(_true_grads(plain_params, x, y))
+      before = params
+      _, params, state = step(params, state, x, y)
+      if j < k - 1:
+        _assert_tree_equal(params, before)  # no step inside the window
+    mean = jax.tree.map(lambda *g: sum(g) / k, *true)
+    updates, plain_state = inner.update(mean, plain_state, plain_params)
+    plain_params = optax.apply_updates(plain_params, updates)
+    _assert_tree_equal(params, plain_params, rtol=1e-6)
+  assert int(fs.scale_metrics(state)["applied_steps"]) == 2
+
+
+# -------------------------------------------------------------------- vmap
+
+
+def test_under_vmap_each_member_uses_its_own_scale():
+  tx = helpers.guarded(fs.torch_scaler(), optax.sgd(0.5))
+  n = 3
+  params = jax.tree.map(lambda p: jnp.stack([p] * n), PARAMS)
+  states = jax.vmap(tx.init)(params)
+  scales = jnp.array([2.0, 2.0**5, 2.0**9])
+  states = jax.vmap(fs.set_loss_scale)(states, scales)
+  x, y = _batch(0)
+
+  @jax.jit
+  def step(params, states):
+    def one(p, s):
+      value, grads = fs.value_and_grad(loss, s)(p, x, y)
+      updates, s = tx.update(grads, s, p)
+      return value, grads, optax.apply_updates(p, updates)
+
+    return jax.vmap(one)(params, states)
+
+  values, grads, new_params = step(params, states)
+  true = _true_grads(PARAMS, x, y)
+  for i, s in enumerate(np.asarray(scales)):
+    member = jax.tree.map(lambda g: g[i], grads)
+    _assert_tree_equal(member, _scaled(true, s))
+    assert float(values[i]) == float(loss(PARAMS, x, y))
+    moved = jax.tree.map(lambda p: p[i], new_params)
+    _assert_tree_equal(moved, _sgd(PARAMS, true), rtol=1e-6)
+  # vmapped without jit too.
+  _, grads = jax.vmap(lambda p, s: fs.value_and_grad(loss, s)(p, x, y))(
+    params, states
+  )
+  _assert_tree_equal(jax.tree.map(lambda g: g[2], grads), _scaled(true, 2.0**9))
+
+
+# --------------------------------------------------------------------- nnx
+
+
+def test_nnx_optimizer_form_inside_nnx_jit():
+  """``fs.value_and_grad(loss_fn, optimizer)(model, ...)`` inside
+  ``nnx.jit``, then ``optimizer.update(model, grads)``: the gradients are
+  the true ones times the optimizer's current scale (which grows every
+  step here), and the parameters move as plain sgd on the true ones."""
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  tx = helpers.guarded(
+    fs.torch_scaler(init_scale=2.0**4, growth_interval=1), optax.sgd(0.5)
+  )
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    value, grads = fs.value_and_grad(loss_fn, optimizer)(model, x, y)
+    optimizer.update(model, grads)
+    return value, grads
+
+  def plain(tree):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(tree))
+
+  for i in range(3):
+    x, y = _batch(i)
+    scale = float(fs.current_scale(optimizer.opt_state))
+    assert scale == 2.0 ** (4 + i)
+    before = plain(nnx.state(model, nnx.Param))
+    true = plain(nnx.grad(loss_fn)(model, x, y))
+    expected_value = float(loss_fn(model, x, y))
+    value, grads = step(model, optimizer, x, y)
+    # Jitted against eager: float32 rounding apart.
+    assert float(value) == pytest.approx(expected_value, rel=1e-6)
+    _assert_tree_equal(plain(grads), _scaled(true, scale), rtol=1e-6)
+    moved = _sgd(before, true)
+    _assert_tree_equal(plain(nnx.state(model, nnx.Param)), moved, rtol=1e-6)
+
+
+# ------------------------------------------------------- a shared scale
+
+
+def test_a_shared_scale_state_as_state():
+  shared = fs.shared_loss_scale(
+    fs.torch_scaler(init_scale=4.0, growth_interval=1)
+  )
+  tx = fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(shared), optax.sgd(0.5))
+  )
+
+  @jax.jit
+  def step(params, opt_state, scale_state, x, y):
+    value, grads = fs.value_and_grad(loss, scale_state)(params, x, y)
+    updates, opt_state = tx.update(
+      grads, opt_state, params, loss_scale=scale_state
+    )
+    scale_state = shared.update(scale_state, opt_state)
+    return (
+      value,
+      grads,
+      optax.apply_updates(params, updates),
+      opt_state,
+      (scale_state),
+    )
+
+  params, opt_state, scale_state = PARAMS, tx.init(PARAMS), shared.init()
+  for i, scale in enumerate([4.0, 8.0, 16.0]):
+    assert float(fs.current_scale(scale_state)) == scale
+    x, y = _batch(i)
+    true = _true_grads(params, x, y)
+    _, grads, new, opt_state, scale_state = step(
+      params, opt_state, scale_state, x, y
+    )
+    _assert_tree_equal(grads, _scaled(true, scale))
+    _assert_tree_equal(new, _sgd(params, true), rtol=1e-6)
+    params = new
+
+
+# ------------------------------------------------------------- refusals
+
+
+def test_built_from_a_concrete_state_outside_jit_and_called_inside_refused():
+  state = STATIC.init(PARAMS)
+  x, y = _batch(0)
+  stale = fs.value_and_grad(loss, state)  # outside the step
+  message = r"not part of this trace.*Call fs\.value_and_grad\(fun, " + (
+    r"opt_state\) inside the step"
+  )
+  with pytest.raises(ValueError, match=message):
+    jax.jit(stale)(PARAMS, x, y)
+  with pytest.raises(ValueError, match=message):  # the state closed over
+    jax.jit(lambda p: fs.value_and_grad(loss, state)(p, x, y))(PARAMS)
+  with pytest.raises(ValueError, match=message):
+    jax.vmap(stale, in_axes=(None, 0, 0))(PARAMS, x[None], y[None])
+  # Outside any trace the same helper is fine (nothing can go stale there).
+  _, grads = stale(PARAMS, x, y)
+  _assert_tree_equal(grads, _scaled(_true_grads(PARAMS, x, y), S))
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="library bug: a helper built from the step's state and called in "
+  "a lax.scan body that carries the state is not refused (the scale is a "
+  "tracer, of the jit around the scan), so every microstep differentiates "
+  "at the first scale while tx.update divides by the current one: the "
+  "updates here halve each step",
+)
+def test_built_outside_a_scan_body_that_carries_the_state_is_refused():
+  """The stale scale of the refusal above, one trace level down: the
+  docstring's "called under a trace with the scale read from a state
+  outside it" is the case here."""
+  tx = helpers.guarded(
+    fs.torch_scaler(init_scale=8.0, growth_interval=1), optax.sgd(0.5)
+  )
+  linear = lambda p, v: jnp.sum(p * v)
+
+  @jax.jit
+  def train(params, state, vs):
+    stale = fs.value_and_grad(linear, state)  # outside the scan body
+
+    def body(carry, v):
+      params, state = carry
+      _, grads = stale(params, v)
+      updates, state = tx.update(grads, state, params)
+      return (params + updates, state), updates
+
+    return jax.lax.scan(body, (params, state), vs)[1]
+
+  p = jnp.ones(2)
+  try:
+    updates = train(p, tx.init(p), jnp.ones((4, 2)))
+  except ValueError as err:
+    assert "inside the step" in str(err)
+    return
+  # sgd(0.5) on the true gradient, 1.0, every step: -0.5.
+  np.testing.assert_array_equal(updates, np.full((4, 2), -0.5))
+
+
+def test_built_from_an_nnx_optimizer_outside_nnx_jit_is_refused():
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, STATIC, wrt=nnx.Param)
+  x, y = _batch(0)
+  stale = fs.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2), optimizer)
+  with pytest.raises(ValueError, match="inside the step"):
+    nnx.jit(lambda m: stale(m))(model)
+
+
+def test_a_loss_that_is_not_a_floating_scalar_is_refused():
+  state = STATIC.init(A)
+  per_example = lambda a: a**2
+  with pytest.raises(TypeError, match=r"floating scalar loss.*float32\[2\]"):
+    fs.value_and_grad(per_example, state)(A)
+  with pytest.raises(TypeError, match=r"floating scalar loss.*int32\[\]"):
+    fs.value_and_grad(lambda a: jnp.int32(1), state)(A)
+  # An aux returned without has_aux=True is a pair, not a scalar.
+  with pytest.raises(TypeError, match="floating scalar loss"):
+    fs.value_and_grad(lambda a: (jnp.sum(a), jnp.sum(a)), state)(A)
+  with pytest.raises(TypeError, match=r"floating scalar loss.*float32\[2\]"):
+    jax.jit(lambda a, s: fs.value_and_grad(per_example, s)(a))(A, state)
