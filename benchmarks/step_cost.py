@@ -208,9 +208,7 @@ def check_compiler_options(parser, options):
     parser.error(f"--compiler-option: XLA refused it: {e}")
 
 
-_COPY = re.compile(
-  r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\S+)\s+copy(-start)?\("
-)
+_COPY = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\S+)\s+copy(-start)?\(")
 
 
 def count_copies(hlo_text):
