@@ -381,6 +381,28 @@ def test_a_finite_loss_with_overflowing_gradients_stays_backward():
   assert fs.overflow_report(state).kind == "backward"
 
 
+def test_value_on_only_some_microbatches_reads_only_those():
+  """docs/accumulation.md: a NaN loss on a microbatch passed without
+  ``value=`` is not seen, so the overflow reads "backward"; without
+  ``value=`` on the window's last microbatch the kind is "unknown"."""
+  tx = fs.accumulate_gradients(_guarded(inner=optax.sgd(1.0)), K)
+  params = {"w": jnp.zeros(2)}
+  with_value = jax.jit(lambda g, s, v: tx.update(g, s, params, value=v)[1])
+  without = jax.jit(lambda g, s: tx.update(g, s, params)[1])
+  nan = {"w": jnp.full(2, jnp.nan, jnp.float16)}
+  ones = {"w": jnp.ones(2, jnp.float16)}
+  state = without(nan, tx.init(params))  # its NaN loss is not passed
+  for _ in range(K - 1):
+    state = with_value(ones, state, jnp.float32(0.5))
+  assert fs.overflow_report(state).kind == "backward"
+  state = with_value(nan, state, jnp.float32(jnp.nan))
+  for _ in range(K - 2):
+    state = with_value(ones, state, jnp.float32(0.5))
+  state = without(ones, state)  # the window's last microbatch
+  report = fs.overflow_report(state)
+  assert report.step_overflowed and report.kind == "unknown"
+
+
 @pytest.mark.parametrize("policy", ["skip_step", "drop_microbatch"])
 def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
   inner = fs.skip_on_overflow(
