@@ -1,29 +1,12 @@
 """The PyTorch peers' scaler states: one :class:`Peer` record per peer.
 
-A record says how a peer's saved state is recognised (the keys it always
-holds), what configuration it implies (checked against the :class:`Scaler`
-it is loaded into), how its counters map to the :class:`ScalerState` here
-(``to_own``) and back (``from_own``, for ``to_peer_state_dict``), and which
-preset it describes (``scaler_from_state_dict``). The peers: torch
-``GradScaler``; Megatron-core ``DynamicGradScaler``; DeepSpeed's fp16
-optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``; ``cur_hysteresis``
-from releases after 0.19.8) and a ZeRO checkpoint's ``loss_scaler``
-(``DynamicLossScaler``, or its attributes as a dict); DeepSpeed's static
-scale. Each mapping of the counters is exact, so a run continued on the
-other side takes the same decisions; docs/checkpoints.md says how each peer
-counts.
+A record says how a peer's saved state is recognised, what configuration it
+implies, how its counters map to :class:`ScalerState` and back, exactly, and
+which preset it describes. docs/checkpoints.md says how each peer counts.
 """
 
 import dataclasses
-from typing import (
-  Any,
-  Callable,
-  FrozenSet,
-  Mapping,
-  NamedTuple,
-  Optional,
-  Tuple,
-)
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -32,8 +15,6 @@ from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import deepspeed_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
-
-# ---------------------------------------------------------------- values
 
 
 def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
@@ -45,6 +26,7 @@ def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
 
 
 def _scale(d: Mapping, key: str) -> float:
+  """``d[key]``, checked to be a loss scale."""
   return _read(d, key, _validate.scale)
 
 
@@ -58,9 +40,6 @@ def _tracker(d: Mapping, key: str, scaler: Scaler) -> int:
     high=scaler.growth_interval - 1,
     why=f" for growth_interval {scaler.growth_interval}",
   )
-
-
-# ---------------------------------------------------------- configuration
 
 
 def config(scaler: Scaler) -> dict:
@@ -106,9 +85,6 @@ def check(
       )
 
 
-# ---------------------------------------------------------------- records
-
-
 class Counters(NamedTuple):
   """The :class:`ScalerState` values a peer's state carries."""
 
@@ -133,18 +109,18 @@ class Peer:
     implies: the :class:`Scaler` fields a state implies, checked on load.
     to_own: a state's counters (after the check), as :class:`Counters`.
     from_own: :class:`Counters` as a state the peer loads.
-    needs: ``(field, value, why)``: the scaler ``from_own`` needs.
+    needs: ``(field, value, why)`` triples: the scaler ``from_own`` needs.
     preset: ``(state, overrides)`` to the preset the state describes.
     when: whether a state with ``keys`` is this peer's.
   """
 
   name: str
   saved_by: str
-  keys: FrozenSet[str]
+  keys: frozenset
   implies: Callable[[Mapping], dict]
   to_own: Callable[[Mapping, Scaler], Counters]
   from_own: Callable[[Counters, Scaler], dict]
-  needs: Tuple[Tuple[str, Any, str], ...]
+  needs: tuple  # of (field, value, why)
   preset: Callable[[Mapping, dict], Scaler]
   when: Callable[[Mapping], bool] = lambda d: True
 
@@ -168,10 +144,7 @@ class Peer:
     return self.from_own(counters, scaler)
 
 
-# torch.amp.GradScaler: its tracker is the one here; no hysteresis. Its
-# configuration entries have the names of Scaler's fields and of
-# torch_scaler's arguments.
-
+# torch.amp.GradScaler: its tracker is the one here; no hysteresis.
 _TORCH_CONFIG = {
   "growth_factor": _validate.number,
   "backoff_factor": _validate.number,
@@ -210,11 +183,8 @@ TORCH = Peer(
 )
 
 
-# Megatron-core DynamicGradScaler: its hysteresis_tracker goes on falling
-# below 1 while it backs off; every value <= 1 backs off on the next
-# overflow, as hysteresis_left == 0 does here.
-
-
+# Megatron-core DynamicGradScaler: its hysteresis_tracker keeps falling
+# below 1 while it backs off, as hysteresis_left == 0 does here.
 def _megatron_to_own(d: Mapping, scaler: Scaler) -> Counters:
   tracker = _read(
     d,
@@ -261,15 +231,12 @@ MEGATRON = Peer(
 )
 
 
-# DeepSpeed's DynamicLossScaler, also inside the fp16 optimizers' state. It
-# grows when k = cur_iter - last_overflow_iter - 1 is a positive multiple of
-# scale_window; here the tracker is -1 when k == 0 and (k - 1) % scale_window
-# otherwise. Going back, the iteration counter restarts (cur_iter is k,
-# last_overflow_iter -1). cur_hysteresis is hysteresis_left + 1.
+# DeepSpeed's DynamicLossScaler, also inside the fp16 optimizers' state:
+# with k = cur_iter - last_overflow_iter - 1, the tracker here is -1 when
+# k == 0, else (k - 1) % scale_window; cur_hysteresis is hysteresis_left + 1.
 
-# What a ZeRO loss_scaler adds: each attribute (also deepspeed_scaler's
-# argument), the Scaler field it is, and its check. Releases before
-# raise_error_at_min_scale existed lack that one.
+# What a ZeRO loss_scaler adds: (attribute, Scaler field, check). Old
+# releases lack raise_error_at_min_scale.
 _DS_ZERO = (
   ("min_scale", "min_scale", _validate.number),
   ("delayed_shift", "hysteresis", _validate.integer),
@@ -371,17 +338,10 @@ DS_LOSS_SCALER = Peer(
   name="DeepSpeed DynamicLossScaler",
   saved_by="a ZeRO checkpoint's loss_scaler",
   keys=frozenset(
-    {
-      "cur_scale",
-      "cur_iter",
-      "last_overflow_iter",
-      "scale_factor",
-      "scale_window",
-      "min_scale",
-      "delayed_shift",
-      "cur_hysteresis",
-      "consecutive_hysteresis",
-    }
+    (
+      "cur_scale cur_iter last_overflow_iter scale_factor scale_window "
+      "min_scale delayed_shift cur_hysteresis consecutive_hysteresis"
+    ).split()
   ),
   implies=_ds_loss_scaler_implies,
   to_own=_ds_to_own,
@@ -403,9 +363,6 @@ DS_OPTIMIZER = Peer(
   preset=lambda d, overrides: _ds_preset(d, overrides, {}),
   when=lambda d: bool(d["dynamic_loss_scale"]),
 )
-
-
-# DeepSpeed's static scale
 
 
 def _ds_static(d: Mapping) -> bool:
@@ -447,9 +404,8 @@ DS_STATIC = Peer(
 )
 
 
-# Tried in this order; the first that recognises a state is its peer (the
-# dict to_peer_state_dict writes for DeepSpeed holds the keys of both
-# DeepSpeed's loss_scaler and its optimizer).
+# Tried in order, the first to recognise a state wins (the DeepSpeed dict
+# to_peer_state_dict writes has both DeepSpeed key sets).
 PEERS = (DS_LOSS_SCALER, DS_STATIC, DS_OPTIMIZER, TORCH, MEGATRON)
 
 # to_peer_state_dict's names.
