@@ -1,21 +1,10 @@
 """The loss-scale state as plain values, and the peers' scaler states.
 
-``scaler_state_dict`` reads the scaler out of an optax state as Python numbers;
-``load_scaler_state_dict`` writes one back, from fp16_scaling's own dict or
-from a PyTorch peer's (torch ``GradScaler``, Megatron ``DynamicGradScaler``,
-DeepSpeed's fp16 optimizers and ZeRO ``loss_scaler``), recognised by its keys.
-Each peer is one record in ``_peers``, which also says how its counters map
-to :class:`ScalerState`.
-
-fp16_scaling's own dict is read off the state's NamedTuples: one entry per
-array of the :class:`LossScaleState`, named by its field, and the
-:class:`Scaler`'s fields under ``config``. A field added to either is saved
-and loaded with no change here.
-
-The scaler's configuration is not part of the optax state (it is the
-:class:`Scaler` the transformation was built with), so these functions take
-that ``scaler``: the peer's configuration is checked against it, and
-:func:`scaler_from_state_dict` builds the preset a peer's state describes.
+fp16_scaling's own dict is read off the state's NamedTuples, and the
+:class:`Scaler`'s fields under ``config``, so a field added to either needs
+no change here; a peer's state is recognised by its keys (one record each in
+``_peers``). The scaler is not part of the optax state, so these functions
+take it to check against. docs/checkpoints.md shows them in use.
 """
 
 from typing import Any, Mapping, Optional
@@ -31,29 +20,18 @@ from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
 
-# fp16_scaling's own format is read off the state: one key per array of the
-# LossScaleState, named by its field. A nested NamedTuple's fields are
-# flattened in, with this prefix (its field name and "_" when not listed).
-# A field that is None (grad_range off) is left out, and so is one that holds
-# no arrays (leaf_paths, static in the treedef): the target state keeps its
-# own. A field added to the states is saved and loaded with no change here.
+# The own format has one key per array of the LossScaleState, named by its
+# field; a nested NamedTuple's fields get this prefix (default: name + "_").
 _NESTED_PREFIX = {"scaler": "", "grad_range": "grad_"}
 
 # Every dict the format ever saved holds these; fields added since are
-# optional on load (older dicts lack them, and the state's own are kept).
-# Written out on purpose, not derived from the NamedTuples' _fields: a field
-# added later must not become required.
+# optional on load. Written out, not derived from _fields, on purpose: a
+# field added later must not become required.
 _FIRST_KEYS = frozenset(
-  {
-    "loss_scale",
-    "prev_loss_scale",
-    "growth_tracker",
-    "hysteresis_left",
-    "min_scale_errors",
-    "skipped_steps",
-    "overflow",
-    "grad_norm",
-  }
+  (
+    "loss_scale prev_loss_scale growth_tracker hysteresis_left "
+    "min_scale_errors skipped_steps overflow grad_norm"
+  ).split()
 )
 
 # Checked on load as loss scales: positive, normal, finite float32.
@@ -98,6 +76,7 @@ def _put_own(state: tuple, fields: Mapping, values: Mapping) -> tuple:
 
 
 def _replace_at(node: tuple, path: tuple, value: Any) -> tuple:
+  """``node`` with the field at ``path`` (field names) set to ``value``."""
   head, rest = path[0], path[1:]
   if rest:
     value = _replace_at(getattr(node, head), rest, value)
@@ -162,12 +141,9 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
 
   Returns:
     A dict: ``format`` (``"fp16_scaling"``), one entry per array of the
-    :class:`LossScaleState` named by its field: the :class:`ScalerState`'s
-    (``loss_scale``, ``growth_tracker``, ...), then ``prev_loss_scale``,
-    ``skipped_steps`` and the others, per gradient leaf ``leaf_nonfinite``
-    and ``leaf_nonfinite_steps`` (with ``grad_range`` also ``grad_max_abs``
-    and ``grad_zero_fraction``), as Python numbers (nested lists for a
-    batched state); and with ``scaler``, ``config``.
+    :class:`LossScaleState` named by its field (the :class:`ScalerState`'s
+    unprefixed, :class:`GradRange`'s as ``grad_*``), as Python numbers
+    (nested lists for a batched state); and with ``scaler``, ``config``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -186,6 +162,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
 
 
 def _scaler_arg(scaler: Any) -> Scaler:
+  """``scaler``, checked to be a :class:`Scaler`."""
   if not isinstance(scaler, Scaler):
     raise TypeError(
       "scaler must be the Scaler the optimizer was built with (from a preset "
@@ -228,8 +205,7 @@ def _from_peer(peer: _peers.Peer, d: Mapping, scaler: Scaler) -> dict:
 
 def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
   """Raises unless every per-leaf field holds as many entries (on its last
-  axis) as the state's: a dict saved for another model must not be broadcast
-  onto this one."""
+  axis) as the state's: a dict of another model must not be broadcast."""
   per_leaf = _per_leaf(fields)
   for field, (_, x) in per_leaf.items():
     if field not in values:
@@ -257,25 +233,20 @@ def load_scaler_state_dict(
       instance ``tx.init(params)``); batched states get the values
       broadcast, nnx-wrapped ones keep their Variables.
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
-      (torch ``GradScaler.state_dict()``, Megatron
-      ``DynamicGradScaler.state_dict()``, DeepSpeed ``FP16_Optimizer`` /
-      ``FP16_UnfusedOptimizer.state_dict()``, a ZeRO checkpoint's
-      ``loss_scaler``), recognised by its keys.
-    scaler: the :class:`Scaler` the optimizer was built with. The state's
-      configuration (what it holds or implies: intervals, factors, growth
-      delay, hysteresis, floor) must agree with it.
+      (torch, Megatron, DeepSpeed's fp16 optimizers or a ZeRO checkpoint's
+      ``loss_scaler``; docs/checkpoints.md), recognised by its keys.
+    scaler: the :class:`Scaler` the optimizer was built with; the
+      configuration the state holds or implies must agree with it.
 
   Returns:
     The new optax state. A peer's state sets the scale, the growth tracker
-    and hysteresis; the previous scale becomes the loaded scale and the
-    other counters of ``opt_state`` (``skipped_steps``, ``grad_norm``) are
-    kept, since no peer stores them.
+    and hysteresis; the previous scale becomes the loaded one, and the
+    counters no peer stores are kept.
 
   Raises:
     ValueError: the state comes from no known source, holds a scale that is
       not a positive normal finite float32, or disagrees with ``scaler``
-      (the message names the field; to take the peer's configuration build
-      the optimizer with ``scaler_from_state_dict(state_dict)``).
+      (the message names the field).
   """
   scaler = _scaler_arg(scaler)
   old = _lookup.loss_scale_state(opt_state)
@@ -288,19 +259,15 @@ def load_scaler_state_dict(
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
-  """The preset whose configuration a peer's scaler state holds.
-
-  For taking the peer's configuration rather than checking against one:
-  build the optimizer with this scaler, then :func:`load_scaler_state_dict`.
+  """The preset whose configuration a peer's scaler state holds (build the
+  optimizer with it, then :func:`load_scaler_state_dict`).
 
   Args:
     state_dict: a state accepted by :func:`load_scaler_state_dict`, other
-      than Megatron's (which holds no configuration: use
-      :func:`megatron_scaler` with the run's arguments).
+      than Megatron's (which holds no configuration).
     **overrides: keyword arguments of the preset for what the state does not
-      hold: DeepSpeed's optimizer states lack ``min_scale`` (the engine's
-      ``min_loss_scale``, 1 by default) and, as saved by DeepSpeed 0.19.8,
-      hysteresis; torch's lacks nothing.
+      hold: ``min_scale`` for DeepSpeed's optimizer states, and hysteresis
+      for those DeepSpeed 0.19.8 saves.
 
   Returns:
     A :class:`Scaler` (``torch_scaler``, ``deepspeed_scaler`` or
@@ -324,19 +291,14 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   Args:
     opt_state: an optax state holding one unbatched :class:`LossScaleState`.
     peer: ``"torch"`` (for ``GradScaler.load_state_dict``), ``"megatron"``
-      (``DynamicGradScaler.load_state_dict``; ``scale`` is a one-element
-      float32 torch tensor, as Megatron saves it) or ``"deepspeed"`` (the
-      loss-scale entries of ``FP16_Optimizer.state_dict()``, to merge into
-      one before ``load_state_dict``, together with ``cur_hysteresis`` and the
-      ``DynamicLossScaler`` attributes a ZeRO checkpoint's ``loss_scaler``
-      holds).
+      (``DynamicGradScaler.load_state_dict``; ``scale`` a torch tensor) or
+      ``"deepspeed"`` (entries to merge into ``FP16_Optimizer.state_dict()``,
+      with the attributes of a ZeRO ``loss_scaler``).
     scaler: the :class:`Scaler` the optimizer was built with.
 
   Returns:
-    A dict the peer loads, and that continues exactly as this state would.
-    DeepSpeed's iteration counter restarts: ``cur_iter`` is the number of
-    clean steps counted since the last overflow and ``last_overflow_iter`` is
-    -1.
+    A dict the peer loads, and that continues exactly as this state would
+    (DeepSpeed's iteration counter restarts).
 
   Raises:
     ValueError: an unknown peer, a batched state, or a configuration the
