@@ -1,12 +1,8 @@
 """Host-side reports and checks: ``overflow_report`` (which gradient leaves
 overflow, how often, and why) and ``raise_if_min_scale_reached``.
 
-They read concrete values, outside ``jit``. Everything they read was
-recorded by ``fp16_loss_scale`` in its one pass over the gradients: the
-per-leaf overflow flags and counts, the kind of the last overflow, and
-(opt-in) the per-leaf gradient range. The leaves' names come from the
-state's static :class:`LeafPaths`, so the report needs nothing but the
-optimizer state.
+They read, outside ``jit``, what ``fp16_loss_scale`` recorded in the state,
+leaf names included; docs/diagnostics.md shows them in use.
 """
 
 import dataclasses
@@ -59,11 +55,8 @@ _ADVICE = {
 
 
 class MinLossScaleError(RuntimeError):
-  """An overflow wanted to lower a loss scale already at its minimum.
-
-  Raised on the host by :func:`raise_if_min_scale_reached`; public as
-  ``fp16_scaling.MinLossScaleError``.
-  """
+  """An overflow wanted to lower a loss scale already at its minimum
+  (raised on the host by :func:`raise_if_min_scale_reached`)."""
 
 
 MinLossScaleError.__module__ = "fp16_scaling"  # its public name
@@ -136,21 +129,13 @@ class OverflowReport:
     return _ADVICE[self.kind]
 
   def __str__(self) -> str:
-    lines = []
-    if self.step_overflowed:
-      lines.append(
-        f"Last step OVERFLOWED ({self.kind}) at loss scale "
-        f"{_fmt_scale(self.scale)}; next scale {_fmt_scale(self.next_scale)}."
-      )
-    else:
-      lines.append(
-        f"Last step clean at loss scale {_fmt_scale(self.scale)}; next "
-        f"scale {_fmt_scale(self.next_scale)}."
-      )
-    lines.append(
+    last = f"OVERFLOWED ({self.kind})" if self.step_overflowed else "clean"
+    lines = [
+      f"Last step {last} at loss scale {_fmt_scale(self.scale)}; next scale "
+      f"{_fmt_scale(self.next_scale)}.",
       f"Skipped steps so far: {self.skipped_steps}; overflows at the "
-      f"scale's floor: {self.floor_overflows}."
-    )
+      f"scale's floor: {self.floor_overflows}.",
+    ]
     if self.step_overflowed:
       shown = self.nonfinite_leaves[: self.top]
       lines.append(
@@ -188,6 +173,7 @@ class OverflowReport:
 
 
 def _fmt_scale(s: float) -> str:
+  """``s`` as ``2^k`` when it is a power of two."""
   if s > 0 and math.isfinite(s):
     k = math.log2(s)
     if k == int(k):
@@ -198,8 +184,7 @@ def _fmt_scale(s: float) -> str:
 def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   """Which gradient leaves overflowed, how often, at what scale, and why.
 
-  Reads the state that ``fp16_loss_scale`` keeps (one device-to-host copy of
-  a few small arrays); call it on the host, e.g. when a run skipped steps.
+  Reads the state that ``fp16_loss_scale`` keeps; call it on the host.
 
   Args:
     opt_state: an optax state holding one ``fp16_loss_scale`` state, at any
@@ -271,18 +256,14 @@ def raise_if_min_scale_reached(
   """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale``
   would, or for any preset once its scale keeps overflowing at its floor.
 
-  DeepSpeed raises inside its step when an overflow would lower a scale that
-  already equals ``min_scale``. A jitted step cannot raise, so the state
-  counts those overflows; call this on the host (for instance every N steps,
-  or when logging) to fail the run the same way. The message names the
-  gradient leaves that overflowed most often and the kind of the last
-  overflow (see :func:`overflow_report`).
+  A jitted step cannot raise, so the state counts those overflows; call this
+  on the host (say when logging). The message names the leaves that
+  overflowed most often and the last overflow's kind.
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`.
     max_floor_overflows: if set (an integer >= 1), also raise once this many
-      overflows hit the floor, whatever the preset: torch, Megatron and Flax
-      never raise there themselves.
+      overflows hit the floor, whatever the preset.
 
   Raises:
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
@@ -291,9 +272,7 @@ def raise_if_min_scale_reached(
       did.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(fs.fp16_loss_scale(
     ...     fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)))
     >>> state = tx.init({"w": jnp.ones(1)})
