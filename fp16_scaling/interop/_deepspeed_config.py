@@ -1,13 +1,9 @@
 """``from_deepspeed_config``: the scaler and clip a DeepSpeed config asks for.
 
-Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does
-(``runtime/precision_config.py``, ``runtime/config.py``,
-``runtime/engine.py``): the ``fp16`` section, the engine path that
-``zero_optimization.stage`` selects (hysteresis and the error at the floor
-only under ZeRO, unless ``stage0_hysteresis``), ``gradient_clipping`` and
-the batch sizes that give ``gradient_accumulation_steps``. Fields not
-modelled get one warning that names them; Hugging Face's ``"auto"`` values
-are refused. docs/peers.md ("DeepSpeed's JSON config") has the details.
+Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does: the ``fp16``
+section on the engine path ``zero_optimization.stage`` selects,
+``gradient_clipping`` and the batch sizes. docs/peers.md ("DeepSpeed's JSON
+config") has the details.
 """
 
 import json
@@ -27,17 +23,13 @@ from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._skip import skip_on_overflow
 
-_FP16_KEYS = {
-  "enabled",
-  "auto_cast",
-  "loss_scale",
-  "initial_scale_power",
-  "loss_scale_window",
-  "hysteresis",
-  "consecutive_hysteresis",
-  "min_loss_scale",
-  "fp16_master_weights_and_grads",
-}
+_FP16_KEYS = set(
+  (
+    "enabled auto_cast loss_scale initial_scale_power loss_scale_window "
+    "hysteresis consecutive_hysteresis min_loss_scale "
+    "fp16_master_weights_and_grads"
+  ).split()
+)
 
 
 class DeepSpeedFP16(NamedTuple):
@@ -81,22 +73,16 @@ class DeepSpeedFP16(NamedTuple):
     return tx
 
 
-# Read here; everything else at the top level is named in a warning.
-_MODELLED = {
-  "fp16",
-  "bf16",
-  "bfloat16",
-  "zero_optimization",
-  "gradient_clipping",
-  "gradient_accumulation_steps",
-  "train_batch_size",
-  "train_micro_batch_size_per_gpu",
-}
 _BATCH_FIELDS = (
   "train_batch_size",
   "train_micro_batch_size_per_gpu",
   "gradient_accumulation_steps",
 )
+# Read here; everything else at the top level is named in a warning.
+_MODELLED = {
+  *"fp16 bf16 bfloat16 zero_optimization gradient_clipping".split(),
+  *_BATCH_FIELDS,
+}
 
 
 def _refuse_auto(config, path=()) -> list:
@@ -112,6 +98,7 @@ def _refuse_auto(config, path=()) -> list:
 
 
 def _warn_unmodelled(config) -> None:
+  """One warning naming the fields not read here."""
   unmodelled = sorted(set(map(str, config)) - _MODELLED)
   zero = config.get("zero_optimization", {})
   if isinstance(zero, Mapping):
@@ -130,12 +117,8 @@ def _warn_unmodelled(config) -> None:
 
 def _accumulation_steps(config, world_size: int) -> int:
   """``gradient_accumulation_steps`` as DeepSpeed 0.19 derives and checks it
-  (``DeepSpeedConfig._set_batch_related_parameters``, ``_batch_assertion``).
-
-  With neither batch size given DeepSpeed refuses the config; the scaler
-  needs no batch size, so this takes ``gradient_accumulation_steps``
-  (default 1) as it is.
-  """
+  (``DeepSpeedConfig._set_batch_related_parameters``, ``_batch_assertion``);
+  with neither batch size given, taken as it is (default 1)."""
   train, micro, steps = (
     None if config.get(f) is None else _validate.integer(f, config[f])
     for f in _BATCH_FIELDS
@@ -207,8 +190,7 @@ def from_deepspeed_config(
     >>> tx = ds.optimizer(optax.adamw(1e-3))
 
   References:
-    DeepSpeed 0.19, ``deepspeed/runtime/precision_config.py``,
-    ``deepspeed/runtime/config.py`` and ``deepspeed/runtime/engine.py``.
+    DeepSpeed 0.19, ``deepspeed/runtime/{precision_config,config,engine}.py``.
   """
   world_size = _validate.count("world_size", world_size)
   stage0_hysteresis = _validate.flag("stage0_hysteresis", stage0_hysteresis)
@@ -255,6 +237,7 @@ def _read(config: Union[Mapping[str, Any], str, os.PathLike]) -> Mapping:
 
 
 def _fp16_section(config: Mapping) -> Mapping:
+  """The ``fp16`` section, checked for unknown fields."""
   fp16 = config.get("fp16", {})
   if not isinstance(fp16, Mapping):
     raise ValueError(f"fp16 must be a JSON object, got {fp16!r}")
@@ -267,6 +250,7 @@ def _fp16_section(config: Mapping) -> Mapping:
 
 
 def _zero_stage(config: Mapping) -> int:
+  """``zero_optimization.stage``, 0 to 3."""
   stage = config.get("zero_optimization", {}).get("stage", 0)
   return _validate.integer("zero_optimization.stage", stage, low=0, high=3)
 
