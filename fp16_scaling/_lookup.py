@@ -1,22 +1,11 @@
 """The one way to find fp16_scaling's states inside a nested optax state.
 
-Every host helper (``current_scale``, ``scale_metrics``, ...),
-``skip_on_overflow`` and ``accumulate_gradients`` find the
-:class:`LossScaleState`, the :class:`ClipState` and the
-:class:`AccumulationState` through these functions, so a state that has lost its
-types, or holds the wrong number of them, gets the same message everywhere.
-
-``nnx.Optimizer`` holds every array of its optax state in an nnx ``Variable``
-(a pytree node around the array); the states found here come back with
-plain arrays (:func:`unwrap`), and :func:`replace_loss_scale_state` writes
-new values back into the same containers.
-
-A :class:`LossScaleState` inside an ``optax.MultiStepsState`` is refused
-here, by type: ``current_scale`` and every other helper go through
-:func:`loss_scale_state`, so the first step that scales its loss raises.
-
-:func:`set_loss_scale`, the public edit of the scale, writes through
-:func:`replace_loss_scale_state` too.
+Every helper finds the :class:`LossScaleState`, :class:`ClipState` and
+:class:`AccumulationState` here, so a state that lost its types, holds the
+wrong number of them or sits inside ``optax.MultiSteps`` gets the same
+message everywhere. States come back with plain arrays (:func:`unwrap`, for
+``nnx.Optimizer``'s Variables); :func:`replace_loss_scale_state` writes back
+into the same containers.
 """
 
 from typing import Any, Optional
@@ -60,25 +49,15 @@ def all_with_path(tree: Any, cls: type) -> list:
   )
 
 
-def _looks_untyped(tree: Any) -> bool:
-  """Whether ``tree`` holds a loss-scale state restored as plain containers."""
-  found = []
-
-  def visit(x):
-    if isinstance(x, dict):
-      if looks_like_loss_scale_state(x):
-        found.append(x)
-      for v in x.values():
-        visit(v)
-    elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-      for v in x:
-        visit(v)
-    elif hasattr(x, "_fields"):
-      for v in x:
-        visit(v)
-
-  visit(tree)
-  return bool(found)
+def _looks_untyped(x: Any) -> bool:
+  """Whether ``x`` holds a loss-scale state restored as plain containers."""
+  if isinstance(x, dict):
+    return looks_like_loss_scale_state(x) or any(
+      map(_looks_untyped, x.values())
+    )
+  if isinstance(x, (list, tuple)) or hasattr(x, "_fields"):
+    return any(map(_looks_untyped, x))
+  return False
 
 
 _MULTISTEPS = (
@@ -99,13 +78,8 @@ def _refuse_multisteps(opt_state: Any) -> None:
 
 
 def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
-  """The one :class:`LossScaleState` in ``opt_state``.
-
-  Raises:
-    ValueError: there is none (saying so differently when the state lost its
-      types in a restore without a target) or more than one; or it is
-      inside ``optax.MultiSteps``' state.
-  """
+  """The one :class:`LossScaleState` in ``opt_state``; raises ValueError
+  for none (or an untyped one), several, or one inside ``MultiSteps``."""
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
     _refuse_multisteps(opt_state)
@@ -131,12 +105,8 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
 
 
 def require_host(opt_state: Any, helper: str) -> None:
-  """Raises when ``opt_state`` holds tracers: ``helper`` reads concrete
-  values on the host and cannot run inside ``jit``, ``vmap`` or ``scan``.
-
-  Raises:
-    TypeError: some leaf of ``opt_state`` is a tracer.
-  """
+  """Raises TypeError when ``opt_state`` holds tracers: ``helper`` reads
+  concrete values on the host."""
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
     raise TypeError(
       f"{helper} runs on the host, outside jit: it reads concrete values, "
@@ -155,12 +125,8 @@ def clip_state(opt_state: Any) -> Optional[ClipState]:
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
-  """The one :class:`AccumulationState` in ``opt_state``, or None, with plain
-  arrays (:func:`unwrap`), as the other lookups return theirs.
-
-  Raises:
-    ValueError: ``opt_state`` holds more than one (nested accumulation).
-  """
+  """The one :class:`AccumulationState` in ``opt_state`` (plain arrays), or
+  None; raises ValueError for more than one."""
   found = all_with_path(opt_state, AccumulationState)
   if len(found) > 1:
     paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
@@ -189,8 +155,7 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
 def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   """``opt_state`` with the loss scale for the next step set to ``scale``.
 
-  Traceable: call it inside the step with an array, or on the host with a
-  number. The growth tracker and hysteresis are left as they are.
+  Traceable; the growth tracker and hysteresis are left as they are.
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, or a
