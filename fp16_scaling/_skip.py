@@ -1,13 +1,9 @@
 """``skip_on_overflow``: an exact skip of the whole chain on an overflow step.
 
-An element of ``optax.chain`` cannot stop the elements after it, so the guard
-wraps the chain. It measures the gradients once (:func:`_measure.measure`),
-hands that measurement to its own elements with their state, and on an
-overflow step returns ``-0.0`` updates and keeps every leaf of the inner
-state bit for bit, except the bookkeeping that must move: the loss-scale
-state and the clip's norms. The selects come after the inner update, as in
-``optax.apply_if_finite`` and jmp; each is elementwise and XLA fuses it
-into the optimizer's own pass.
+The guard wraps the chain (an element cannot stop the ones after it): it
+measures the gradients once, hands the measurement to its own elements, and
+on an overflow selects ``-0.0`` updates and the old state after the inner
+update (docs/design.md, "Data flow" and "The exact skip").
 """
 
 from typing import Any
@@ -56,6 +52,7 @@ _INSIDE = (
 
 
 def _is_bookkeeping(x) -> bool:
+  """Whether ``x`` is a state that moves on an overflow step too."""
   return isinstance(x, _BOOKKEEPING)
 
 
@@ -74,12 +71,9 @@ def skip_on_overflow(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
-    state. On an overflow step the updates are ``-0.0`` (so ``params +
-    updates`` is bit-identical to ``params``, signed zeros included) and the
-    inner state is unchanged except for :class:`LossScaleState` and
-    :class:`ClipState`. Extra arguments reach ``inner`` as they are.
-    Gradients taken through an overflow step are finite: zero through the
-    discarded update.
+    state. On an overflow step the updates are ``-0.0`` (``params +
+    updates`` keeps every bit of ``params``) and the inner state is
+    unchanged but for :class:`LossScaleState` and :class:`ClipState`.
 
   Raises:
     ValueError: at ``init`` and ``update``, unless ``inner``'s state holds
@@ -87,9 +81,7 @@ def skip_on_overflow(
       no clip before it or accumulation inside it.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=1024.0)),
     ...     fs.clip_by_unscaled_norm(1.0),
@@ -105,9 +97,7 @@ def skip_on_overflow(
     True 512.0
 
   References:
-    Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018: a step whose gradients
-    overflowed is skipped and the scale lowered.
+    Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
   if early_select is not None:
     warnings.warn(
@@ -183,13 +173,8 @@ def _elements(state) -> list:
 
 
 def chain_layout(state) -> bool:
-  """Checks the order of the chain whose state is ``state``; returns whether
-  its one clip comes right after ``fp16_loss_scale``.
-
-  Raises:
-    ValueError: not exactly one loss-scale state, or not the first
-      element's; a clip before it; accumulation inside the chain.
-  """
+  """Checks the order of the chain whose state is ``state`` (ValueError);
+  returns whether its one clip comes right after ``fp16_loss_scale``."""
   found = _lookup.all_with_path(state, LossScaleState)
   if len(found) != 1:
     raise ValueError(_NOT_ONE.format(found=len(found)))
