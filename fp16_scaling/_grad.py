@@ -1,9 +1,8 @@
 """``value_and_grad``: the scaled gradients a guarded chain expects.
 
-The user's side of loss scaling, as torch's ``scaler.scale(loss)``, Flax's
-``DynamicScale.value_and_grad`` and jmp's ``scale`` give it: differentiate
-``loss * S`` with S read from the state inside the trace, and get back the
-unscaled loss. ``tx.update`` then unscales; nothing else divides.
+It differentiates ``loss * S`` with S read from the state inside the trace
+(as torch's ``scaler.scale(loss)`` and Flax's ``DynamicScale``) and returns
+the unscaled loss; ``tx.update`` then unscales.
 """
 
 from typing import Any, Callable, Sequence, Union
@@ -23,6 +22,7 @@ _STALE = (
 
 
 def _is_traced(x) -> bool:
+  """Whether ``x`` is a tracer."""
   return isinstance(x, jax.core.Tracer)
 
 
@@ -38,12 +38,9 @@ def value_and_grad(
 
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
-      unscaled and not divided by the number of microbatches: under
-      :func:`accumulate_gradients` the window's mean is taken for you.
-    state: what holds the scale: the optimizer state (any nesting, under
-      :func:`accumulate_gradients`, inside ``vmap``), a shared scale's
-      state (:func:`shared_loss_scale`), or an ``nnx.Optimizer`` (then
-      ``fun`` takes nnx Modules and ``flax.nnx.value_and_grad`` is used).
+      unscaled and not divided by the number of microbatches.
+    state: what holds the scale: the optimizer state, a shared scale's
+      state, or an ``nnx.Optimizer`` (then ``fun`` takes nnx Modules).
     argnums: as for ``jax.value_and_grad``.
     has_aux: as for ``jax.value_and_grad``.
     **kwargs: passed to ``jax.value_and_grad`` (``holomorphic``,

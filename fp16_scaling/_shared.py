@@ -1,14 +1,7 @@
 """One loss scale for several optimizers, with ``torch.amp.GradScaler``'s
-semantics.
-
-torch steps several optimizers with one scaler: each ``scaler.step(opt)``
-skips that optimizer alone when its own gradients held an inf or NaN, and
-the one ``scaler.update()`` backs off once if any of them did, or counts a
-clean step. Here the scale is a value the caller holds and passes: every
-optimizer is built with ``fp16_loss_scale(shared)`` and updated with
-``tx.update(..., loss_scale=scale_state)``; it measures and skips on its
-own gradients and never steps the scale. ``shared.update(scale_state,
-*opt_states)`` then steps it once from their overflows.
+semantics: each optimizer skips on its own gradients, and the scale, a value
+the caller holds, steps once from all their overflows (docs/design.md, "One
+scale for several optimizers").
 """
 
 import dataclasses
@@ -64,6 +57,7 @@ class SharedLossScale:
     return self.scaler.update(scale_state, overflow, grad_max)
 
   def _member(self, opt_state: Any):
+    """The loss-scale state of one optimizer sharing this scale."""
     ls = _lookup.loss_scale_state(opt_state)
     paths = ls.leaf_paths
     if not paths.shared or paths.scaler != self.scaler:
@@ -89,12 +83,9 @@ def shared_loss_scale(scaler: Scaler) -> SharedLossScale:
 
   Returns:
     A :class:`SharedLossScale`: build each optimizer with
-    ``fp16_loss_scale(shared)``, keep ``scale_state = shared.init()`` next
-    to the optimizer states, take gradients with
-    ``fs.value_and_grad(loss, scale_state)``, update each optimizer with
-    ``tx.update(grads, opt_state, params, loss_scale=scale_state)``, and
-    once every optimizer has stepped, ``scale_state = shared.update(
-    scale_state, opt_state_1, opt_state_2, ...)``.
+    ``fp16_loss_scale(shared)``, update each with ``tx.update(grads,
+    opt_state, params, loss_scale=scale_state)``, then step the scale once
+    with ``shared.update(scale_state, *opt_states)``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
