@@ -12,15 +12,11 @@ from typing import Any, NamedTuple, Optional
 import jax
 
 from fp16_scaling._scaler import ScalerState
+from fp16_scaling._sharding import is_spec
 
 # LossScaleState.overflow_kind codes, indexes into KINDS.
 NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
 KINDS = ("none", "unknown", "forward", "backward", "persistent")
-
-
-def _is_spec(x) -> bool:
-  """Whether ``x`` is a leaf of a ``PartitionSpec`` pytree."""
-  return x is None or isinstance(x, jax.sharding.PartitionSpec)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -46,7 +42,7 @@ class LeafPaths:
     self.scaler = scaler
     self.shared = bool(shared)
     # Hashable: the specs' leaves and treedef, not the (maybe dict) pytree.
-    self._specs = jax.tree.flatten(specs, is_leaf=_is_spec)
+    self._specs = jax.tree.flatten(specs, is_leaf=is_spec)
     self._specs = (tuple(self._specs[0]), self._specs[1])
 
   @property
