@@ -1,9 +1,6 @@
 """Argument checks shared by every public constructor, and the checks of
-values read from data (a DeepSpeed config, a peer's saved state).
-
-Each check raises ``ValueError`` (or ``TypeError``) naming the parameter, the
-allowed range and the value received, so that a bad configuration fails where
-it is written rather than as a NaN many steps later.
+values read from data (a DeepSpeed config, a peer's saved state): each names
+the parameter, the allowed range and the value received.
 """
 
 import math
@@ -16,10 +13,12 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _describe(value):
+  """``value`` and its type, for messages."""
   return f"{value!r} ({type(value).__name__})"
 
 
 def real(name: str, value) -> float:
+  """A real number that is not a bool, as a Python float."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{name} must be a real number, got {_describe(value)}")
   try:
