@@ -16,16 +16,9 @@ from fp16_scaling import _sharding
 
 
 class Measurement(NamedTuple):
-  """One pass over a step's scaled gradients.
-
-  Attributes:
-    grads: the scaled gradient leaves measured, in tree order.
-    sums: per-leaf local sums of squares (``_norm.leaf_sums``).
-    norms: the global :class:`~fp16_scaling._norm.Norms` of ``grads``
-      (``norm`` still multiplied by ``scale``).
-    scale: float32, the loss scale the gradients were made with.
-    leaf_axes: static, the mesh axes each leaf's sum is reduced over.
-    in_float16_range: static, every leaf holds float16-range values.
+  """One pass over a step's scaled gradient leaves ``grads``: their local
+  ``sums`` of squares, global ``norms`` (still times ``scale``), the
+  ``scale`` they were made with; static ``leaf_axes``, ``in_float16_range``.
   """
 
   grads: tuple
