@@ -21,19 +21,10 @@ KINDS = ("none", "unknown", "forward", "backward", "persistent")
 
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
-  """Static facts of a :class:`LossScaleState`, held in its treedef (a
-  pytree node with no children; a restored checkpoint takes the target's).
-
-  Attributes:
-    paths: the gradient leaves' names (``jax.tree_util.keystr``), in order.
-    sizes: their element counts.
-    scaler: the :class:`Scaler` of the ``fp16_loss_scale`` that built it.
-    shared: whether that ``fp16_loss_scale`` shares its scale.
-    partition_specs: the gradients' ``PartitionSpec`` pytree it was given.
-
-  Equality and hash are those of ``(scaler, shared, partition_specs)``, the
-  configuration that decides how a step is traced; not of the names, so
-  that ``optax.tree_map_params``' leafless placeholder matches.
+  """Static facts of a :class:`LossScaleState`, held in its treedef: the
+  leaves' ``paths`` and ``sizes``, and the ``scaler``, ``shared`` and
+  ``partition_specs`` it was built with. Equality is that of the last three
+  only, so that ``optax.tree_map_params``' leafless placeholder matches.
   """
 
   def __init__(self, paths, sizes, scaler=None, shared=False, specs=None):

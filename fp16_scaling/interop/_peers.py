@@ -100,19 +100,9 @@ class Counters(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-  """One peer's saved scaler state.
-
-  Attributes:
-    name: the peer in messages.
-    saved_by: what saves such a state, for the message on an unknown one.
-    keys: a state holding all of these is this peer's (when ``when`` agrees).
-    implies: the :class:`Scaler` fields a state implies, checked on load.
-    to_own: a state's counters (after the check), as :class:`Counters`.
-    from_own: :class:`Counters` as a state the peer loads.
-    needs: ``(field, value, why)`` triples: the scaler ``from_own`` needs.
-    preset: ``(state, overrides)`` to the preset the state describes.
-    when: whether a state with ``keys`` is this peer's.
-  """
+  """One peer's saved scaler state: recognised by its ``keys`` (and
+  ``when``); the fields it ``implies``; its counters ``to_own`` and
+  ``from_own``; what ``from_own`` ``needs``; the ``preset`` it describes."""
 
   name: str
   saved_by: str
