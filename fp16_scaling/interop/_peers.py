@@ -30,16 +30,16 @@ def _scale(d: Mapping, key: str) -> float:
   return _read(d, key, _validate.scale)
 
 
+def _int(d: Mapping, key: str, **kw) -> int:
+  """``d[key]``, an integer (``kw``: ``low``, ``high``, ``why``)."""
+  return _read(d, key, _validate.integer, **kw)
+
+
 def _tracker(d: Mapping, key: str, scaler: Scaler) -> int:
   """A growth tracker, in the range ``scaler`` counts it in."""
-  return _read(
-    d,
-    key,
-    _validate.integer,
-    low=-scaler.growth_delay,
-    high=scaler.growth_interval - 1,
-    why=f" for growth_interval {scaler.growth_interval}",
-  )
+  low, high = -scaler.growth_delay, scaler.growth_interval - 1
+  why = f" for growth_interval {scaler.growth_interval}"
+  return _int(d, key, low=low, high=high, why=why)
 
 
 def config(scaler: Scaler) -> dict:
@@ -176,13 +176,8 @@ TORCH = Peer(
 # Megatron-core DynamicGradScaler: its hysteresis_tracker keeps falling
 # below 1 while it backs off, as hysteresis_left == 0 does here.
 def _megatron_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  tracker = _read(
-    d,
-    "hysteresis_tracker",
-    _validate.integer,
-    high=scaler.hysteresis,
-    why=" (the scaler's hysteresis)",
-  )
+  why = " (the scaler's hysteresis)"
+  tracker = _int(d, "hysteresis_tracker", high=scaler.hysteresis, why=why)
   growth = _tracker(d, "growth_tracker", scaler)
   return Counters(_scale(d, "scale"), growth, max(tracker - 1, 0))
 
@@ -244,7 +239,7 @@ def _ds_implies(d: Mapping) -> dict:
   return {
     "growth_factor": factor,
     "backoff_factor": 1.0 / factor,
-    "growth_interval": _read(d, "scale_window", _validate.integer),
+    "growth_interval": _int(d, "scale_window"),
     "growth_delay": 1,
   }
 
@@ -256,27 +251,16 @@ def _ds_loss_scaler_implies(d: Mapping) -> dict:
 
 
 def _ds_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  cur_iter = _read(d, "cur_iter", _validate.integer)
-  last = _read(
-    d,
-    "last_overflow_iter",
-    _validate.integer,
-    high=cur_iter - 1,
-    why=" (below state_dict['cur_iter'])",
-  )
+  cur_iter = _int(d, "cur_iter")
+  why = " (below state_dict['cur_iter'])"
+  last = _int(d, "last_overflow_iter", high=cur_iter - 1, why=why)
   since = cur_iter - last - 1
   # A 0.19.8 FP16_Optimizer keeps no hysteresis; DeepSpeed after 0.19.8
   # loads such a checkpoint with its hysteresis full, and so does this.
   cur = scaler.hysteresis
   if "cur_hysteresis" in d:
-    cur = _read(
-      d,
-      "cur_hysteresis",
-      _validate.integer,
-      low=1,
-      high=scaler.hysteresis,
-      why=" for the scaler's hysteresis",
-    )
+    why = " for the scaler's hysteresis"
+    cur = _int(d, "cur_hysteresis", low=1, high=scaler.hysteresis, why=why)
   tracker = -1 if since == 0 else (since - 1) % scaler.growth_interval
   return Counters(_scale(d, "cur_scale"), tracker, cur - 1)
 
@@ -313,7 +297,7 @@ def _ds_preset(d: Mapping, overrides: dict, zero: dict) -> Scaler:
     )
   kw = {
     "init_scale": _scale(d, "cur_scale"),
-    "scale_window": _read(d, "scale_window", _validate.integer),
+    "scale_window": _int(d, "scale_window"),
     "raise_error_at_min_scale": False,  # the fp16 optimizers never raise
     **zero,
     **overrides,
