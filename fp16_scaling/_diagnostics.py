@@ -200,8 +200,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
 
   Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0)))
     >>> params = {"a": {"w": jnp.ones(2)}, "b": jnp.ones(3)}

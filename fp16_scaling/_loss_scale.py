@@ -208,10 +208,7 @@ def fp16_loss_scale(
       one, or a ``value`` that is not a scalar.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.torch_scaler(init_scale=1024.0)),
     ...     optax.sgd(1.0)))

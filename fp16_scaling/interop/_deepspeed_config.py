@@ -178,8 +178,7 @@ def from_deepspeed_config(
     UserWarning: once, naming the fields that are not modelled.
 
   Examples:
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import optax, fp16_scaling as fs
     >>> ds = fs.from_deepspeed_config({
     ...     "fp16": {"enabled": True, "initial_scale_power": 12},
     ...     "gradient_clipping": 1.0,
