@@ -254,27 +254,20 @@ def _zero_stage(config: Mapping) -> int:
   return _validate.integer("zero_optimization.stage", stage, low=0, high=3)
 
 
+def _int(fp16: Mapping, key: str, default: int, **kw) -> int:
+  """``fp16[key]`` (or ``default``), an integer (``kw``: its range)."""
+  return _validate.integer(f"fp16.{key}", fp16.get(key, default), **kw)
+
+
 def _dynamic_scaler(
   fp16: Mapping, stage: int, stage0_hysteresis: bool
 ) -> Scaler:
   """The ``DynamicLossScaler`` the engine builds for ``fp16.loss_scale`` 0."""
-  power = _validate.integer(
-    "fp16.initial_scale_power",
-    fp16.get("initial_scale_power", 16),
-    low=-126,
-    high=127,
-    why=" so that 2**power is a normal float32",
-  )
+  why = " so that 2**power is a normal float32"
+  power = _int(fp16, "initial_scale_power", 16, low=-126, high=127, why=why)
   dynamic = " when dynamic loss scaling is enabled (loss_scale=0)"
-  window = _validate.integer(
-    "fp16.loss_scale_window",
-    fp16.get("loss_scale_window", 1000),
-    low=1,
-    why=dynamic,
-  )
-  min_scale = _validate.integer(
-    "fp16.min_loss_scale", fp16.get("min_loss_scale", 1), low=1, why=dynamic
-  )
+  window = _int(fp16, "loss_scale_window", 1000, low=1, why=dynamic)
+  min_scale = _int(fp16, "min_loss_scale", 1, low=1, why=dynamic)
   hysteresis, consecutive, raise_at_min = _hysteresis(
     fp16, stage, stage0_hysteresis
   )
@@ -297,7 +290,7 @@ def _dynamic_scaler(
 def _hysteresis(fp16: Mapping, stage: int, stage0_hysteresis: bool) -> tuple:
   """``(hysteresis, consecutive_hysteresis, raise_at_min_scale)`` on the
   engine path that ``stage`` selects."""
-  hysteresis = _validate.integer("fp16.hysteresis", fp16.get("hysteresis", 2))
+  hysteresis = _int(fp16, "hysteresis", 2)
   consecutive = _validate.boolean(
     "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
   )
