@@ -174,13 +174,10 @@ def fp16_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling for float16 training, as the first element of a chain.
 
-  It must come first in a chain wrapped by :func:`skip_on_overflow`, which
-  hands it the step's measurement and discards an overflowing step.
-  ``update`` takes the gradients of ``loss * current_scale(opt_state)``,
-  returns them divided by the scale they were made with (at least float32),
-  records the overflowing leaves, the true norm and the overflow's kind,
-  and steps ``scaler``. Pass ``value=loss`` to ``update`` to tell a forward
-  overflow from a backward one (:func:`overflow_report`).
+  Inside :func:`skip_on_overflow`, ``update`` takes the gradients of ``loss *
+  current_scale(opt_state)`` and returns them unscaled (at least float32),
+  records the overflowing leaves, the true norm and the overflow's kind
+  (pass ``value=loss`` to tell forward from backward), and steps ``scaler``.
 
   Args:
     scaler: a :class:`Scaler` from a preset, or a :func:`shared_loss_scale`:
@@ -358,15 +355,8 @@ def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
 
 def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:
   """Prints the overflow line from inside the step, on overflow steps only."""
-  jax.lax.cond(
-    new.overflow,
-    lambda: jax.debug.callback(
-      functools.partial(_log_overflow, old.leaf_paths.paths),
-      new.skipped_steps,
-      new.overflow_kind,
-      old.scaler.loss_scale,
-      new.scaler.loss_scale,
-      new.leaf_nonfinite,
-    ),
-    lambda: None,
-  )
+  log = functools.partial(_log_overflow, old.leaf_paths.paths)
+  scales = (old.scaler.loss_scale, new.scaler.loss_scale)
+  args = (new.skipped_steps, new.overflow_kind, *scales, new.leaf_nonfinite)
+  call = lambda: jax.debug.callback(log, *args)
+  jax.lax.cond(new.overflow, call, lambda: None)

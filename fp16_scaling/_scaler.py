@@ -122,10 +122,8 @@ class Scaler:
     """Advances the machine by one step.
 
     Args:
-      state: the state before the step; ``state.loss_scale`` is the scale the
-        step's gradients were made with.
-      overflow: scalar bool, whether the step's gradients had a non-finite
-        element.
+      state: the state before the step, whose scale made its gradients.
+      overflow: scalar bool, whether those had a non-finite element.
       grad_max: float32 largest finite magnitude of the step's unscaled
         gradients; required when :attr:`needs_grad_max`, else ignored.
 
@@ -193,11 +191,9 @@ class Scaler:
     target = jnp.where(
       jnp.isfinite(target), jnp.ldexp(jnp.float32(1), exponent - 1), target
     )
+    grown = scale * jnp.float32(self.growth_factor)
     capped = jnp.minimum(
-      target,
-      jnp.minimum(
-        scale * jnp.float32(self.growth_factor), jnp.float32(self.max_scale)
-      ),
+      target, jnp.minimum(grown, jnp.float32(self.max_scale))
     )
     # Fall at once (the largest gradient is nearer the top than asked); grow
     # only with the margin to spare.
