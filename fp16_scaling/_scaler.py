@@ -22,8 +22,7 @@ class ScalerState(NamedTuple):
 
   Attributes:
     loss_scale: float32 scale to multiply the *next* loss by.
-    growth_tracker: int32 clean steps counted towards the next growth; it
-      restarts at ``-growth_delay`` after an overflow and at 0 after a growth.
+    growth_tracker: int32 clean steps counted towards the next growth.
     hysteresis_left: int32 overflows still absorbed before a back-off
       (``hysteresis - 1`` when full; the peers' counters are this plus 1).
     min_scale_errors: int32 overflows at ``min_scale`` with
@@ -47,29 +46,24 @@ class Scaler:
     growth_factor: multiplier on growth (1.0 never grows).
     backoff_factor: multiplier on back-off (1.0 never backs off).
     growth_interval: clean steps between growths.
-    growth_delay: extra clean steps before the first growth after an overflow
-      (and at the start): 1 for DeepSpeed, else 0.
+    growth_delay: extra clean steps before the first growth after an overflow.
     min_scale: floor of the scale on back-off.
     hysteresis: overflows in a row (with no growth between) to back off.
     consecutive_hysteresis: refill hysteresis on every clean step.
-    raise_at_min_scale: count overflows at the floor in
-      ``ScalerState.min_scale_errors``.
-    headroom_bits: if set, the scale follows the largest gradient instead of
-      ``growth_interval`` (see :func:`headroom_scaler`).
-    growth_margin_bits: with ``headroom_bits``, how far above the scale the
-      target must be for it to grow.
+    raise_at_min_scale: count overflows at the floor in ``min_scale_errors``.
+    headroom_bits: if set, see :func:`headroom_scaler`.
+    growth_margin_bits: with ``headroom_bits``, see :func:`headroom_scaler`.
     max_scale: ceiling of the scale on growth.
 
   Examples:
     >>> import fp16_scaling as fs
     >>> scaler = fs.torch_scaler(init_scale=8.0, growth_interval=2)
     >>> state = scaler.init()
-    >>> for overflow in [False, False, True, False]:
+    >>> for overflow in [False, False, True]:
     ...   state = scaler.update(state, overflow)
     ...   print(float(state.loss_scale))
     8.0
     16.0
-    8.0
     8.0
 
   References:
@@ -312,8 +306,7 @@ def torch_scaler(
 ) -> Scaler:
   """``torch.amp.GradScaler``, step for step (docs/peers.md).
 
-  Designed differences: the scale is floored at float32's smallest normal
-  number, and factors are held in float32.
+  Designed differences: a floor at float32's smallest normal; float32 factors.
 
   Args:
     init_scale: initial scale.
@@ -355,8 +348,7 @@ def megatron_scaler(
 ) -> Scaler:
   """Megatron-core's ``DynamicGradScaler``, step for step (docs/peers.md).
 
-  Defaults are Megatron's command-line defaults; growth that would overflow
-  float32 is refused.
+  Defaults are Megatron's command-line defaults.
 
   Args:
     initial_scale: initial scale.
@@ -403,8 +395,7 @@ def flax_scaler(
 ) -> Scaler:
   """Flax's ``flax.training.dynamic_scale.DynamicScale`` (docs/peers.md).
 
-  It grows every ``growth_interval + 1`` clean steps, as Flax does; growth
-  past float32's range is refused instead of clamped.
+  It grows every ``growth_interval + 1`` clean steps, as Flax does.
 
   Args:
     growth_factor: growth multiplier, above 1.
@@ -460,10 +451,9 @@ def headroom_scaler(
 
   Args:
     init_scale: first scale.
-    headroom_bits: bits between ``max|g| * scale`` and float16's maximum, in
-      [0, 24].
+    headroom_bits: bits between ``max|g| * scale`` and 65504, in [0, 24].
     growth_margin_bits: how far above the scale the target must be for it to
-      grow, in [0, 24]; 0 follows the target both ways.
+      grow, in [0, 24].
     max_growth: largest factor the scale may grow by in one step, above 1.
     backoff_factor: back-off multiplier on overflow, in (0, 1).
     min_scale: floor, at most ``init_scale``.
