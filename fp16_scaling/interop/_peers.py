@@ -245,9 +245,8 @@ def _ds_implies(d: Mapping) -> dict:
 
 
 def _ds_loss_scaler_implies(d: Mapping) -> dict:
-  zero = _ds_zero(d)
-  fields = {field: zero[key] for key, field, _ in _DS_ZERO if key in zero}
-  return {**_ds_implies(d), **fields}
+  zero = {f: _read(d, key, check) for key, f, check in _DS_ZERO if key in d}
+  return {**_ds_implies(d), **zero}
 
 
 def _ds_to_own(d: Mapping, scaler: Scaler) -> Counters:

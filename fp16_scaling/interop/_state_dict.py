@@ -54,8 +54,10 @@ def _own_fields(state: tuple, prefix: str = "", path: tuple = ()) -> dict:
 
 
 def _own_dict(state: tuple) -> dict:
-  """The own format's entries of ``state``, as Python numbers."""
-  return {key: _plain(x) for key, (_, x) in _own_fields(state).items()}
+  """The own format's entries of ``state``, as Python numbers (nested lists
+  when batched)."""
+  fields = _own_fields(jax.device_get(state))
+  return {key: np.asarray(x).tolist() for key, (_, x) in fields.items()}
 
 
 def _per_leaf(fields: Mapping) -> dict:
@@ -81,11 +83,6 @@ def _replace_at(node: tuple, path: tuple, value: Any) -> tuple:
   if rest:
     value = _replace_at(getattr(node, head), rest, value)
   return node._replace(**{head: value})
-
-
-def _plain(x: Any) -> Any:
-  """A host copy of ``x`` as Python numbers (nested lists when batched)."""
-  return np.asarray(jax.device_get(x)).tolist()
 
 
 def _recognise(state_dict: Any) -> tuple:
