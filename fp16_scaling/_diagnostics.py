@@ -104,8 +104,7 @@ class OverflowReport:
   top: int = 10
 
   def top_leaves(self) -> list:
-    """Up to ``top`` (path, count) pairs, most overflows first, then tree
-    order."""
+    """Up to ``top`` (path, count) pairs, most overflows first."""
     order = sorted(self.counts.items(), key=lambda kv: -kv[1])
     return order[: self.top]
 
@@ -113,9 +112,8 @@ class OverflowReport:
     """``path (count)`` for :meth:`top_leaves`, comma-separated."""
     shown = [f"{p} ({n})" for p, n in self.top_leaves()]
     more = len(self.counts) - len(shown)
-    return ", ".join(shown) + (f", and {more} more" if more > 0 else "") or (
-      "none"
-    )
+    text = ", ".join(shown) + (f", and {more} more" if more > 0 else "")
+    return text or "none"
 
   def advice(self) -> str:
     """What to do about the last overflow (or the run's, if it was clean)."""

@@ -70,19 +70,14 @@ _MULTISTEPS = (
 )
 
 
-def _refuse_multisteps(opt_state: Any) -> None:
-  """Raises when a :class:`LossScaleState` sits inside a MultiSteps state."""
-  for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
-    if all_with_path(wrapper, LossScaleState):
-      raise ValueError(_MULTISTEPS)
-
-
 def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   """The one :class:`LossScaleState` in ``opt_state``; raises ValueError
   for none (or an untyped one), several, or one inside ``MultiSteps``."""
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
-    _refuse_multisteps(opt_state)
+    for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
+      if all_with_path(wrapper, LossScaleState):
+        raise ValueError(_MULTISTEPS)
     return unwrap(found[0][1])
   if not found:
     if _looks_untyped(opt_state):
