@@ -41,8 +41,6 @@ _UNGUARDED = (
   "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
   "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
 )
-
-
 _SHARED = (
   "fp16_loss_scale(shared) has no scale of its own: pass the shared scale's "
   "state to every update, tx.update(grads, opt_state, params, "
