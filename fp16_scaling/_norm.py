@@ -168,29 +168,23 @@ def reduce_norms(
     return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
   if per_leaf is None:
-    per_leaf = leaf_vector(
-      sums,
-      leaf_axes,
-      lax.psum,
-      lambda local: _marked(local, cap=needs_rescue),
-    )
+    mark = lambda local: _marked(local, cap=needs_rescue)
+    per_leaf = leaf_vector(sums, leaf_axes, lax.psum, mark)
   common, total = _group_sums(per_leaf, leaf_groups, num_groups)
   if needs_rescue and not in_float16_range:
-    rescue = lambda _: _rescued_roots(
-      leaves, leaf_groups, leaf_axes, num_groups
-    )
+    groups = (leaf_groups, leaf_axes, num_groups)
+    rescue = lambda _: _rescued_roots(leaves, *groups)
     keep = lambda _: _roots(total, common)
-    root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
+    root, group_roots = lax.cond(total >= CAP, rescue, keep, None)
   else:
-    root, group_roots, overflow = _roots(total, common)
+    root, group_roots = _roots(total, common)
   # -inf exactly for a leaf (and so a total) with a non-finite element.
-  leaf_nonfinite = per_leaf < 0
   overflow = total < 0
   return Norms(
     norm=jnp.where(overflow, 0.0, root),
     group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
     overflow=overflow,
-    leaf_nonfinite=leaf_nonfinite,
+    leaf_nonfinite=per_leaf < 0,
     leaf_sums=per_leaf,
   )
 
@@ -235,10 +229,9 @@ def _marked(local: jax.Array, *, cap: bool) -> jax.Array:
 
 
 def _roots(total, common) -> tuple:
-  """``(norm, group norms, overflow)`` from the summed squares: sqrt(|sum|)
-  is +inf, not NaN, for a sum that met a non-finite leaf (-inf)."""
-  root = _sqrt(jnp.abs(total))
-  return root, _sqrt(jnp.abs(common)), jnp.isinf(root)
+  """``(norm, group norms)`` from the summed squares: sqrt(|sum|) is +inf,
+  not NaN, for a sum that met a non-finite leaf (-inf)."""
+  return _sqrt(jnp.abs(total)), _sqrt(jnp.abs(common))
 
 
 def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
@@ -254,11 +247,8 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
   ]
   rel = _grouped(rel, *groups, jnp.sum, lax.psum)
   top = jnp.max(peaks)
-  return (
-    top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
-    peaks * jnp.sqrt(rel),
-    jnp.bool_(False),  # entered only for a finite total
-  )
+  norm = top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel))
+  return norm, peaks * jnp.sqrt(rel)
 
 
 def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
