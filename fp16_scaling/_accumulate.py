@@ -63,25 +63,21 @@ def accumulate_gradients(
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates microbatch gradients and runs the guarded chain once a window.
 
-  Use it where ``optax.MultiSteps`` would go, around the guarded chain. Every
-  call receives one microbatch's gradients of ``loss * current_scale(state)``.
-  The call that completes a window passes the float32 mean of the window's
-  gradients to ``tx`` once and returns its updates; every other call returns
-  ``-0.0`` updates. docs/accumulation.md describes it.
+  Use it where ``optax.MultiSteps`` would go (docs/accumulation.md). The call
+  that completes a window passes the float32 mean of the window's gradients
+  to ``tx`` and returns its updates; the others return ``-0.0`` updates.
 
   Args:
     tx: the guarded chain, ``skip_on_overflow(optax.chain(fp16_loss_scale(
       ...), clip_by_unscaled_norm(...), optimizer))``.
     every_k_schedule: microbatches per window: an int >= 1, or a function of
-      the number of windows ended so far returning one (a value below 1 is
-      taken as 1).
+      the number of windows ended so far returning one.
     on_microbatch_overflow: ``"skip_step"`` (default, as DeepSpeed and torch):
       an inf or NaN in any microbatch skips the window's step.
       ``"drop_microbatch"``: the clean microbatches are averaged; the window
       is skipped only when none is clean.
     partition_specs: under ``shard_map`` with ``"drop_microbatch"``, the
-      gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`),
-      so that every device drops the same microbatches.
+      gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -91,10 +87,9 @@ def accumulate_gradients(
 
   Raises:
     ValueError: ``every_k_schedule`` below 1; an unknown
-      ``on_microbatch_overflow``; at ``init``, ``tx``'s state holds no (or
-      more than one) ``fp16_loss_scale``, or it is itself inside
-      :func:`skip_on_overflow` (the nesting is the other way round); at
-      ``update``, gradients whose tree or shapes differ from the params.
+      ``on_microbatch_overflow``; at ``init``, not one ``fp16_loss_scale`` in
+      ``tx``, or inside :func:`skip_on_overflow`; at ``update``, gradients
+      whose tree or shapes differ from the params.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs

@@ -178,18 +178,14 @@ def fp16_loss_scale(
   (pass ``value=loss`` to tell forward from backward), and steps ``scaler``.
 
   Args:
-    scaler: a :class:`Scaler` from a preset, or a :func:`shared_loss_scale`:
-      then ``update`` takes the shared scale's state as ``loss_scale=`` and
-      leaves stepping it to the caller.
+    scaler: a :class:`Scaler` from a preset, or a :func:`shared_loss_scale`
+      (then ``update`` takes its state as ``loss_scale=``).
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
-      pytree (as given to ``shard_map``); each leaf's squared norm is summed
-      across the mesh axes it is split over, so overflow and norm are global.
-    grad_range: also record, per leaf, the largest finite unscaled ``|g|``
-      and the fraction of zero elements (:class:`GradRange`). Off by
-      default: two more reductions per leaf (benchmarks/README.md).
+      pytree, so that overflow and norm are global.
+    grad_range: also record each leaf's :class:`GradRange` (two more
+      reductions per leaf).
     log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line
-      from inside the step on overflow steps. For debugging only: it makes
-      every step dispatch through Python (docs/diagnostics.md).
+      from inside the step; for debugging only (docs/diagnostics.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -198,9 +194,8 @@ def fp16_loss_scale(
   Raises:
     TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
     RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
-    ValueError: from ``update``, for a state built by another scaler,
-      ``loss_scale=`` given to a scale of its own or missing for a shared
-      one, or a ``value`` that is not a scalar.
+    ValueError: from ``update``: a state of another scaler, a misplaced or
+      missing ``loss_scale=``, a ``value`` that is not a scalar.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
@@ -211,8 +206,6 @@ def fp16_loss_scale(
     >>> state = tx.init(params)
     >>> loss = lambda p: jnp.sum(p**2)
     >>> grads = jax.grad(lambda p: loss(p) * fs.current_scale(state))(params)
-    >>> print(grads)  # made at scale 1024
-    [2048. 4096.]
     >>> updates, state = tx.update(grads, state, params)
     >>> print(updates)  # the true gradient, times -1 for sgd(1.0)
     [-2. -4.]
