@@ -62,12 +62,8 @@ def skip_on_overflow(
   """Runs ``inner`` and discards the step exactly when its gradients overflowed.
 
   Args:
-    inner: a chain whose first element is :func:`fp16_loss_scale`, typically
-      ``optax.chain(fp16_loss_scale(...), clip_by_unscaled_norm(...),
-      optimizer)``.
-    early_select: deprecated and ignored (the selects follow the inner
-      update; on XLA:CPU see docs/design.md for the compiler option that
-      keeps the step in place).
+    inner: a chain whose first element is :func:`fp16_loss_scale`.
+    early_select: deprecated and ignored (docs/design.md, "In place").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
@@ -76,16 +72,14 @@ def skip_on_overflow(
     unchanged but for :class:`LossScaleState` and :class:`ClipState`.
 
   Raises:
-    ValueError: at ``init`` and ``update``, unless ``inner``'s state holds
-      exactly one :class:`LossScaleState`, that of its first element, and
-      no clip before it or accumulation inside it.
+    ValueError: at ``init`` and ``update``, unless ``inner``'s first element,
+      and only it, is an ``fp16_loss_scale`` (docs/design.md).
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=1024.0)),
-    ...     fs.clip_by_unscaled_norm(1.0),
-    ...     optax.adam(1e-3)))
+    ...     fs.clip_by_unscaled_norm(1.0), optax.adam(1e-3)))
     >>> params = jnp.ones(2)
     >>> state = tx.init(params)
     >>> grads = jnp.array([1.0, jnp.inf])  # an overflow: skip the step

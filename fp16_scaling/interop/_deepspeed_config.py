@@ -158,21 +158,17 @@ def from_deepspeed_config(
   Args:
     config: a DeepSpeed config dict, or the path of its JSON file.
     world_size: the data-parallel world size DeepSpeed would check the batch
-      sizes against (``train_batch_size = train_micro_batch_size_per_gpu *
-      gradient_accumulation_steps * world_size``).
-    stage0_hysteresis: without ZeRO (stage 0), honour ``fp16.hysteresis``
-      and ``fp16.consecutive_hysteresis`` as DeepSpeed's fp16 optimizers do
-      after 0.19.8 (their ``state_dict`` then holds ``cur_hysteresis``). The
-      default, False, is 0.19.8's behaviour: no hysteresis at stage 0.
+      sizes against.
+    stage0_hysteresis: without ZeRO, honour ``fp16.hysteresis`` as the fp16
+      optimizers do after DeepSpeed 0.19.8 (False: as 0.19.8 does).
 
   Returns:
     A :class:`DeepSpeedFP16`; ``.optimizer(optax.adamw(...))`` builds the
     guarded chain (accumulating when ``gradient_accumulation_steps`` > 1).
 
   Raises:
-    ValueError: for values DeepSpeed rejects (with DeepSpeed's field names),
-      for values it accepts but that cannot be a float32 loss scale, and for
-      ``"auto"`` values.
+    ValueError: for values DeepSpeed rejects, that cannot be a float32 loss
+      scale, or that are ``"auto"``.
 
   Warns:
     UserWarning: once, naming the fields that are not modelled.
