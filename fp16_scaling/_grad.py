@@ -43,8 +43,7 @@ def value_and_grad(
       state, or an ``nnx.Optimizer`` (then ``fun`` takes nnx Modules).
     argnums: as for ``jax.value_and_grad``.
     has_aux: as for ``jax.value_and_grad``.
-    **kwargs: passed to ``jax.value_and_grad`` (``holomorphic``,
-      ``allow_int``).
+    **kwargs: passed to ``jax.value_and_grad``.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)`` or
@@ -52,8 +51,7 @@ def value_and_grad(
     are those of ``fun * S``, to pass to ``tx.update`` as they are.
 
   Raises:
-    ValueError: when called under a trace (inside ``jit``) with the scale
-      read from a state outside it: a scale closed over goes stale.
+    ValueError: called inside ``jit`` with a state from outside it.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
@@ -65,9 +63,6 @@ def value_and_grad(
     >>> value, grads = fs.value_and_grad(loss, state)(params)
     >>> print(value, grads)  # the loss, and the gradients at scale 8
     5.0 [16. 32.]
-    >>> updates, state = tx.update(grads, state, params)
-    >>> print(updates)
-    [-2. -4.]
   """
   nnx_optimizer = hasattr(state, "opt_state")
   scale = current_scale(state.opt_state if nnx_optimizer else state)

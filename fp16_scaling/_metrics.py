@@ -60,15 +60,13 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, at any
-      depth (inside ``skip_on_overflow``, ``optax.chain``, ...), or a
-      shared scale's :class:`ScalerState` (:func:`shared_loss_scale`).
+      depth, or a shared scale's :class:`ScalerState`.
 
   Returns:
-    A float32 scalar array (traceable: use it inside the jitted step).
+    A float32 scalar array (traceable).
 
   Raises:
-    ValueError: the state is that of an optimizer that shares its scale:
-      the next scale is the shared state's.
+    ValueError: the state is that of an optimizer that shares its scale.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -93,19 +91,16 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
   """Loss-scale and norm metrics of the last step, for logging.
 
-  Every value is finite on an overflow step: a norm over a group that held
-  an inf or NaN is reported as 0.0, with ``overflow`` set.
+  Every value is finite: a norm over an inf or NaN is reported as 0.0.
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState` and at
       most one :class:`ClipState`.
 
   Returns:
-    A :class:`ScaleMetrics` dict of scalar arrays. Without a clip's expert
-    mask every leaf counts as shared; the ``grad_range`` keys come with
-    ``grad_range=True``. Under :func:`accumulate_gradients` the step is the
-    window, and the accumulation keys are added; on a call that did not end
-    a window ``overflow`` is False and ``prev_loss_scale`` is ``loss_scale``.
+    A :class:`ScaleMetrics` dict of scalar arrays. Under
+    :func:`accumulate_gradients` the step is the window; between windows
+    ``overflow`` is False and ``prev_loss_scale`` is ``loss_scale``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
