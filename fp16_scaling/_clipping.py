@@ -60,9 +60,7 @@ def clip_by_unscaled_norm(
   """Clips gradients by their true global 2-norm.
 
   The gradients are multiplied by ``max_norm / (norm + eps)`` when that is
-  below 1, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do. Right
-  after :func:`fp16_loss_scale` it takes the norm from the skip's one
-  measurement; otherwise it measures what it receives.
+  below 1, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do.
 
   Args:
     max_norm: the largest global norm let through; positive.
@@ -71,8 +69,7 @@ def clip_by_unscaled_norm(
       callable that maps the gradients to one. The state reports each part.
     eps: added to the norm in the denominator; >= 0.
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
-      pytree; squared norms are summed across the mesh axes each leaf is split
-      over.
+      pytree.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
@@ -88,8 +85,6 @@ def clip_by_unscaled_norm(
     >>> updates, state = tx.update(grads, state, params)
     >>> print(updates.round(6))  # norm 5 clipped to 1
     [0.6 0.8]
-    >>> print(float(fs.scale_metrics(state)["grad_norm"]))
-    5.0
   """
   max_norm = _validate.positive("max_norm", max_norm)
   eps = _validate.non_negative("eps", eps)

@@ -77,18 +77,14 @@ class OverflowReport:
 
   Attributes:
     step_overflowed: whether the last step overflowed (and was skipped).
-    nonfinite_leaves: paths (``jax.tree_util.keystr``) of the gradient leaves
-      that held an inf or NaN on the last step, in tree order.
-    counts: path -> number of steps on which that leaf held an inf or NaN,
-      for every leaf with a nonzero count, in tree order.
-    kind: the last step's overflow kind: "none", "unknown", "forward",
-      "backward" or "persistent".
+    nonfinite_leaves: paths of the leaves that held an inf or NaN.
+    counts: path -> steps on which that leaf held an inf or NaN (if any).
+    kind: the last step's overflow kind, one of ``OVERFLOW_KINDS``.
     scale: the loss scale the last step's gradients were made with.
     next_scale: the scale for the next step.
     skipped_steps: overflowing (skipped) steps so far.
     floor_overflows: overflows that hit the scale's floor so far.
-    grad_range: path -> :class:`LeafRange` of the last step, when the state
-      records it (``fp16_loss_scale(..., grad_range=True)``), else None.
+    grad_range: path -> :class:`LeafRange`, with ``grad_range=True``.
     top: how many leaves ``str()`` lists.
   """
 
@@ -185,16 +181,14 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   Reads the state that ``fp16_loss_scale`` keeps; call it on the host.
 
   Args:
-    opt_state: an optax state holding one ``fp16_loss_scale`` state, at any
-      depth.
+    opt_state: an optax state holding one :class:`LossScaleState`.
     top: how many leaves the printed report lists; an integer >= 1.
 
   Returns:
     An :class:`OverflowReport`; ``print`` it for a readable summary.
 
   Raises:
-    ValueError: ``opt_state`` holds no ``fp16_loss_scale`` state (or more
-      than one), or a batched one; ``top`` is out of range.
+    ValueError: not one (unbatched) :class:`LossScaleState`; a bad ``top``.
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
 
   Examples:
@@ -254,8 +248,7 @@ def raise_if_min_scale_reached(
   would, or for any preset once its scale keeps overflowing at its floor.
 
   A jitted step cannot raise, so the state counts those overflows; call this
-  on the host (say when logging). The message names the leaves that
-  overflowed most often and the last overflow's kind.
+  on the host (say when logging).
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`.
@@ -264,9 +257,8 @@ def raise_if_min_scale_reached(
 
   Raises:
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
-    MinLossScaleError: if any overflow hit the floor with
-      ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` of them
-      did.
+    MinLossScaleError: an overflow hit the floor with
+      ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` did.
 
   Examples:
     >>> import jax.numpy as jnp, fp16_scaling as fs
