@@ -155,15 +155,13 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, or a
       shared scale's :class:`ScalerState`.
-    scale: the new scale: a positive normal finite float32 (a Python
-      number is checked), or a float32 scalar array.
+    scale: a positive normal finite float32, or a float32 scalar array.
 
   Returns:
     The new state.
 
   Raises:
-    ValueError: a Python ``scale`` that is negative, zero, subnormal, inf
-      or NaN.
+    ValueError: a Python ``scale`` that is not a positive normal float32.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs

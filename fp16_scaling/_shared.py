@@ -32,18 +32,15 @@ class SharedLossScale:
     """Steps the shared scale once, after every optimizer has stepped.
 
     Args:
-      scale_state: the state every ``tx.update`` of this step was given
-        as ``loss_scale=``.
-      *opt_states: the optimizer states those updates returned, one per
-        optimizer built with ``fp16_loss_scale(self)``.
+      scale_state: the state every ``tx.update`` was given as ``loss_scale=``.
+      *opt_states: the optimizer states those updates returned.
 
     Returns:
       The next :class:`ScalerState`: backed off once if any optimizer's
       gradients overflowed, else one clean step counted.
 
     Raises:
-      ValueError: a state not built with this shared scale, or one under
-        :func:`accumulate_gradients`.
+      ValueError: a state not built with this shared scale, or accumulating.
     """
     if not opt_states:
       raise ValueError("shared.update needs the optimizer states it steps")
@@ -82,10 +79,8 @@ def shared_loss_scale(scaler: Scaler) -> SharedLossScale:
     scaler: a :class:`Scaler` from a preset.
 
   Returns:
-    A :class:`SharedLossScale`: build each optimizer with
-    ``fp16_loss_scale(shared)``, update each with ``tx.update(grads,
-    opt_state, params, loss_scale=scale_state)``, then step the scale once
-    with ``shared.update(scale_state, *opt_states)``.
+    A :class:`SharedLossScale`, to build each optimizer with
+    ``fp16_loss_scale(shared)`` and step once with ``shared.update``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
