@@ -95,18 +95,14 @@ class LossScaleState(NamedTuple):
   """State of :func:`fp16_loss_scale`.
 
   Attributes:
-    scaler: the loss-scale machine's state; ``scaler.loss_scale`` (also
-      ``.loss_scale``) is the scale for the next backward pass.
-    prev_loss_scale: float32 scale the last step's gradients were made with
-      and divided by.
+    scaler: the :class:`ScalerState`, with the next ``loss_scale``.
+    prev_loss_scale: float32 scale the last step's gradients were made with.
     overflow: bool, whether the last step's gradients had an inf or NaN.
     skipped_steps: int32 total of overflowing steps so far.
     grad_norm: float32 true global 2-norm of the last step's gradients,
       before clipping; 0.0 on an overflow step.
-    leaf_nonfinite: bool vector, per gradient leaf whether it held an inf or
-      NaN on the last step.
-    leaf_nonfinite_steps: int32 vector, per leaf the steps so far on which
-      it held an inf or NaN.
+    leaf_nonfinite: bool vector, per leaf: held an inf or NaN last step.
+    leaf_nonfinite_steps: int32 vector, per leaf: its non-finite steps so far.
     overflow_kind: int32 index into ``KINDS`` of the last step's overflow.
     grad_range: a :class:`GradRange` with ``grad_range=True``, else None.
     leaf_paths: :class:`LeafPaths`, static: the leaves' names.
@@ -152,18 +148,15 @@ class AccumulationState(NamedTuple):
   Attributes:
     mini_step: int32, microbatches of the current window so far.
     windows: int32, windows ended so far: optimizer steps taken or skipped.
-    acc_grads: float32 pytree of the params' structure: the sum of the
-      current window's accumulated microbatch gradients, each over ``k``.
+    acc_grads: float32 sum of the window's microbatch gradients over ``k``.
     clean_in_window: int32, microbatches of the window accumulated.
     inner_state: the state of the wrapped guarded chain.
     microbatches: int32 total of microbatches seen.
     applied_steps: int32 total of windows whose optimizer step was applied.
     dropped_microbatches: int32 total of microbatches left out of a mean.
     window_ended: bool, whether the last call ended a window.
-    loss_sum: float32 sum of the window's accumulated ``value=`` losses,
-      each over ``k``.
-    loss_nonfinite: bool, whether any ``value=`` of the window, dropped
-      microbatches included, was not finite.
+    loss_sum: float32 sum of the window's ``value=`` losses over ``k``.
+    loss_nonfinite: bool, whether any ``value=`` of the window was not finite.
   """
 
   mini_step: jax.Array

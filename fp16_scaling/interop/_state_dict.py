@@ -131,16 +131,13 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   """The loss-scale state of ``opt_state`` as plain Python values.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState` (also
-      batched, or inside ``nnx.Optimizer``).
-    scaler: the :class:`Scaler` the optimizer was built with; its
-      configuration is stored under ``"config"`` so that a load checks it.
+    opt_state: an optax state holding one :class:`LossScaleState`.
+    scaler: the :class:`Scaler` the optimizer was built with, stored under
+      ``"config"`` so that a load checks it.
 
   Returns:
-    A dict: ``format`` (``"fp16_scaling"``), one entry per array of the
-    :class:`LossScaleState` named by its field (the :class:`ScalerState`'s
-    unprefixed, :class:`GradRange`'s as ``grad_*``), as Python numbers
-    (nested lists for a batched state); and with ``scaler``, ``config``.
+    A dict: ``format``, then one entry per array of the
+    :class:`LossScaleState` named by its field, as Python numbers.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -226,24 +223,18 @@ def load_scaler_state_dict(
   """``opt_state`` with its loss-scale state taken from ``state_dict``.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState` (for
-      instance ``tx.init(params)``); batched states get the values
-      broadcast, nnx-wrapped ones keep their Variables.
+    opt_state: an optax state holding one :class:`LossScaleState`.
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
-      (torch, Megatron, DeepSpeed's fp16 optimizers or a ZeRO checkpoint's
-      ``loss_scaler``; docs/checkpoints.md), recognised by its keys.
+      (docs/checkpoints.md), recognised by its keys.
     scaler: the :class:`Scaler` the optimizer was built with; the
       configuration the state holds or implies must agree with it.
 
   Returns:
-    The new optax state. A peer's state sets the scale, the growth tracker
-    and hysteresis; the previous scale becomes the loaded one, and the
-    counters no peer stores are kept.
+    The new optax state (a peer's sets the scale and its counters only).
 
   Raises:
-    ValueError: the state comes from no known source, holds a scale that is
-      not a positive normal finite float32, or disagrees with ``scaler``
-      (the message names the field).
+    ValueError: an unknown state, a scale that is not a normal float32, or
+      a configuration that disagrees with ``scaler``.
   """
   scaler = _scaler_arg(scaler)
   old = _lookup.loss_scale_state(opt_state)
@@ -267,8 +258,7 @@ def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
       for those DeepSpeed 0.19.8 saves.
 
   Returns:
-    A :class:`Scaler` (``torch_scaler``, ``deepspeed_scaler`` or
-    ``static_scaler``) whose initial scale is the state's scale.
+    A :class:`Scaler` whose initial scale is the state's scale.
 
   Raises:
     ValueError: for Megatron's or our own state, or an unknown one.
@@ -299,8 +289,7 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
 
   Raises:
     ValueError: an unknown peer, a batched state, or a configuration the
-      peer cannot run (for instance hysteresis for torch, or a growth delay
-      other than the peer's).
+      peer cannot run.
   """
   scaler = _scaler_arg(scaler)
   if peer not in _peers.EXPORTS:
