@@ -1,10 +1,5 @@
-"""``accumulate_gradients``: microbatches at one scale, one step per window.
-
-Microbatch gradients are summed in float32 as ``g / k``; at a window's last
-microbatch the guarded chain runs once on the mean, and the other calls
-return ``-0.0`` updates. An inf or NaN in any microbatch makes the sum
-non-finite, so the window is skipped exactly; the accumulator is then
-replaced by zeros, never multiplied by 0. docs/accumulation.md has more.
+"""``accumulate_gradients``: microbatches at one scale, one step per window;
+a window with an inf or NaN is skipped exactly (docs/accumulation.md).
 """
 
 import numbers

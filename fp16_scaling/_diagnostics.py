@@ -1,8 +1,5 @@
-"""Host-side reports and checks: ``overflow_report`` (which gradient leaves
-overflow, how often, and why) and ``raise_if_min_scale_reached``.
-
-They read, outside ``jit``, what ``fp16_loss_scale`` recorded in the state,
-leaf names included; docs/diagnostics.md shows them in use.
+"""Host-side reports and checks of what ``fp16_loss_scale`` recorded:
+``overflow_report`` and ``raise_if_min_scale_reached`` (docs/diagnostics.md).
 """
 
 import dataclasses
