@@ -1,8 +1,5 @@
-"""Write-only state that keeps its own donated buffer: :func:`written_over`
-makes each write-only field read its old value through a select on the
-constant ``True``, which XLA removes, so every output aliases its own input
-(docs/design.md, "In place"; ``tests/test_alias.py`` shows each use is
-needed).
+"""Write-only state that keeps its own donated buffer (docs/design.md, "In
+place"; ``tests/test_alias.py`` shows each use is needed).
 """
 
 from typing import Any

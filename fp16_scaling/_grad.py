@@ -1,8 +1,5 @@
-"""``value_and_grad``: the scaled gradients a guarded chain expects.
-
-It differentiates ``loss * S`` with S read from the state inside the trace
-(as torch's ``scaler.scale(loss)`` and Flax's ``DynamicScale``) and returns
-the unscaled loss; ``tx.update`` then unscales.
+"""``value_and_grad``: the gradients of ``loss * S``, with S read from the
+state inside the trace, and the unscaled loss.
 """
 
 from typing import Any, Callable, Sequence, Union
