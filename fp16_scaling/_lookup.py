@@ -1,11 +1,7 @@
-"""The one way to find fp16_scaling's states inside a nested optax state.
-
-Every helper finds the :class:`LossScaleState`, :class:`ClipState` and
-:class:`AccumulationState` here, so a state that lost its types, holds the
-wrong number of them or sits inside ``optax.MultiSteps`` gets the same
-message everywhere. States come back with plain arrays (:func:`unwrap`, for
-``nnx.Optimizer``'s Variables); :func:`replace_loss_scale_state` writes back
-into the same containers.
+"""The one way to find fp16_scaling's states inside a nested optax state, so
+that a state that lost its types, holds several or sits inside
+``optax.MultiSteps`` gets the same message everywhere; states come back
+with plain arrays (:func:`unwrap`, for ``nnx.Optimizer``).
 """
 
 from typing import Any, Optional

@@ -1,8 +1,5 @@
-"""``fp16_loss_scale``: detect overflow, unscale, and step the loss scale.
-
-Unscaling divides by ``prev_loss_scale``, the scale the gradients were made
-with; the scale decided on this step is ``loss_scale``, for the next one
-(docs/design.md, "State").
+"""``fp16_loss_scale``: detect overflow, unscale by ``prev_loss_scale``, and
+step the loss scale for the next step (docs/design.md, "State").
 """
 
 import dataclasses
