@@ -1,8 +1,5 @@
-"""The one measurement of a step's gradients, passed to whoever needs it.
-
-:func:`measure` reads the scaled gradients once and returns a
-:class:`Measurement`; ``skip_on_overflow`` hands it to its own elements
-(:class:`Handed`). docs/design.md ("Data flow") follows it through a step.
+"""The one measurement of a step's gradients, and :class:`Handed`, which
+passes it to an element with its state (docs/design.md, "Data flow").
 """
 
 from typing import Any, NamedTuple, Optional, Sequence

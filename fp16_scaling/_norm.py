@@ -1,11 +1,6 @@
-"""The one global-norm routine: overflow and norm from a single pass.
-
-:func:`leaf_sums` reads every gradient element once; a leaf's sum is
-``-inf`` (after :func:`reduce_norms`) exactly when it held an inf or NaN,
-and its squared norm otherwise. Under ``shard_map`` each leaf's sum is
-``psum``-med over the axes its ``PartitionSpec`` splits it over, so every
-device takes the same decision. docs/design.md ("The one pass", "What
-float16 holds") gives the reasoning.
+"""The one global-norm routine: overflow and norm from a single pass, each
+leaf's sum ``-inf`` exactly when it held an inf or NaN, and ``psum``-med
+over its mesh axes (docs/design.md, "The one pass", "What float16 holds").
 """
 
 from typing import NamedTuple, Optional, Sequence
