@@ -1,9 +1,5 @@
-"""One loss-scale state machine, and the presets that configure it.
-
-DeepSpeed's, torch's, Megatron's and Flax's dynamic scalers are the same
-machine with different constants; the scale is always a normal, finite
-float32. docs/peers.md states each peer's rule and the designed differences;
-docs/design.md describes the machine.
+"""One loss-scale state machine, and the presets that configure it as each
+peer's scaler (docs/peers.md; docs/design.md, "The state machine").
 """
 
 import dataclasses

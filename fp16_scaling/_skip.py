@@ -1,9 +1,5 @@
-"""``skip_on_overflow``: an exact skip of the whole chain on an overflow step.
-
-The guard wraps the chain (an element cannot stop the ones after it): it
-measures the gradients once, hands the measurement to its own elements, and
-on an overflow selects ``-0.0`` updates and the old state after the inner
-update (docs/design.md, "Data flow" and "The exact skip").
+"""``skip_on_overflow``: an exact skip of the whole chain on an overflow step
+(docs/design.md, "Data flow" and "The exact skip").
 """
 
 from typing import Any
