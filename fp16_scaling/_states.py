@@ -1,8 +1,5 @@
-"""The state types of fp16_scaling's transformations, and their constants.
-
-Defined apart from the code that computes them, so that ``_lookup`` and the
-host helpers import only the types. :class:`ScalerState` is in ``_scaler``.
-docs/design.md ("State") lists every field.
+"""The state types of fp16_scaling's transformations, and their constants,
+apart from the code that computes them (docs/design.md, "State").
 """
 
 import dataclasses

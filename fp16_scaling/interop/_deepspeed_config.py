@@ -1,9 +1,5 @@
-"""``from_deepspeed_config``: the scaler and clip a DeepSpeed config asks for.
-
-Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does: the ``fp16``
-section on the engine path ``zero_optimization.stage`` selects,
-``gradient_clipping`` and the batch sizes. docs/peers.md ("DeepSpeed's JSON
-config") has the details.
+"""``from_deepspeed_config``: the scaler and clip a DeepSpeed config asks
+for, read as DeepSpeed 0.19 does (docs/peers.md, "DeepSpeed's JSON config").
 """
 
 import json
