@@ -1,8 +1,5 @@
-"""The PyTorch peers' scaler states: one :class:`Peer` record per peer.
-
-A record says how a peer's saved state is recognised, what configuration it
-implies, how its counters map to :class:`ScalerState` and back, exactly, and
-which preset it describes. docs/checkpoints.md says how each peer counts.
+"""The PyTorch peers' scaler states, one :class:`Peer` record each: how it is
+recognised, what it implies, and its counters both ways, exactly.
 """
 
 import dataclasses

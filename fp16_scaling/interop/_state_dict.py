@@ -1,10 +1,5 @@
-"""The loss-scale state as plain values, and the peers' scaler states.
-
-fp16_scaling's own dict is read off the state's NamedTuples, and the
-:class:`Scaler`'s fields under ``config``, so a field added to either needs
-no change here; a peer's state is recognised by its keys (one record each in
-``_peers``). The scaler is not part of the optax state, so these functions
-take it to check against. docs/checkpoints.md shows them in use.
+"""The loss-scale state as plain values, read off the state's NamedTuples,
+and the peers' scaler states recognised by their keys (docs/checkpoints.md).
 """
 
 from typing import Any, Mapping, Optional
