@@ -23,9 +23,8 @@ POLICIES = ("skip_step", "drop_microbatch")
 
 
 def _skip_like(s) -> jax.Array:
-  """``-0.0`` of ``s``'s shape and dtype, varying over the same ``shard_map``
-  axes as the updates of a window's last microbatch (``lax.cond`` wants the
-  same type from both branches)."""
+  """``-0.0`` of ``s``'s type, varying over its ``shard_map`` axes too, as
+  ``lax.cond`` wants the same type from both branches."""
   x = jnp.full(s.shape, -0.0, s.dtype)
   axes = _sharding.varying_axes(s)
   return lax.pcast(x, axes, to="varying") if axes else x
@@ -264,12 +263,8 @@ def _mean_of(acc, window: _Window, drop: bool):
 
 
 def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
-  """``tx`` on the window's mean when ``ends``, else ``-0.0`` updates.
-
-  ``operands`` are ``(summed, state, params)``; ``in_range``: the mean is
-  within float16's range. Returns ``(updates, inner_state, acc_grads,
-  overflow)``, the accumulator reset to zeros when the window ended.
-  """
+  """``(updates, inner_state, acc_grads, overflow)``: ``tx`` on the window's
+  mean, and the accumulator reset, when ``ends``; else ``-0.0`` updates."""
   summed, state, params = operands
 
   def run_inner(acc, inner_state, params):

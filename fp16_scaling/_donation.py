@@ -17,7 +17,6 @@ def _written_over(old, new):
 
 
 def written_over(old: Any, new: Any) -> Any:
-  """``new`` (``old``'s tree structure), value for value, each leaf written
-  as a function of the same leaf of ``old``: a donating ``jit`` gives it
-  ``old``'s buffer."""
+  """``new``, each leaf written as a function of the same leaf of ``old``, so
+  that a donating ``jit`` gives it ``old``'s buffer."""
   return jax.tree.map(_written_over, old, new)
