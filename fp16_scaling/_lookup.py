@@ -18,17 +18,15 @@ from fp16_scaling._states import LossScaleState
 
 
 def looks_like_loss_scale_state(keys) -> bool:
-  """Whether a dict with ``keys`` is a LossScaleState restored without its
-  types: it holds ``scaler`` and two more of the state's fields. Not all of
-  them: a checkpoint from an older release lacks the fields added since."""
+  """Whether a dict with ``keys`` is a LossScaleState without its types:
+  ``scaler`` and two more fields (older releases lack the newer ones)."""
   keys = set(map(str, keys)) & set(LossScaleState._fields)
   return "scaler" in keys and len(keys) >= 3
 
 
 def unwrap(tree: Any) -> Any:
-  """``tree`` with every container around one array (an nnx ``Variable``, a
-  pytree node whose one leaf is the array) replaced by that array; tuples,
-  lists, dicts and NamedTuples are walked, anything else is kept."""
+  """``tree`` with every container around one array (an nnx ``Variable``)
+  replaced by the array; tuples, lists, dicts and NamedTuples are walked."""
   if isinstance(tree, (tuple, list)):
     items = [unwrap(v) for v in tree]
     return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)

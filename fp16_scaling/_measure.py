@@ -13,10 +13,8 @@ from fp16_scaling import _sharding
 
 
 class Measurement(NamedTuple):
-  """One pass over a step's scaled gradient leaves ``grads``: their local
-  ``sums`` of squares, global ``norms`` (still times ``scale``), the
-  ``scale`` they were made with; static ``leaf_axes``, ``in_float16_range``.
-  """
+  """One pass over a step's scaled gradient leaves ``grads``, made at
+  ``scale``: their local ``sums`` of squares and global ``norms``."""
 
   grads: tuple
   sums: tuple
@@ -58,9 +56,8 @@ class Measurement(NamedTuple):
 
 
 class Handed(NamedTuple):
-  """An element's ``state`` with the step's ``measurement``, as
-  ``skip_on_overflow`` passes it to ``fp16_loss_scale`` (with a shared
-  ``loss_scale``, or None) and to a clip right after it."""
+  """An element's ``state`` with the step's ``measurement`` (and a shared
+  ``loss_scale``), as ``skip_on_overflow`` passes it to its own elements."""
 
   state: Any
   measurement: Measurement
@@ -101,9 +98,8 @@ def measure_step(
   *,
   in_float16_range: bool = False,
 ) -> Measurement:
-  """:func:`measure` of ``grads`` at the scale ``opt_state`` made them
-  with: its own, or ``loss_scale``'s (a shared scale's state) when given;
-  with the partition specs its ``fp16_loss_scale`` was built with."""
+  """:func:`measure` of ``grads`` at the scale and with the partition specs
+  of ``opt_state`` (the scale of a shared ``loss_scale`` when given)."""
   ls = _lookup.loss_scale_state(opt_state)
   scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
   specs = ls.leaf_paths.partition_specs
