@@ -22,10 +22,8 @@ FLOAT16_INF_FROM = 65520.0
 
 
 class Norms(NamedTuple):
-  """Norms of a gradient tree from its per-leaf sums: ``norm`` and
-  ``group_norms`` (0.0 where not finite), ``overflow``, and per leaf
-  ``leaf_nonfinite`` and ``leaf_sums`` (the global sums, ``-inf`` if not
-  finite)."""
+  """Norms of a gradient tree (0.0 where not finite), ``overflow``, and per
+  leaf ``leaf_nonfinite`` and the global ``leaf_sums``."""
 
   norm: jax.Array
   group_norms: jax.Array
@@ -50,12 +48,8 @@ def _is_wide(x) -> bool:
 
 
 def widen(x: jax.Array) -> jax.Array:
-  """``x`` in (at least) float32, with the range of its own dtype.
-
-  A float16 value at or above :data:`FLOAT16_INF_FROM` reads as ``+-inf``,
-  even where the compiler never rounded it to float16 (docs/design.md,
-  "What float16 holds"); other dtypes are only promoted.
-  """
+  """``x`` in (at least) float32, a float16 value out of float16's range as
+  ``+-inf`` (docs/design.md, "What float16 holds")."""
   wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   if _is_wide(x):
     return wide
@@ -64,9 +58,8 @@ def widen(x: jax.Array) -> jax.Array:
 
 
 def _squares(x: jax.Array) -> jax.Array:
-  """Elementwise squares in float32; ``+inf`` or NaN exactly where ``x`` is
-  not finite in its own dtype's range (float16: see :func:`widen`),
-  ``-inf`` for a non-finite wide element (whose square may be capped)."""
+  """Elementwise squares in float32: ``+inf`` or NaN where a float16 ``x`` is
+  out of range (:func:`widen`), ``-inf`` where a wider one is not finite."""
   wide = lax.convert_element_type(x, jnp.promote_types(x.dtype, jnp.float32))
   sq = lax.mul(wide, wide)
   if not _is_wide(x):
@@ -94,9 +87,8 @@ def _sqrt_jvp(primals, tangents):
 
 
 def leaf_sums(leaves: Sequence[jax.Array]) -> list:
-  """Per-leaf local sums of squares, not finite (``-inf``, ``+inf`` or NaN)
-  exactly for a leaf with a non-finite element: the one pass over the
-  gradients. Its derivative treats a non-finite element as 0."""
+  """The one pass: per-leaf local sums of squares, not finite exactly for a
+  leaf with a non-finite element (whose derivative counts as 0)."""
   return list(_leaf_sums(tuple(leaves)))
 
 
@@ -121,12 +113,8 @@ def _leaf_sums_jvp(primals, tangents):
 
 
 def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
-  """``leaves``, or zeros when ``overflow`` (a step whose result is discarded).
-
-  Selected in the values, before any multiply, so that derivatives through
-  an overflow step stay finite (docs/design.md, "Differentiating through an
-  overflow step").
-  """
+  """``leaves``, or zeros when ``overflow``, selected before any multiply
+  (docs/design.md, "Differentiating through an overflow step")."""
   return tuple(jnp.where(overflow, 0.0, x) for x in leaves)
 
 
@@ -247,12 +235,8 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
 
 
 def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
-  """Per-leaf largest finite ``|x|`` and fraction of zero elements, across
-  each leaf's mesh axes. Opt-in: two more reductions per leaf.
-
-  Returns:
-    ``(max_abs, zero_fraction)``, two float32 vectors in leaf order.
-  """
+  """``(max_abs, zero_fraction)``: per leaf across its mesh axes, the
+  largest finite ``|x|`` and the fraction of zero elements."""
   peaks = [
     jnp.max(
       jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype)),

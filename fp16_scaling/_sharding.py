@@ -48,10 +48,8 @@ def is_spec(s) -> bool:
 
 
 def varying_axes(t, *, unreduced: bool = False) -> AxisNames:
-  """Manual mesh axes over which a value of type ``t`` (an aval or a
-  ``ShapeDtypeStruct``) may differ, and with ``unreduced`` those where it
-  holds unreduced partial sums, as ``shard_map``'s ``check_vma`` types it;
-  empty when unchecked."""
+  """Manual mesh axes over which a value of type ``t`` may differ (and with
+  ``unreduced``, hold partial sums), as ``shard_map``'s ``check_vma`` says."""
   mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9
   if mat is None:
     return tuple(sorted(set(getattr(t, "vma", ()))))
@@ -86,9 +84,8 @@ class _Repeated:
 
 
 def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
-  """One of ``values`` (given per leaf of ``prefix``) per leaf of ``tree``,
-  ``prefix`` being a prefix of ``tree``'s structure as ``optax.masked``'s
-  mask is (else ValueError)."""
+  """One of ``values`` (one per leaf of ``prefix``, a prefix of ``tree`` as in
+  ``optax.masked``) per leaf of ``tree``."""
   it = iter(values)
   repeated = jax.tree.map(
     lambda _, sub: _Repeated(next(it), len(jax.tree.leaves(sub))),
@@ -106,14 +103,8 @@ def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
 
 
 def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
-  """Static per-leaf mesh axes to sum each leaf's squares over: the
-  *manual* axes (``shard_map``'s) its spec names; none under plain ``jit``.
-
-  Raises:
-    TypeError: a leaf of ``partition_specs`` is not a PartitionSpec or None.
-    ValueError: ``partition_specs`` does not match ``tree``; a spec names an
-      axis the mesh lacks; a leaf varies over an axis its spec replicates.
-  """
+  """Static per-leaf mesh axes to sum each leaf's squares over: the manual
+  (``shard_map``'s) axes its spec names, checked against the mesh."""
   leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
   if partition_specs is None:
     for path, x in leaves_with_paths:
