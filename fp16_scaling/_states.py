@@ -18,11 +18,8 @@ KINDS = ("none", "unknown", "forward", "backward", "persistent")
 
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
-  """Static facts of a :class:`LossScaleState`, held in its treedef: the
-  leaves' ``paths`` and ``sizes``, and the ``scaler``, ``shared`` and
-  ``partition_specs`` it was built with. Equality is that of the last three
-  only, so that ``optax.tree_map_params``' leafless placeholder matches.
-  """
+  """Static facts of a :class:`LossScaleState`, in its treedef: the leaves'
+  ``paths`` and ``sizes``, and (alone in equality) the configuration."""
 
   def __init__(self, paths, sizes, scaler=None, shared=False, specs=None):
     self.paths = tuple(paths)

@@ -55,9 +55,8 @@ def above_one(name: str, value) -> float:
 
 
 def open_unit(name: str, value) -> float:
-  """``value`` as the float32 the state holds, which must lie in (0, 1): a
-  factor that rounds to 0.0 or 1.0 in float32 would zero the scale or
-  never lower it."""
+  """``value`` as the float32 the state holds, which must lie in (0, 1) (so
+  that the factor neither zeroes the scale nor leaves it)."""
   v = real(name, value)
   f = float(np.float32(v)) if 0.0 < v < 1.0 else v
   if not 0.0 < f < 1.0:
