@@ -112,9 +112,8 @@ def _warn_unmodelled(config) -> None:
 
 
 def _accumulation_steps(config, world_size: int) -> int:
-  """``gradient_accumulation_steps`` as DeepSpeed 0.19 derives and checks it
-  (``DeepSpeedConfig._set_batch_related_parameters``, ``_batch_assertion``);
-  with neither batch size given, taken as it is (default 1)."""
+  """``gradient_accumulation_steps`` as DeepSpeed 0.19's ``DeepSpeedConfig``
+  derives and checks it (taken as it is without batch sizes)."""
   train, micro, steps = (
     None if config.get(f) is None else _validate.integer(f, config[f])
     for f in _BATCH_FIELDS

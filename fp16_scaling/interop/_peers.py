@@ -97,9 +97,8 @@ class Counters(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-  """One peer's saved scaler state: recognised by its ``keys`` (and
-  ``when``); the fields it ``implies``; its counters ``to_own`` and
-  ``from_own``; what ``from_own`` ``needs``; the ``preset`` it describes."""
+  """One peer's saved scaler state: its ``keys``, the fields it ``implies``,
+  its counters both ways, what ``from_own`` ``needs``, its ``preset``."""
 
   name: str
   saved_by: str
