@@ -52,9 +52,7 @@ _OWNED = (
 def _gradient_tree(params):
   """The part of ``params`` the gradients have the tree of (the fast
   weights of ``optax.lookahead``'s ``LookaheadParams``)."""
-  if isinstance(params, optax.LookaheadParams):
-    return params.fast
-  return params
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
