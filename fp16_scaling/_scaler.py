@@ -20,9 +20,8 @@ class ScalerState(NamedTuple):
     loss_scale: float32 scale to multiply the *next* loss by.
     growth_tracker: int32 clean steps counted towards the next growth.
     hysteresis_left: int32 overflows still absorbed before a back-off
-      (``hysteresis - 1`` when full; the peers' counters are this plus 1).
-    min_scale_errors: int32 overflows at ``min_scale`` with
-      ``raise_at_min_scale`` set: where DeepSpeed raises.
+      (``hysteresis - 1`` when full).
+    min_scale_errors: int32 overflows at ``min_scale`` where DeepSpeed raises.
     floor_overflows: int32 overflows at ``min_scale``, for every preset.
   """
 
@@ -440,10 +439,8 @@ def headroom_scaler(
   """A scale set from the measured gradient range, not a clean-step count.
 
   After a clean step the scale targets ``2**floor(log2(65504 / (max|g| *
-  2**headroom_bits)))``: it falls to it at once, grows only when it lies
-  ``growth_margin_bits`` above, by at most ``max_growth`` a step, within
-  ``[min_scale, max_scale]``. An overflow backs off as in the other
-  presets. It costs one more reduction per leaf (benchmarks/README.md).
+  2**headroom_bits)))``: it falls to it at once, and grows to it (by at most
+  ``max_growth``) when it lies ``growth_margin_bits`` above.
 
   Args:
     init_scale: first scale.
