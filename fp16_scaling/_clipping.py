@@ -22,8 +22,7 @@ from fp16_scaling._states import ClipState
 
 
 def _expert_groups(expert_mask, tree) -> tuple:
-  """Static 0/1 group per leaf from a bool pytree (or a prefix of the tree,
-  as in ``optax.masked``) or a callable on the tree."""
+  """Static 0/1 group per leaf of ``tree`` from ``expert_mask``."""
   n = len(jax.tree.leaves(tree))
   if expert_mask is None or n == 0:
     # No leaves (optax.tree_map_params calls init with such a placeholder).

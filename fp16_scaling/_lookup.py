@@ -114,8 +114,7 @@ def clip_state(opt_state: Any) -> Optional[ClipState]:
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
-  """The one :class:`AccumulationState` in ``opt_state`` (plain arrays), or
-  None; raises ValueError for more than one."""
+  """The one :class:`AccumulationState` in ``opt_state``, or None."""
   found = all_with_path(opt_state, AccumulationState)
   if len(found) > 1:
     paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
@@ -127,8 +126,7 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``,
-  whose arrays go into the old state's containers (nnx ``Variable`` s)."""
+  """``opt_state`` with ``new``'s arrays in its :class:`LossScaleState`."""
   loss_scale_state(opt_state)
 
   def rewrap(old: LossScaleState) -> LossScaleState:
