@@ -50,8 +50,7 @@ _OWNED = (
 
 
 def _gradient_tree(params):
-  """The part of ``params`` the gradients have the tree of (the fast
-  weights of ``optax.lookahead``'s ``LookaheadParams``)."""
+  """The part of ``params`` the gradients have the tree of."""
   return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
@@ -74,8 +73,7 @@ def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
 
 
 def _warn_float16_params(leaves) -> None:
-  """Float16 parameters have no float32 master copy: updates below half an
-  ulp of a weight round away, whatever the scale."""
+  """Warns of float16 parameters: they have no float32 master copy."""
   if any(jnp.result_type(x) == jnp.float16 for x in leaves):
     warnings.warn(
       "fp16_loss_scale: some params are float16, so the optimizer updates "

@@ -32,8 +32,7 @@ class Measurement(NamedTuple):
     return 1.0 / self.scale
 
   def unscaled(self, leaves: Sequence[jax.Array]) -> tuple:
-    """``leaves`` divided by the scale, in at least float32; zeros on an
-    overflow (``_norm.discard_if``)."""
+    """``leaves`` over the scale, in float32 or wider; zeros on overflow."""
     wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves]
     inv = self.inv_scale
     return tuple(x * inv for x in _norm.discard_if(self.overflow, wide))
@@ -72,8 +71,7 @@ def measure(
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
 ) -> Measurement:
-  """The one pass over ``grads``, made at loss scale ``scale``; ``what``
-  names the transformation in error messages."""
+  """The one pass over ``grads``, made at loss scale ``scale``."""
   leaves = jax.tree.leaves(grads)
   _norm.check_float_leaves(leaves, f"{what} gradients")
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
