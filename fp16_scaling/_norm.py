@@ -173,8 +173,7 @@ def reduce_norms(
 
 
 def _group_sums(per_leaf, leaf_groups, num_groups) -> tuple:
-  """``(per-group sums, total)`` of the per-leaf vector (one reduction when
-  one group holds every leaf)."""
+  """``(per-group sums, total)`` of the per-leaf vector."""
   present = sorted(set(leaf_groups))
   if len(present) == 1:
     total = jnp.sum(per_leaf)

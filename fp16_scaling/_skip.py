@@ -137,8 +137,7 @@ def skipped_if(overflow, updates, old_state, new_state) -> tuple:
 
 
 def _handed(state, measurement, loss_scale, clip_follows: bool):
-  """``state`` with the loss-scale state, and the clip's when it follows,
-  each handed the measurement (:class:`_measure.Handed`)."""
+  """``state`` with its loss-scale (and following clip) state handed on."""
 
   def hand(x):
     if isinstance(x, LossScaleState):
