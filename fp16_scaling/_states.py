@@ -63,8 +63,7 @@ class LeafPaths:
 
 
 def register_with_flax() -> None:
-  """Lets ``flax.serialization`` save a state holding :class:`LeafPaths`
-  (as nothing, restoring the target's), when flax is loaded."""
+  """Lets a loaded ``flax.serialization`` save :class:`LeafPaths` (as {})."""
   serialization = sys.modules.get("flax.serialization")
   if serialization is not None:
     serialization.register_serialization_state(

@@ -129,8 +129,7 @@ def in_range(name: str, value, low: float, high: float) -> float:
 
 
 def one_element(name: str, value):
-  """The one element of a number, a numpy array or a torch tensor (read
-  without importing torch), as a Python scalar."""
+  """The one element of a number, array or torch tensor, as a scalar."""
   if hasattr(value, "detach"):  # a torch tensor
     value = value.detach().cpu().numpy()
   a = np.asarray(value)
