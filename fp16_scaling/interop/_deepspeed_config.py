@@ -211,8 +211,7 @@ def from_deepspeed_config(
 
 
 def _read(config: Union[Mapping[str, Any], str, os.PathLike]) -> Mapping:
-  """The config dict (read from its JSON file when a path), with no
-  ``"auto"`` value."""
+  """The config dict (from its JSON file), refusing ``"auto"`` values."""
   if not isinstance(config, Mapping):
     with open(config) as f:
       config = json.load(f)
@@ -279,8 +278,7 @@ def _dynamic_scaler(
 
 
 def _hysteresis(fp16: Mapping, stage: int, stage0_hysteresis: bool) -> tuple:
-  """``(hysteresis, consecutive_hysteresis, raise_at_min_scale)`` on the
-  engine path that ``stage`` selects."""
+  """``(hysteresis, consecutive, raise_at_min_scale)`` at ``stage``."""
   hysteresis = _int(fp16, "hysteresis", 2)
   consecutive = _validate.boolean(
     "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)

@@ -40,8 +40,7 @@ def _tracker(d: Mapping, key: str, scaler: Scaler) -> int:
 
 
 def config(scaler: Scaler) -> dict:
-  """Every field of ``scaler``: a field added to :class:`Scaler` is saved and
-  checked on load without a change here."""
+  """Every field of ``scaler``, by name."""
   return {f.name: getattr(scaler, f.name) for f in dataclasses.fields(Scaler)}
 
 
@@ -64,8 +63,7 @@ PEER_FIX = (
 def check(
   scaler: Scaler, source: str, expected: Mapping[str, Any], fix: str
 ) -> None:
-  """Raises if ``scaler``'s fields differ from what a ``source`` state
-  implies; ``fix`` says what to do about it."""
+  """Raises if ``scaler`` differs from what a ``source`` state implies."""
   have = config(scaler)
   for field, value in expected.items():
     if field not in have:
@@ -261,8 +259,7 @@ def _ds_to_own(d: Mapping, scaler: Scaler) -> Counters:
 
 
 def _ds_from_own(c: Counters, scaler: Scaler) -> dict:
-  """The fp16 optimizers' loss-scale entries and ``cur_hysteresis``, with the
-  ``DynamicLossScaler`` attributes a ZeRO ``loss_scaler`` holds."""
+  """The fp16 optimizers' entries, with a ZeRO ``loss_scaler``'s."""
   return {
     "dynamic_loss_scale": True,
     "cur_scale": c.loss_scale,
@@ -387,8 +384,7 @@ def recognise(d: Mapping) -> Optional[Peer]:
 
 
 def exported(name: str, scaler: Scaler) -> Peer:
-  """The peer that ``to_peer_state_dict(..., name, scaler)`` writes for:
-  DeepSpeed's static form for a static scaler."""
+  """The peer that ``to_peer_state_dict`` writes ``name``'s state for."""
   peer = EXPORTS[name]
   if peer is DS_OPTIMIZER and not scaler.dynamic:
     return DS_STATIC
