@@ -49,8 +49,7 @@ def _own_fields(state: tuple, prefix: str = "", path: tuple = ()) -> dict:
 
 
 def _own_dict(state: tuple) -> dict:
-  """The own format's entries of ``state``, as Python numbers (nested lists
-  when batched)."""
+  """The own format's entries of ``state``, as Python numbers."""
   fields = _own_fields(jax.device_get(state))
   return {key: np.asarray(x).tolist() for key, (_, x) in fields.items()}
 
@@ -81,8 +80,7 @@ def _replace_at(node: tuple, path: tuple, value: Any) -> tuple:
 
 
 def _recognise(state_dict: Any) -> tuple:
-  """``(peer, dict)``: the :class:`_peers.Peer` whose state ``state_dict``
-  is (None for fp16_scaling's own), recognised by its keys."""
+  """``(peer, dict)`` of ``state_dict``; peer None for the own format."""
   if not isinstance(state_dict, Mapping):
     attrs = getattr(state_dict, "__dict__", None)
     if isinstance(attrs, Mapping) and "cur_scale" in attrs:
