@@ -1,8 +1,6 @@
 """fp16_scaling: float16 loss scaling for JAX, as optax transformations.
 
-``skip_on_overflow(optax.chain(fp16_loss_scale(scaler), clip_by_unscaled_norm(
-1.0), optimizer))``, with the gradients of ``loss * current_scale(opt_state)``
-(``value_and_grad``); README.md has the quickstart.
+README.md has the quickstart; docs/design.md, the design.
 """
 
 from fp16_scaling._accumulate import accumulate_gradients

@@ -1,6 +1,5 @@
-"""The interop wing: the scaler's state as plain values and as the PyTorch
-peers save it, and what a DeepSpeed config asks for. No core module imports
-it; ``fp16_scaling`` exports every name here too.
+"""The interop wing: the peers' scaler states and DeepSpeed's config. No core
+module imports it; ``fp16_scaling`` exports every name here too.
 """
 
 from fp16_scaling.interop._deepspeed_config import DeepSpeedFP16
