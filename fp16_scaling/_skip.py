@@ -85,9 +85,6 @@ def skip_on_overflow(
     >>> m = fs.scale_metrics(state)
     >>> print(bool(m["overflow"]), float(m["loss_scale"]))
     True 512.0
-
-  References:
-    Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
   if early_select is not None:
     warnings.warn(
