@@ -55,13 +55,8 @@ class DeepSpeedFP16(NamedTuple):
     above 1."""
     parts = [fp16_loss_scale(self.scaler, partition_specs=partition_specs)]
     if self.max_norm is not None:
-      parts.append(
-        clip_by_unscaled_norm(
-          self.max_norm,
-          expert_mask=expert_mask,
-          partition_specs=partition_specs,
-        )
-      )
+      kw = dict(expert_mask=expert_mask, partition_specs=partition_specs)
+      parts.append(clip_by_unscaled_norm(self.max_norm, **kw))
     parts.append(inner)
     tx = skip_on_overflow(optax.chain(*parts))
     if self.gradient_accumulation_steps > 1:
