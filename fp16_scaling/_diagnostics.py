@@ -151,9 +151,8 @@ class OverflowReport:
         f"{self.top}): max|g|, headroom bits at {_fmt_scale(self.scale)}, "
         "zero fraction"
       )
-      ranked = sorted(
-        self.grad_range.items(), key=lambda kv: kv[1].headroom_bits
-      )
+      by_headroom = lambda kv: kv[1].headroom_bits
+      ranked = sorted(self.grad_range.items(), key=by_headroom)
       for p, r in ranked[: self.top]:
         lines.append(
           f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "

@@ -142,14 +142,10 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     max_abs = ls.grad_range.max_abs
     sizes = jnp.asarray(ls.leaf_paths.sizes, jnp.float32)
     metrics["grad_max_abs"] = jnp.max(max_abs, axis=-1, initial=0.0)
-    metrics["min_headroom_bits"] = jnp.min(
-      headroom_bits(max_abs, ls.prev_loss_scale[..., None]),
-      axis=-1,
-      initial=jnp.inf,
-    )
-    metrics["zero_fraction"] = jnp.sum(
-      ls.grad_range.zero_fraction * sizes, axis=-1
-    ) / jnp.maximum(jnp.sum(sizes), 1.0)
+    bits = headroom_bits(max_abs, ls.prev_loss_scale[..., None])
+    metrics["min_headroom_bits"] = jnp.min(bits, axis=-1, initial=jnp.inf)
+    zeros = jnp.sum(ls.grad_range.zero_fraction * sizes, axis=-1)
+    metrics["zero_fraction"] = zeros / jnp.maximum(jnp.sum(sizes), 1.0)
   if acc is not None:
     ended = acc.window_ended
     metrics.update(
