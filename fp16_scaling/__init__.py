@@ -1,13 +1,6 @@
 """fp16_scaling: float16 loss scaling for JAX, as optax transformations.
 
-Usage::
-
-    tx = fp16_scaling.skip_on_overflow(optax.chain(
-        fp16_scaling.fp16_loss_scale(fp16_scaling.deepspeed_scaler()),
-        fp16_scaling.clip_by_unscaled_norm(1.0),
-        optax.adamw(1e-3),
-    ))
-    # in the step: grads of loss * fp16_scaling.current_scale(opt_state)
+README.md has the quickstart; docs/design.md, the design.
 """
 
 from fp16_scaling._accumulate import accumulate_gradients

@@ -1,31 +1,5 @@
-"""``accumulate_gradients``: microbatches at one scale, one step per window.
-
-What DeepSpeed (``gradient_accumulation_steps``) and torch
-(``scaler.scale(loss / k).backward()`` k times, then one ``scaler.step``) do:
-
-* every microbatch of a window is made at the same loss scale, because the
-  scale only moves when the guarded chain runs, once per window;
-* the microbatch gradients are summed in float32, each divided by the
-  window's length ``k``, so the sum is their mean;
-* at the window's last microbatch the guarded chain runs once on the mean:
-  one overflow decision, one clip, one scaler step, one optimizer step or one
-  exact skip. The other calls return ``-0.0`` updates, as ``optax.MultiSteps``
-  returns zeros, so ``params + updates`` leaves the parameters bit for bit.
-
-An inf or NaN in any microbatch makes the window's sum inf or NaN (IEEE
-addition keeps a non-finite term non-finite), so the guarded chain's one
-pass over the mean sees the overflow: the window is skipped exactly and the
-scale backs off once. The accumulator is then reset by *replacing* it with
-zeros (a select in a ``lax.cond``), never by multiplying it by 0, which
-would keep a NaN forever.
-
-The loss passed as ``value=`` is accumulated the same way: the guarded
-chain is passed the window's mean loss, not the last microbatch's, so a
-forward overflow (a non-finite loss) on any microbatch is reported as one.
-
-A window's last microbatch and the others are the two branches of one
-``lax.cond``: the other microbatches cost one pass that reads the gradient
-and the accumulator and writes the accumulator; the optimizer does not run.
+"""``accumulate_gradients``: microbatches at one scale, one step per window;
+a window with an inf or NaN is skipped exactly (docs/accumulation.md).
 """
 
 import numbers
@@ -49,15 +23,15 @@ POLICIES = ("skip_step", "drop_microbatch")
 
 
 def _skip_like(s) -> jax.Array:
-  """``-0.0`` of ``s``'s shape and dtype, varying over the same ``shard_map``
-  axes as the updates of a window's last microbatch (``lax.cond`` wants the
-  same type from both branches)."""
+  """``-0.0`` of ``s``'s type, varying over its ``shard_map`` axes too, as
+  ``lax.cond`` wants the same type from both branches."""
   x = jnp.full(s.shape, -0.0, s.dtype)
   axes = _sharding.varying_axes(s)
   return lax.pcast(x, axes, to="varying") if axes else x
 
 
 def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
+  """``every_k_schedule`` as a function, checked where it can be."""
   if callable(every_k_schedule):
     try:
       first = every_k_schedule(0)
@@ -83,46 +57,33 @@ def accumulate_gradients(
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates microbatch gradients and runs the guarded chain once a window.
 
-  Use it where ``optax.MultiSteps`` would go, around the guarded chain. Every
-  call receives one microbatch's gradients of ``loss * current_scale(state)``
-  (the scale does not change inside a window). The call that completes a
-  window passes the float32 mean of the window's gradients to ``tx`` once and
-  returns its updates; every other call returns ``-0.0`` updates.
-
-  Memory: one float32 accumulator per parameter, as ``optax.MultiSteps``.
+  Use it where ``optax.MultiSteps`` would go (docs/accumulation.md). The call
+  that completes a window passes the float32 mean of the window's gradients
+  to ``tx`` and returns its updates; the others return ``-0.0`` updates.
 
   Args:
     tx: the guarded chain, ``skip_on_overflow(optax.chain(fp16_loss_scale(
       ...), clip_by_unscaled_norm(...), optimizer))``.
     every_k_schedule: microbatches per window: an int >= 1, or a function of
-      the number of windows ended so far returning one (a value below 1 is
-      taken as 1).
+      the number of windows ended so far returning one.
     on_microbatch_overflow: ``"skip_step"`` (default, as DeepSpeed and torch):
-      an inf or NaN in any microbatch skips the window's step and backs the
-      scale off once. ``"drop_microbatch"``: the bad microbatches are left
-      out and the clean ones averaged; the scale backs off only when no
-      microbatch of the window is clean (the window is then skipped).
+      an inf or NaN in any microbatch skips the window's step.
+      ``"drop_microbatch"``: the clean microbatches are averaged; the window
+      is skipped only when none is clean.
     partition_specs: under ``shard_map`` with ``"drop_microbatch"``, the
-      gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`),
-      so that every device drops the same microbatches.
+      gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
     :class:`AccumulationState`. Extra arguments are passed to ``tx`` on the
-    calls that end a window. ``value=`` (the loss; pass it on every
-    microbatch or on none) reaches ``tx`` as the window's mean loss: over
-    the accumulated microbatches, so it is not finite when any microbatch's
-    loss was not, and ``fp16_loss_scale`` reports a "forward" overflow
-    whichever microbatch it came from. Under ``"drop_microbatch"`` it is the
-    clean microbatches' mean; with every microbatch dropped, NaN if any loss
-    was not finite, else the last microbatch's loss.
+    calls that end a window; ``value=`` (the loss, on every microbatch or
+    on none) reaches ``tx`` as the window's mean loss.
 
   Raises:
     ValueError: ``every_k_schedule`` below 1; an unknown
-      ``on_microbatch_overflow``; at ``init``, ``tx``'s state holds no (or
-      more than one) ``fp16_loss_scale``, or it is itself inside
-      :func:`skip_on_overflow` (the nesting is the other way round); at
-      ``update``, gradients whose tree or shapes differ from the params.
+      ``on_microbatch_overflow``; at ``init``, not one ``fp16_loss_scale`` in
+      ``tx``, or inside :func:`skip_on_overflow`; at ``update``, gradients
+      whose tree or shapes differ from the params.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -138,7 +99,6 @@ def accumulate_gradients(
     (Array([-2., -2.], dtype=float32), True)
 
   References:
-    Micikevicius et al., "Mixed Precision Training" (ICLR 2018);
     PyTorch, "Automatic Mixed Precision examples: gradient accumulation".
   """
   schedule = _checked_schedule(every_k_schedule)
@@ -193,6 +153,7 @@ def accumulate_gradients(
 
 
 def _initial_state(inner_state, params) -> AccumulationState:
+  """The state before the first microbatch (``inner_state`` checked)."""
   _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
   zero = lambda dtype: jnp.zeros([], dtype)
   return AccumulationState(
@@ -302,22 +263,8 @@ def _mean_of(acc, window: _Window, drop: bool):
 
 
 def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
-  """``tx`` on the window's mean when ``ends``, else ``-0.0`` updates.
-
-  Args:
-    ends: bool, whether this microbatch ends its window.
-    mean_of: the window's mean gradient from the accumulated sum.
-    tx: the guarded chain.
-    operands: ``(summed, state, params)``: the accumulated sum (this
-      microbatch included), the AccumulationState, the params.
-    extra_args: for ``tx.update``, on the window's last microbatch.
-    in_range: every microbatch is float16, so the mean is within float16's
-      range and the norm's float32 rescue is not compiled in.
-
-  Returns:
-    ``(updates, inner_state, acc_grads, overflow)``: the accumulator reset
-    to zeros when the window ended, and whether its mean overflowed.
-  """
+  """``(updates, inner_state, acc_grads, overflow)``: ``tx`` on the window's
+  mean, and the accumulator reset, when ``ends``; else ``-0.0`` updates."""
   summed, state, params = operands
 
   def run_inner(acc, inner_state, params):
@@ -335,8 +282,7 @@ def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
 
   def final(acc, inner_state, params):
     (new_updates, new_inner), overflow = run_inner(acc, inner_state, params)
-    # The reset replaces the sum (a select, in effect): a NaN in it is
-    # dropped, never multiplied by 0, which would keep it.
+    # Replaced, never multiplied by 0, which would keep a NaN.
     return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc), overflow
 
   def middle(acc, inner_state, params):

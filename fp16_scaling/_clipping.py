@@ -1,9 +1,6 @@
-"""``clip_by_unscaled_norm``: clip by the true global norm, MoE-aware.
-
-DeepSpeed's unfused fp16 optimizer (0.19) clips by a norm that leaves out
-expert-parallel gradients and reports it still multiplied by the loss scale.
-Here the norm is always that of the unscaled gradients, expert and shared
-leaves together, and both parts are reported apart as well.
+"""``clip_by_unscaled_norm``: clip by the true global norm, MoE-aware: the
+unscaled gradients' norm, expert and shared leaves together, each part also
+reported (DeepSpeed's unfused optimizer leaves the experts out; docs/peers.md).
 """
 
 from typing import Any, Callable, Optional, Union
@@ -25,11 +22,7 @@ from fp16_scaling._states import ClipState
 
 
 def _expert_groups(expert_mask, tree) -> tuple:
-  """Static 0/1 group per leaf from a bool pytree or a callable on the tree.
-
-  As in ``optax.masked``, the mask may be a prefix of the tree: a bool for a
-  whole subtree marks each of its leaves.
-  """
+  """Static 0/1 group per leaf of ``tree`` from ``expert_mask``."""
   n = len(jax.tree.leaves(tree))
   if expert_mask is None or n == 0:
     # No leaves (optax.tree_map_params calls init with such a placeholder).
@@ -66,35 +59,22 @@ def clip_by_unscaled_norm(
   """Clips gradients by their true global 2-norm.
 
   The gradients are multiplied by ``max_norm / (norm + eps)`` when that is
-  below 1 and left alone otherwise: the formula of
-  ``torch.nn.utils.clip_grad_norm_`` and of DeepSpeed's fp16 optimizers.
-  Placed right after :func:`fp16_loss_scale` inside
-  :func:`skip_on_overflow`, it receives the unscaled gradients and takes
-  their norm from the skip's one measurement of them: the step reads them
-  once. With anything in between, it measures what it
-  receives itself; the result is the same as a plain clip's.
+  below 1, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do.
 
   Args:
     max_norm: the largest global norm let through; positive.
     expert_mask: marks mixture-of-experts leaves, as in ``optax.masked``: a
-      pytree of bools with the gradients' structure or a prefix of it (a
-      bool for a subtree marks all its leaves), or a callable that maps the
-      gradients to one. The clipping norm includes expert and shared
-      leaves alike; the state also reports each part.
+      pytree of bools with the gradients' structure or a prefix of it, or a
+      callable that maps the gradients to one. The state reports each part.
     eps: added to the norm in the denominator; >= 0.
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
-      pytree; squared norms are summed across the mesh axes each leaf is split
-      over.
+      pytree.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
-    Inside :func:`skip_on_overflow` a clip before :func:`fp16_loss_scale`
-    is refused.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.static_scaler(64.0)),
     ...     fs.clip_by_unscaled_norm(1.0)))
@@ -104,8 +84,6 @@ def clip_by_unscaled_norm(
     >>> updates, state = tx.update(grads, state, params)
     >>> print(updates.round(6))  # norm 5 clipped to 1
     [0.6 0.8]
-    >>> print(float(fs.scale_metrics(state)["grad_norm"]))
-    5.0
   """
   max_norm = _validate.positive("max_norm", max_norm)
   eps = _validate.non_negative("eps", eps)

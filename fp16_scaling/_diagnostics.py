@@ -1,12 +1,5 @@
-"""Host-side reports and checks: ``overflow_report`` (which gradient leaves
-overflow, how often, and why) and ``raise_if_min_scale_reached``.
-
-They read concrete values, outside ``jit``. Everything they read was
-recorded by ``fp16_loss_scale`` in its one pass over the gradients: the
-per-leaf overflow flags and counts, the kind of the last overflow, and
-(opt-in) the per-leaf gradient range. The leaves' names come from the
-state's static :class:`LeafPaths`, so the report needs nothing but the
-optimizer state.
+"""Host-side reports and checks of what ``fp16_loss_scale`` recorded:
+``overflow_report`` and ``raise_if_min_scale_reached`` (docs/diagnostics.md).
 """
 
 import dataclasses
@@ -59,11 +52,8 @@ _ADVICE = {
 
 
 class MinLossScaleError(RuntimeError):
-  """An overflow wanted to lower a loss scale already at its minimum.
-
-  Raised on the host by :func:`raise_if_min_scale_reached`; public as
-  ``fp16_scaling.MinLossScaleError``.
-  """
+  """An overflow wanted to lower a loss scale already at its minimum
+  (raised on the host by :func:`raise_if_min_scale_reached`)."""
 
 
 MinLossScaleError.__module__ = "fp16_scaling"  # its public name
@@ -84,18 +74,14 @@ class OverflowReport:
 
   Attributes:
     step_overflowed: whether the last step overflowed (and was skipped).
-    nonfinite_leaves: paths (``jax.tree_util.keystr``) of the gradient leaves
-      that held an inf or NaN on the last step, in tree order.
-    counts: path -> number of steps on which that leaf held an inf or NaN,
-      for every leaf with a nonzero count, in tree order.
-    kind: the last step's overflow kind: "none", "unknown", "forward",
-      "backward" or "persistent".
+    nonfinite_leaves: paths of the leaves that held an inf or NaN.
+    counts: path -> steps on which that leaf held an inf or NaN (if any).
+    kind: the last step's overflow kind, one of ``OVERFLOW_KINDS``.
     scale: the loss scale the last step's gradients were made with.
     next_scale: the scale for the next step.
     skipped_steps: overflowing (skipped) steps so far.
     floor_overflows: overflows that hit the scale's floor so far.
-    grad_range: path -> :class:`LeafRange` of the last step, when the state
-      records it (``fp16_loss_scale(..., grad_range=True)``), else None.
+    grad_range: path -> :class:`LeafRange`, with ``grad_range=True``.
     top: how many leaves ``str()`` lists.
   """
 
@@ -111,8 +97,7 @@ class OverflowReport:
   top: int = 10
 
   def top_leaves(self) -> list:
-    """Up to ``top`` (path, count) pairs, most overflows first, then tree
-    order."""
+    """Up to ``top`` (path, count) pairs, most overflows first."""
     order = sorted(self.counts.items(), key=lambda kv: -kv[1])
     return order[: self.top]
 
@@ -120,9 +105,8 @@ class OverflowReport:
     """``path (count)`` for :meth:`top_leaves`, comma-separated."""
     shown = [f"{p} ({n})" for p, n in self.top_leaves()]
     more = len(self.counts) - len(shown)
-    return ", ".join(shown) + (f", and {more} more" if more > 0 else "") or (
-      "none"
-    )
+    text = ", ".join(shown) + (f", and {more} more" if more > 0 else "")
+    return text or "none"
 
   def advice(self) -> str:
     """What to do about the last overflow (or the run's, if it was clean)."""
@@ -136,21 +120,13 @@ class OverflowReport:
     return _ADVICE[self.kind]
 
   def __str__(self) -> str:
-    lines = []
-    if self.step_overflowed:
-      lines.append(
-        f"Last step OVERFLOWED ({self.kind}) at loss scale "
-        f"{_fmt_scale(self.scale)}; next scale {_fmt_scale(self.next_scale)}."
-      )
-    else:
-      lines.append(
-        f"Last step clean at loss scale {_fmt_scale(self.scale)}; next "
-        f"scale {_fmt_scale(self.next_scale)}."
-      )
-    lines.append(
+    last = f"OVERFLOWED ({self.kind})" if self.step_overflowed else "clean"
+    lines = [
+      f"Last step {last} at loss scale {_fmt_scale(self.scale)}; next scale "
+      f"{_fmt_scale(self.next_scale)}.",
       f"Skipped steps so far: {self.skipped_steps}; overflows at the "
-      f"scale's floor: {self.floor_overflows}."
-    )
+      f"scale's floor: {self.floor_overflows}.",
+    ]
     if self.step_overflowed:
       shown = self.nonfinite_leaves[: self.top]
       lines.append(
@@ -175,9 +151,8 @@ class OverflowReport:
         f"{self.top}): max|g|, headroom bits at {_fmt_scale(self.scale)}, "
         "zero fraction"
       )
-      ranked = sorted(
-        self.grad_range.items(), key=lambda kv: kv[1].headroom_bits
-      )
+      by_headroom = lambda kv: kv[1].headroom_bits
+      ranked = sorted(self.grad_range.items(), key=by_headroom)
       for p, r in ranked[: self.top]:
         lines.append(
           f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "
@@ -188,6 +163,7 @@ class OverflowReport:
 
 
 def _fmt_scale(s: float) -> str:
+  """``s`` as ``2^k`` when it is a power of two."""
   if s > 0 and math.isfinite(s):
     k = math.log2(s)
     if k == int(k):
@@ -198,25 +174,21 @@ def _fmt_scale(s: float) -> str:
 def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   """Which gradient leaves overflowed, how often, at what scale, and why.
 
-  Reads the state that ``fp16_loss_scale`` keeps (one device-to-host copy of
-  a few small arrays); call it on the host, e.g. when a run skipped steps.
+  Reads the state that ``fp16_loss_scale`` keeps; call it on the host.
 
   Args:
-    opt_state: an optax state holding one ``fp16_loss_scale`` state, at any
-      depth.
+    opt_state: an optax state holding one :class:`LossScaleState`.
     top: how many leaves the printed report lists; an integer >= 1.
 
   Returns:
     An :class:`OverflowReport`; ``print`` it for a readable summary.
 
   Raises:
-    ValueError: ``opt_state`` holds no ``fp16_loss_scale`` state (or more
-      than one), or a batched one; ``top`` is out of range.
+    ValueError: not one (unbatched) :class:`LossScaleState`; a bad ``top``.
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
 
   Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0)))
     >>> params = {"a": {"w": jnp.ones(2)}, "b": jnp.ones(3)}
@@ -271,29 +243,21 @@ def raise_if_min_scale_reached(
   """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale``
   would, or for any preset once its scale keeps overflowing at its floor.
 
-  DeepSpeed raises inside its step when an overflow would lower a scale that
-  already equals ``min_scale``. A jitted step cannot raise, so the state
-  counts those overflows; call this on the host (for instance every N steps,
-  or when logging) to fail the run the same way. The message names the
-  gradient leaves that overflowed most often and the kind of the last
-  overflow (see :func:`overflow_report`).
+  A jitted step cannot raise, so the state counts those overflows; call this
+  on the host (say when logging).
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`.
     max_floor_overflows: if set (an integer >= 1), also raise once this many
-      overflows hit the floor, whatever the preset: torch, Megatron and Flax
-      never raise there themselves.
+      overflows hit the floor, whatever the preset.
 
   Raises:
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
-    MinLossScaleError: if any overflow hit the floor with
-      ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` of them
-      did.
+    MinLossScaleError: an overflow hit the floor with
+      ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` did.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(fs.fp16_loss_scale(
     ...     fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)))
     >>> state = tx.init({"w": jnp.ones(1)})

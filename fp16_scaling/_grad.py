@@ -1,9 +1,5 @@
-"""``value_and_grad``: the scaled gradients a guarded chain expects.
-
-The user's side of loss scaling, as torch's ``scaler.scale(loss)``, Flax's
-``DynamicScale.value_and_grad`` and jmp's ``scale`` give it: differentiate
-``loss * S`` with S read from the state inside the trace, and get back the
-unscaled loss. ``tx.update`` then unscales; nothing else divides.
+"""``value_and_grad``: the gradients of ``loss * S``, with S read from the
+state inside the trace, and the unscaled loss.
 """
 
 from typing import Any, Callable, Sequence, Union
@@ -23,6 +19,7 @@ _STALE = (
 
 
 def _is_traced(x) -> bool:
+  """Whether ``x`` is a tracer."""
   return isinstance(x, jax.core.Tracer)
 
 
@@ -38,16 +35,12 @@ def value_and_grad(
 
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
-      unscaled and not divided by the number of microbatches: under
-      :func:`accumulate_gradients` the window's mean is taken for you.
-    state: what holds the scale: the optimizer state (any nesting, under
-      :func:`accumulate_gradients`, inside ``vmap``), a shared scale's
-      state (:func:`shared_loss_scale`), or an ``nnx.Optimizer`` (then
-      ``fun`` takes nnx Modules and ``flax.nnx.value_and_grad`` is used).
+      unscaled and not divided by the number of microbatches.
+    state: what holds the scale: the optimizer state, a shared scale's
+      state, or an ``nnx.Optimizer`` (then ``fun`` takes nnx Modules).
     argnums: as for ``jax.value_and_grad``.
     has_aux: as for ``jax.value_and_grad``.
-    **kwargs: passed to ``jax.value_and_grad`` (``holomorphic``,
-      ``allow_int``).
+    **kwargs: passed to ``jax.value_and_grad``.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)`` or
@@ -55,8 +48,7 @@ def value_and_grad(
     are those of ``fun * S``, to pass to ``tx.update`` as they are.
 
   Raises:
-    ValueError: when called under a trace (inside ``jit``) with the scale
-      read from a state outside it: a scale closed over goes stale.
+    ValueError: called inside ``jit`` with a state from outside it.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
@@ -68,9 +60,6 @@ def value_and_grad(
     >>> value, grads = fs.value_and_grad(loss, state)(params)
     >>> print(value, grads)  # the loss, and the gradients at scale 8
     5.0 [16. 32.]
-    >>> updates, state = tx.update(grads, state, params)
-    >>> print(updates)
-    [-2. -4.]
   """
   nnx_optimizer = hasattr(state, "opt_state")
   scale = current_scale(state.opt_state if nnx_optimizer else state)

@@ -1,22 +1,7 @@
-"""The one way to find fp16_scaling's states inside a nested optax state.
-
-Every host helper (``current_scale``, ``scale_metrics``, ...),
-``skip_on_overflow`` and ``accumulate_gradients`` find the
-:class:`LossScaleState`, the :class:`ClipState` and the
-:class:`AccumulationState` through these functions, so a state that has lost its
-types, or holds the wrong number of them, gets the same message everywhere.
-
-``nnx.Optimizer`` holds every array of its optax state in an nnx ``Variable``
-(a pytree node around the array); the states found here come back with
-plain arrays (:func:`unwrap`), and :func:`replace_loss_scale_state` writes
-new values back into the same containers.
-
-A :class:`LossScaleState` inside an ``optax.MultiStepsState`` is refused
-here, by type: ``current_scale`` and every other helper go through
-:func:`loss_scale_state`, so the first step that scales its loss raises.
-
-:func:`set_loss_scale`, the public edit of the scale, writes through
-:func:`replace_loss_scale_state` too.
+"""The one way to find fp16_scaling's states inside a nested optax state, so
+that a state that lost its types, holds several or sits inside
+``optax.MultiSteps`` gets the same message everywhere; states come back
+with plain arrays (:func:`unwrap`, for ``nnx.Optimizer``).
 """
 
 from typing import Any, Optional
@@ -33,17 +18,15 @@ from fp16_scaling._states import LossScaleState
 
 
 def looks_like_loss_scale_state(keys) -> bool:
-  """Whether a dict with ``keys`` is a LossScaleState restored without its
-  types: it holds ``scaler`` and two more of the state's fields. Not all of
-  them: a checkpoint from an older release lacks the fields added since."""
+  """Whether a dict with ``keys`` is a LossScaleState without its types:
+  ``scaler`` and two more fields (older releases lack the newer ones)."""
   keys = set(map(str, keys)) & set(LossScaleState._fields)
   return "scaler" in keys and len(keys) >= 3
 
 
 def unwrap(tree: Any) -> Any:
-  """``tree`` with every container around one array (an nnx ``Variable``, a
-  pytree node whose one leaf is the array) replaced by that array; tuples,
-  lists, dicts and NamedTuples are walked, anything else is kept."""
+  """``tree`` with every container around one array (an nnx ``Variable``)
+  replaced by the array; tuples, lists, dicts and NamedTuples are walked."""
   if isinstance(tree, (tuple, list)):
     items = [unwrap(v) for v in tree]
     return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
@@ -60,25 +43,15 @@ def all_with_path(tree: Any, cls: type) -> list:
   )
 
 
-def _looks_untyped(tree: Any) -> bool:
-  """Whether ``tree`` holds a loss-scale state restored as plain containers."""
-  found = []
-
-  def visit(x):
-    if isinstance(x, dict):
-      if looks_like_loss_scale_state(x):
-        found.append(x)
-      for v in x.values():
-        visit(v)
-    elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-      for v in x:
-        visit(v)
-    elif hasattr(x, "_fields"):
-      for v in x:
-        visit(v)
-
-  visit(tree)
-  return bool(found)
+def _looks_untyped(x: Any) -> bool:
+  """Whether ``x`` holds a loss-scale state restored as plain containers."""
+  if isinstance(x, dict):
+    return looks_like_loss_scale_state(x) or any(
+      map(_looks_untyped, x.values())
+    )
+  if isinstance(x, (list, tuple)) or hasattr(x, "_fields"):
+    return any(map(_looks_untyped, x))
+  return False
 
 
 _MULTISTEPS = (
@@ -91,24 +64,14 @@ _MULTISTEPS = (
 )
 
 
-def _refuse_multisteps(opt_state: Any) -> None:
-  """Raises when a :class:`LossScaleState` sits inside a MultiSteps state."""
-  for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
-    if all_with_path(wrapper, LossScaleState):
-      raise ValueError(_MULTISTEPS)
-
-
 def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
-  """The one :class:`LossScaleState` in ``opt_state``.
-
-  Raises:
-    ValueError: there is none (saying so differently when the state lost its
-      types in a restore without a target) or more than one; or it is
-      inside ``optax.MultiSteps``' state.
-  """
+  """The one :class:`LossScaleState` in ``opt_state``; raises ValueError
+  for none (or an untyped one), several, or one inside ``MultiSteps``."""
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
-    _refuse_multisteps(opt_state)
+    for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
+      if all_with_path(wrapper, LossScaleState):
+        raise ValueError(_MULTISTEPS)
     return unwrap(found[0][1])
   if not found:
     if _looks_untyped(opt_state):
@@ -131,12 +94,8 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
 
 
 def require_host(opt_state: Any, helper: str) -> None:
-  """Raises when ``opt_state`` holds tracers: ``helper`` reads concrete
-  values on the host and cannot run inside ``jit``, ``vmap`` or ``scan``.
-
-  Raises:
-    TypeError: some leaf of ``opt_state`` is a tracer.
-  """
+  """Raises TypeError when ``opt_state`` holds tracers: ``helper`` reads
+  concrete values on the host."""
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
     raise TypeError(
       f"{helper} runs on the host, outside jit: it reads concrete values, "
@@ -155,12 +114,7 @@ def clip_state(opt_state: Any) -> Optional[ClipState]:
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
-  """The one :class:`AccumulationState` in ``opt_state``, or None, with plain
-  arrays (:func:`unwrap`), as the other lookups return theirs.
-
-  Raises:
-    ValueError: ``opt_state`` holds more than one (nested accumulation).
-  """
+  """The one :class:`AccumulationState` in ``opt_state``, or None."""
   found = all_with_path(opt_state, AccumulationState)
   if len(found) > 1:
     paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
@@ -172,8 +126,7 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``,
-  whose arrays go into the old state's containers (nnx ``Variable`` s)."""
+  """``opt_state`` with ``new``'s arrays in its :class:`LossScaleState`."""
   loss_scale_state(opt_state)
 
   def rewrap(old: LossScaleState) -> LossScaleState:
@@ -189,21 +142,18 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
 def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   """``opt_state`` with the loss scale for the next step set to ``scale``.
 
-  Traceable: call it inside the step with an array, or on the host with a
-  number. The growth tracker and hysteresis are left as they are.
+  Traceable; the growth tracker and hysteresis are left as they are.
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, or a
       shared scale's :class:`ScalerState`.
-    scale: the new scale: a positive normal finite float32 (a Python
-      number is checked), or a float32 scalar array.
+    scale: a positive normal finite float32, or a float32 scalar array.
 
   Returns:
     The new state.
 
   Raises:
-    ValueError: a Python ``scale`` that is negative, zero, subnormal, inf
-      or NaN.
+    ValueError: a Python ``scale`` that is not a positive normal float32.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs

@@ -1,14 +1,9 @@
-"""``fp16_loss_scale``: detect overflow, unscale, and step the loss scale.
-
-The state keeps the scale the current gradients were made with
-(``prev_loss_scale`` after the update) apart from the scale for the next
-backward pass (``loss_scale``). Unscaling always divides by the former; a
-growth or back-off decided on this step changes only the latter. DeepSpeed's
-fp16 optimizers (0.19) update the scale before unscaling and so apply half
-the gradient on every growth step; here that ordering cannot be written.
+"""``fp16_loss_scale``: detect overflow, unscale by ``prev_loss_scale``, and
+step the loss scale for the next step (docs/design.md, "State").
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Union
 import warnings
 
@@ -43,8 +38,6 @@ _UNGUARDED = (
   "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
   "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
 )
-
-
 _SHARED = (
   "fp16_loss_scale(shared) has no scale of its own: pass the shared scale's "
   "state to every update, tx.update(grads, opt_state, params, "
@@ -57,24 +50,13 @@ _OWNED = (
 
 
 def _gradient_tree(params):
-  """The part of ``params`` the gradients have the tree of.
-
-  ``optax.lookahead``'s init gets ``LookaheadParams`` (fast and slow
-  weights), its gradients are the fast weights only.
-  """
-  if isinstance(params, optax.LookaheadParams):
-    return params.fast
-  return params
+  """The part of ``params`` the gradients have the tree of."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
-  """Maps a per-leaf vector of ``leaves`` onto the state's leaves.
-
-  When the gradients have the leaves ``init`` saw, the identity. Otherwise
-  (a wrapper whose params are not the gradients' tree) per-leaf attribution
-  is off, with one warning at trace time: vectors become zeros of the
-  state's length, and overflow, scale and norms are unaffected.
-  """
+  """Maps a per-leaf vector of ``leaves`` onto the state's leaves: the
+  identity, or zeros with a warning when the leaf counts differ."""
   n = len(paths)
   if len(leaves) == n:
     return lambda x: x
@@ -91,8 +73,7 @@ def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
 
 
 def _warn_float16_params(leaves) -> None:
-  """Float16 parameters have no float32 master copy: updates below half an
-  ulp of a weight round away, whatever the scale."""
+  """Warns of float16 parameters: they have no float32 master copy."""
   if any(jnp.result_type(x) == jnp.float16 for x in leaves):
     warnings.warn(
       "fp16_loss_scale: some params are float16, so the optimizer updates "
@@ -118,6 +99,7 @@ def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
 
 
 def _leaf_paths(tree, scaler, partition_specs, shared) -> LeafPaths:
+  """The leaves' names and sizes, with the configuration built for."""
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   return LeafPaths(
     [jax.tree_util.keystr(path) for path, _ in with_paths],
@@ -147,6 +129,7 @@ def _scalar_value(value) -> jax.Array:
 
 
 def _overflow_kind(overflow, value, at_floor) -> jax.Array:
+  """The step's kind code (``_states.KINDS``)."""
   if value is None:
     cause = jnp.int32(UNKNOWN)
   else:
@@ -159,6 +142,7 @@ def _overflow_kind(overflow, value, at_floor) -> jax.Array:
 
 
 def _log_overflow(paths, skipped, kind, old, new, nonfinite):
+  """Prints the overflow line (a host callback)."""
   # Plain numpy first: iterating a jax.Array dispatches a computation, which
   # inside a host callback can deadlock the runtime that called it.
   nonfinite = np.asarray(nonfinite)
@@ -181,42 +165,20 @@ def fp16_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling for float16 training, as the first element of a chain.
 
-  ``update`` receives the gradients of ``loss * current_scale(opt_state)``
-  (:func:`value_and_grad` makes them) and the skip's one measurement of
-  them (:func:`skip_on_overflow` hands it over). It returns the gradients
-  divided by the scale they were made with (promoted to at least float32,
-  zeros on an overflow), records which leaves overflowed, the true norm and
-  the overflow's kind, and steps ``scaler``. It must be the first element
-  of a chain wrapped by :func:`skip_on_overflow`, which discards the step
-  when it overflowed.
-
-  Pass the loss as ``tx.update(grads, state, params, value=loss)``
-  (unscaled, or scaled in float32), and an overflow is told apart as
-  "forward" (the loss itself is not finite: no scale helps) or "backward"
-  (the scale was too high: normal). Without it the kind is "unknown"; with
-  the scale at its floor it is "persistent". See :func:`overflow_report`.
+  Inside :func:`skip_on_overflow`, ``update`` takes the gradients of ``loss *
+  current_scale(opt_state)`` and returns them unscaled (at least float32),
+  records the overflowing leaves, the true norm and the overflow's kind
+  (pass ``value=loss`` to tell forward from backward), and steps ``scaler``.
 
   Args:
-    scaler: a :class:`Scaler` from a preset (``deepspeed_scaler``,
-      ``torch_scaler``, ``megatron_scaler``, ``flax_scaler``,
-      ``headroom_scaler``, ``static_scaler``, ``no_scaler``), or a
-      :func:`shared_loss_scale`: then ``update`` takes the shared scale's
-      state as ``loss_scale=`` and leaves stepping it to the caller.
+    scaler: a :class:`Scaler` from a preset, or a :func:`shared_loss_scale`
+      (then ``update`` takes its state as ``loss_scale=``).
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
-      pytree (as given to ``shard_map``); each leaf's squared norm is summed
-      across the mesh axes it is split over, so overflow and norm are global.
-    grad_range: also record, per leaf, the largest finite unscaled ``|g|``
-      and the fraction of zero elements (:class:`GradRange`), reported by
-      :func:`scale_metrics` and :func:`overflow_report`. Off by default: it
-      adds two reductions per leaf, which XLA:CPU runs as passes of their
-      own (+35% bytes accessed at 20M/200; benchmarks/README.md).
-    log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line,
-      with the scale change and the non-finite leaves, from inside the step
-      through ``jax.debug.callback``, on overflow steps only. For debugging:
-      the callback is an effect, and JAX dispatches a step with effects
-      through Python on every call (7.8x the step time at 500 tiny leaves
-      on XLA:CPU; docs/diagnostics.md). In training, print
-      :func:`overflow_report` on the host instead.
+      pytree, so that overflow and norm are global.
+    grad_range: also record each leaf's :class:`GradRange` (two more
+      reductions per leaf).
+    log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line
+      from inside the step; for debugging only (docs/diagnostics.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -225,15 +187,11 @@ def fp16_loss_scale(
   Raises:
     TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
     RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
-    ValueError: from ``update``, for a state built by another scaler,
-      ``loss_scale=`` given to a scale of its own or missing for a shared
-      one, or a ``value`` that is not a scalar.
+    ValueError: from ``update``: a state of another scaler, a misplaced or
+      missing ``loss_scale=``, a ``value`` that is not a scalar.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.torch_scaler(init_scale=1024.0)),
     ...     optax.sgd(1.0)))
@@ -241,8 +199,6 @@ def fp16_loss_scale(
     >>> state = tx.init(params)
     >>> loss = lambda p: jnp.sum(p**2)
     >>> grads = jax.grad(lambda p: loss(p) * fs.current_scale(state))(params)
-    >>> print(grads)  # made at scale 1024
-    [2048. 4096.]
     >>> updates, state = tx.update(grads, state, params)
     >>> print(updates)  # the true gradient, times -1 for sgd(1.0)
     [-2. -4.]
@@ -252,9 +208,7 @@ def fp16_loss_scale(
     backward
 
   References:
-    Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018; the scale update is the
-    one of the peer ``scaler`` mimics.
+    Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
   shared = isinstance(scaler, SharedLossScale)
   scaler = scaler.scaler if shared else scaler
@@ -285,8 +239,7 @@ def fp16_loss_scale(
     state, measurement, loss_scale = state
     if shared != (loss_scale is not None):
       raise ValueError(_SHARED if shared else _OWNED)
-    # The state must be this transformation's: the skip measured by the
-    # specs it holds, and its counters follow its scaler's rules.
+    # The state must be this transformation's own.
     _sharding.leaf_axes_from_specs(partition_specs, updates, "fp16_loss_scale")
     _check_built_here(state.leaf_paths, scaler, partition_specs, shared)
     value = extra.get("value")
@@ -312,8 +265,7 @@ def fp16_loss_scale(
 
 
 def _check_built_here(paths: LeafPaths, scaler, specs, shared) -> None:
-  """Raises when the state was built by another configuration (say a
-  checkpoint of another preset's chain, restored with its own target)."""
+  """Raises when the state was built by another configuration."""
   if paths == LeafPaths((), (), scaler=scaler, shared=shared, specs=specs):
     return
   what = "other partition_specs"
@@ -361,16 +313,8 @@ def _grad_range(leaves, measurement: Measurement) -> GradRange:
 
 
 def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
-  """The state after a step whose scaled gradients ``measurement`` read.
-
-  Args:
-    scaler: the :class:`Scaler`.
-    state: the :class:`LossScaleState` the gradients were made under.
-    measurement: the step's :class:`Measurement`.
-    value: the loss passed as ``value=``, or None.
-    grad_range: this step's :class:`GradRange`, or None when not measured.
-    keep_range: whether the state records ``grad_range``.
-  """
+  """The state after a step whose scaled gradients ``measurement`` read;
+  ``grad_range`` is None when not measured, kept when ``keep_range``."""
   scale, norms = measurement.scale, measurement.norms
   overflow = norms.overflow
   fit = _leaf_fitter(state.leaf_paths, norms.leaf_nonfinite)
@@ -395,20 +339,8 @@ def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
 
 def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:
   """Prints the overflow line from inside the step, on overflow steps only."""
-  paths = old.leaf_paths.paths
-
-  def log(skipped, kind, old_scale, new_scale, nonfinite):
-    _log_overflow(paths, skipped, kind, old_scale, new_scale, nonfinite)
-
-  jax.lax.cond(
-    new.overflow,
-    lambda: jax.debug.callback(
-      log,
-      new.skipped_steps,
-      new.overflow_kind,
-      old.scaler.loss_scale,
-      new.scaler.loss_scale,
-      new.leaf_nonfinite,
-    ),
-    lambda: None,
-  )
+  log = functools.partial(_log_overflow, old.leaf_paths.paths)
+  scales = (old.scaler.loss_scale, new.scaler.loss_scale)
+  args = (new.skipped_steps, new.overflow_kind, *scales, new.leaf_nonfinite)
+  call = lambda: jax.debug.callback(log, *args)
+  jax.lax.cond(new.overflow, call, lambda: None)

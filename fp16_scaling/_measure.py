@@ -1,13 +1,5 @@
-"""The one measurement of a step's gradients, passed to whoever needs it.
-
-:func:`measure` reads the scaled gradients once (``_norm.leaf_sums``) and
-returns a :class:`Measurement`: the overflow decision, which leaves held an
-inf or NaN, the per-leaf sums of squares and the scale the gradients were
-made with. Nothing else looks at the gradients for these. The skip and
-accumulation hold it as a value; ``skip_on_overflow`` hands it to its own
-elements only, each with its state (:class:`Handed`): to ``fp16_loss_scale``,
-which unscales by it and records it for the diagnostics, and to a
-``clip_by_unscaled_norm`` right after it, which reduces its sums.
+"""The one measurement of a step's gradients, and :class:`Handed`, which
+passes it to an element with its state (docs/design.md, "Data flow").
 """
 
 from typing import Any, NamedTuple, Optional, Sequence
@@ -21,19 +13,8 @@ from fp16_scaling import _sharding
 
 
 class Measurement(NamedTuple):
-  """One pass over a step's scaled gradients.
-
-  Attributes:
-    grads: the scaled gradient leaves measured, in tree order.
-    sums: per-leaf local sums of squares (``_norm.leaf_sums``).
-    norms: the global :class:`~fp16_scaling._norm.Norms` of ``grads``:
-      ``overflow``, ``leaf_nonfinite``, the per-leaf vector ``leaf_sums``
-      and ``norm`` (still multiplied by ``scale``).
-    scale: float32, the loss scale the gradients were made with.
-    leaf_axes: static, the mesh axes each leaf's sum is reduced over.
-    in_float16_range: static, every leaf holds float16-range values (a
-      mean of float16 microbatches): the norm's rescue is not traced.
-  """
+  """One pass over a step's scaled gradient leaves ``grads``, made at
+  ``scale``: their local ``sums`` of squares and global ``norms``."""
 
   grads: tuple
   sums: tuple
@@ -51,9 +32,7 @@ class Measurement(NamedTuple):
     return 1.0 / self.scale
 
   def unscaled(self, leaves: Sequence[jax.Array]) -> tuple:
-    """``leaves`` divided by the scale, promoted to at least float32; zeros
-    on an overflow (``_norm.discard_if``: gradients taken through a
-    discarded step stay finite)."""
+    """``leaves`` over the scale, in float32 or wider; zeros on overflow."""
     wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves]
     inv = self.inv_scale
     return tuple(x * inv for x in _norm.discard_if(self.overflow, wide))
@@ -76,17 +55,8 @@ class Measurement(NamedTuple):
 
 
 class Handed(NamedTuple):
-  """An element's state with the step's :class:`Measurement`, as
-  ``skip_on_overflow`` passes it to ``fp16_loss_scale`` and to a
-  ``clip_by_unscaled_norm`` right after it, in place of their state. Each
-  returns its plain state.
-
-  Attributes:
-    state: the element's own state.
-    measurement: the step's :class:`Measurement`.
-    loss_scale: a shared scale's state, as the caller passed it
-      (``fp16_loss_scale`` only), or None.
-  """
+  """An element's ``state`` with the step's ``measurement`` (and a shared
+  ``loss_scale``), as ``skip_on_overflow`` passes it to its own elements."""
 
   state: Any
   measurement: Measurement
@@ -101,18 +71,7 @@ def measure(
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
 ) -> Measurement:
-  """The one pass over ``grads``, made at loss scale ``scale``.
-
-  Args:
-    grads: the scaled gradients (a pytree of floating arrays).
-    scale: the loss scale they were made with.
-    partition_specs: under ``shard_map``, their ``PartitionSpec`` pytree.
-    in_float16_range: see :class:`Measurement`.
-    what: the transformation named in error messages.
-
-  Returns:
-    A :class:`Measurement`.
-  """
+  """The one pass over ``grads``, made at loss scale ``scale``."""
   leaves = jax.tree.leaves(grads)
   _norm.check_float_leaves(leaves, f"{what} gradients")
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
@@ -137,14 +96,9 @@ def measure_step(
   *,
   in_float16_range: bool = False,
 ) -> Measurement:
-  """:func:`measure` of ``grads`` at the scale ``opt_state`` made them
-  with: its own, or ``loss_scale``'s (a shared scale's state) when given;
-  with the partition specs its ``fp16_loss_scale`` was built with."""
+  """:func:`measure` of ``grads`` at the scale and with the partition specs
+  of ``opt_state`` (the scale of a shared ``loss_scale`` when given)."""
   ls = _lookup.loss_scale_state(opt_state)
   scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
-  return measure(
-    grads,
-    scale,
-    ls.leaf_paths.partition_specs,
-    in_float16_range=in_float16_range,
-  )
+  specs = ls.leaf_paths.partition_specs
+  return measure(grads, scale, specs, in_float16_range=in_float16_range)

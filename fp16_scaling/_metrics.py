@@ -1,8 +1,5 @@
-"""Reading the loss-scale state out of a nested optax state, inside a step.
-
-``current_scale`` and ``scale_metrics`` are traceable: call them in a
-jitted step and return their values. The host-side reports and checks,
-which read concrete values, are in ``_diagnostics``.
+"""Reading the loss-scale state inside a step: ``current_scale`` and
+``scale_metrics`` are traceable (the host-side reports are ``_diagnostics``).
 """
 
 from typing import TypedDict
@@ -17,10 +14,7 @@ from fp16_scaling._scaler import ScalerState
 
 
 class ScaleMetrics(TypedDict, total=False):
-  """What :func:`scale_metrics` returns: float32 or int32 scalar arrays.
-
-  ``total=False``: code that reads it should not assume these are the only
-  keys; later versions may add more.
+  """What :func:`scale_metrics` returns: scalar arrays (more keys may come).
 
   Attributes:
     loss_scale: the scale for the next backward pass.
@@ -33,15 +27,12 @@ class ScaleMetrics(TypedDict, total=False):
     floor_overflows: int32 overflows with the scale at its floor.
     overflow_kind: int32 code into ``fp16_scaling.OVERFLOW_KINDS``.
     nonfinite_leaves: int32 gradient leaves that overflowed on the last step.
-    grad_max_abs: with ``grad_range=True``, the largest finite unscaled |g|.
-    min_headroom_bits: with ``grad_range=True``, the least headroom in bits
-      below float16's maximum over the leaves.
-    zero_fraction: with ``grad_range=True``, the fraction of zero elements.
-    microbatches: under :func:`accumulate_gradients`, int32 microbatches so
-      far (likewise the three below).
+    grad_max_abs: largest finite unscaled |g| (``grad_range=True``).
+    min_headroom_bits: least headroom below float16's maximum, in bits.
+    zero_fraction: the fraction of zero elements (``grad_range=True``).
+    microbatches: int32 microbatches so far (:func:`accumulate_gradients`).
     applied_steps: int32 windows whose step was applied.
-    dropped_microbatches: int32 microbatches dropped by
-      ``on_microbatch_overflow="drop_microbatch"``.
+    dropped_microbatches: int32 microbatches dropped.
     window_ended: bool, whether this call ended a window.
   """
 
@@ -69,20 +60,16 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, at any
-      depth (inside ``skip_on_overflow``, ``optax.chain``, ...), or a
-      shared scale's :class:`ScalerState` (:func:`shared_loss_scale`).
+      depth, or a shared scale's :class:`ScalerState`.
 
   Returns:
-    A float32 scalar array (traceable: use it inside the jitted step).
+    A float32 scalar array (traceable).
 
   Raises:
-    ValueError: the state is that of an optimizer that shares its scale:
-      the next scale is the shared state's.
+    ValueError: the state is that of an optimizer that shares its scale.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.torch_scaler()), optax.sgd(0.1)))
     >>> state = tx.init({"w": jnp.ones(3)})
@@ -104,42 +91,19 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
   """Loss-scale and norm metrics of the last step, for logging.
 
-  Every value is finite on an overflow step (``jax_debug_nans`` stays
-  quiet): no norm exists for a group that held an inf or NaN, and its norm
-  is reported as 0.0 with ``overflow`` set. A group that stayed finite
-  reports its true norm even on an overflow step.
+  Every value is finite: a norm over an inf or NaN is reported as 0.0.
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState` and at
       most one :class:`ClipState`.
 
   Returns:
-    A :class:`ScaleMetrics` dict of scalar arrays: ``loss_scale`` (for the
-    next step), ``prev_loss_scale`` (the last step's), ``overflow``,
-    ``skipped_steps``, ``floor_overflows`` (overflows with the scale at its
-    floor, every preset), ``overflow_kind`` (int code,
-    ``fp16_scaling.OVERFLOW_KINDS``), ``nonfinite_leaves`` (how many gradient
-    leaves overflowed on the last step), ``grad_norm`` (true, unscaled,
-    before clipping; 0.0 on overflow), ``expert_grad_norm`` and
-    ``shared_grad_norm`` (from ``clip_by_unscaled_norm``; without one, or
-    without an expert mask, every leaf counts as shared). With
-    ``grad_range=True`` also ``grad_max_abs`` (largest finite unscaled
-    ``|g|``), ``min_headroom_bits`` (least ``log2(65504 / (max|g| *
-    prev_loss_scale))`` over the leaves; +inf for all-zero gradients) and
-    ``zero_fraction`` (of all gradient elements).
-
-    Under :func:`accumulate_gradients` the step is the window: the norms,
-    ``overflow`` and ``skipped_steps`` are those of windows, and the dict
-    adds ``microbatches``, ``applied_steps``, ``dropped_microbatches`` and
-    ``window_ended`` (this call ended a window). On a call that did not end
-    one, ``overflow`` is False and ``prev_loss_scale`` equals ``loss_scale``
-    (the scale this microbatch was made with); the norms are the last
-    window's.
+    A :class:`ScaleMetrics` dict of scalar arrays. Under
+    :func:`accumulate_gradients` the step is the window; between windows
+    ``overflow`` is False and ``prev_loss_scale`` is ``loss_scale``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.static_scaler(8.0)),
     ...     fs.clip_by_unscaled_norm(1.0), optax.sgd(0.1)))
@@ -178,14 +142,10 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     max_abs = ls.grad_range.max_abs
     sizes = jnp.asarray(ls.leaf_paths.sizes, jnp.float32)
     metrics["grad_max_abs"] = jnp.max(max_abs, axis=-1, initial=0.0)
-    metrics["min_headroom_bits"] = jnp.min(
-      headroom_bits(max_abs, ls.prev_loss_scale[..., None]),
-      axis=-1,
-      initial=jnp.inf,
-    )
-    metrics["zero_fraction"] = jnp.sum(
-      ls.grad_range.zero_fraction * sizes, axis=-1
-    ) / jnp.maximum(jnp.sum(sizes), 1.0)
+    bits = headroom_bits(max_abs, ls.prev_loss_scale[..., None])
+    metrics["min_headroom_bits"] = jnp.min(bits, axis=-1, initial=jnp.inf)
+    zeros = jnp.sum(ls.grad_range.zero_fraction * sizes, axis=-1)
+    metrics["zero_fraction"] = zeros / jnp.maximum(jnp.sum(sizes), 1.0)
   if acc is not None:
     ended = acc.window_ended
     metrics.update(
@@ -203,16 +163,8 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
 
 
 def headroom_bits(max_abs, scale):
-  """``log2(65504 / (max_abs * scale))``: how many doublings of ``scale`` the
-  largest gradient could still take in float16; +inf where it is 0.
-
-  Args:
-    max_abs: largest finite unscaled ``|g|`` (scalar or per-leaf vector).
-    scale: the loss scale the gradients were made with.
-
-  Returns:
-    float32 array of ``max_abs``'s shape; never NaN.
-  """
+  """``log2(65504 / (max_abs * scale))`` in float32: how many doublings of
+  ``scale`` the largest gradient could still take; +inf where it is 0."""
   top = jnp.asarray(max_abs, jnp.float32) * jnp.asarray(scale, jnp.float32)
   safe = jnp.where(top > 0, top, 1.0)
   return jnp.where(top > 0, jnp.log2(jnp.float32(F16_MAX) / safe), jnp.inf)

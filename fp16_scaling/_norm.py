@@ -1,34 +1,6 @@
-"""The one global-norm routine: overflow and norm from a single pass.
-
-``leaf_sums(leaves)`` reads every gradient element once and sums the
-squares: a leaf that held an inf or NaN sums to an inf or NaN (a float16
-square cannot overflow float32; a wide element that is not finite squares
-to ``-inf``), and :func:`reduce_norms` turns every non-finite sum into
-``-inf``. A sum of non-negative numbers is never negative, so each leaf's
-``-inf`` says exactly whether the leaf held an inf or NaN, and otherwise
-the sum is its squared norm. The pass creates no NaN from an inf
-(``jax_debug_nans`` stays quiet on an ordinary overflow step):
-
-* a non-finite leaf's sum becomes ``-inf``: an *overflow*, recorded per
-  leaf;
-* squares of wide (float32, bfloat16) elements are capped at ``2**96`` and
-  each leaf's sum at ``2**96``, so no sum reaches ``+inf`` and ``-inf`` never
-  meets ``+inf``. A total at the cap means some squares were too large for
-  float32, not an overflow: the norm is then recomputed with the squares
-  taken relative to each group's largest magnitude, inside a ``lax.cond``
-  that a common step never enters. float16 squares cannot reach the cap
-  (``65504**2 * 2**31 < 2**96``), so for float16 gradients that branch is
-  not even traced;
-* otherwise the squared norm.
-
-Under ``shard_map``, each leaf's partial sum is summed with ``psum`` across
-exactly the mesh axes its ``PartitionSpec`` splits it over (one collective
-per distinct set of axes, on the vector of those leaves' sums), so a leaf
-replicated across an axis counts once and a sharded one counts every shard.
-The psummed sums are the same on every device, so every device takes the
-same overflow decision, the same per-leaf attribution and the same branch of
-the ``lax.cond`` (whose rescue branch holds collectives). Under plain
-``jit`` the arrays are global and the specs call for no collective.
+"""The one global-norm routine: overflow and norm from a single pass, each
+leaf's sum ``-inf`` exactly when it held an inf or NaN, and ``psum``-med
+over its mesh axes (docs/design.md, "The one pass", "What float16 holds").
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -41,9 +13,8 @@ import numpy as np
 from fp16_scaling._sharding import AxisNames
 from fp16_scaling._sharding import leaf_vector
 
-# Cap on a wide element's square and on any leaf's sum: 2**31 capped squares
-# (or leaf sums) still add up to less than float32's maximum, so no sum is
-# +inf and a -inf never meets a +inf.
+# Cap on a wide element's square and on any leaf's sum: 2**31 of them still
+# add up to a finite float32, so a -inf never meets a +inf.
 CAP = 2.0**96
 # The least magnitude float16 rounds to inf: 65504 plus half its last step of
 # 32, a tie that rounds to the even 2**16, out of range.
@@ -51,18 +22,8 @@ FLOAT16_INF_FROM = 65520.0
 
 
 class Norms(NamedTuple):
-  """Norms of a gradient tree, as computed from its per-leaf sums.
-
-  Attributes:
-    norm: float32 global 2-norm; 0.0 when ``overflow`` (no norm exists).
-    group_norms: float32 vector, the 2-norm of each group of leaves; 0.0 for
-      a group that holds a non-finite leaf.
-    overflow: bool, whether any element was inf or NaN.
-    leaf_nonfinite: bool vector, one entry per leaf in tree order, whether
-      that leaf held an inf or NaN (on any device, under ``shard_map``).
-    leaf_sums: float32 vector, per leaf the global sum of squares (``-inf``
-      for a leaf that held an inf or NaN), from which the rest was reduced.
-  """
+  """Norms of a gradient tree (0.0 where not finite), ``overflow``, and per
+  leaf ``leaf_nonfinite`` and the global ``leaf_sums``."""
 
   norm: jax.Array
   group_norms: jax.Array
@@ -87,20 +48,8 @@ def _is_wide(x) -> bool:
 
 
 def widen(x: jax.Array) -> jax.Array:
-  """``x`` in (at least) float32, with the range of its own dtype.
-
-  A float16 value out of float16's range reads as ``+-inf``, even where the
-  compiler never rounded it to float16. XLA:GPU, by default
-  (``--xla_allow_excess_precision=true``), folds a float32 -> float16 ->
-  float32 chain of converts into nothing, so a float32 value that overflowed
-  its cast to float16 reaches this function as the finite float32 it was.
-  Compared with :data:`FLOAT16_INF_FROM`, the magnitude from which float16
-  rounds to inf, it is sent to ``+-inf`` here: a comparison of a value
-  known only when the step runs, which no compiler pass can fold. A value
-  float16 holds keeps every bit, subnormals included, and NaN stays NaN.
-  Elementwise, so it fuses into the pass that reads ``x``. Other dtypes are
-  only promoted: a float32 or bfloat16 value above 65504 is finite.
-  """
+  """``x`` in (at least) float32, a float16 value out of float16's range as
+  ``+-inf`` (docs/design.md, "What float16 holds")."""
   wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   if _is_wide(x):
     return wide
@@ -109,9 +58,8 @@ def widen(x: jax.Array) -> jax.Array:
 
 
 def _squares(x: jax.Array) -> jax.Array:
-  """Elementwise squares in float32; ``+inf`` or NaN exactly where ``x`` is
-  not finite in its own dtype's range (float16: see :func:`widen`),
-  ``-inf`` for a non-finite wide element (whose square may be capped)."""
+  """Elementwise squares in float32: ``+inf`` or NaN where a float16 ``x`` is
+  out of range (:func:`widen`), ``-inf`` where a wider one is not finite."""
   wide = lax.convert_element_type(x, jnp.promote_types(x.dtype, jnp.float32))
   sq = lax.mul(wide, wide)
   if not _is_wide(x):
@@ -125,12 +73,8 @@ def _squares(x: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def _sqrt(x: jax.Array) -> jax.Array:
-  """``jnp.sqrt`` whose derivative is 0 where it is not finite.
-
-  On an overflow step the sum of squares is NaN and the norm's value is
-  discarded; the plain derivative 0.5 / sqrt(NaN) would still turn the zero
-  cotangent of that discarded value into NaN gradients.
-  """
+  """``jnp.sqrt`` whose derivative is 0 where it is not finite (the norm of
+  an overflow step is discarded; its derivative must not be NaN)."""
   return jnp.sqrt(x)
 
 
@@ -143,17 +87,14 @@ def _sqrt_jvp(primals, tangents):
 
 
 def leaf_sums(leaves: Sequence[jax.Array]) -> list:
-  """Per-leaf local sums of squares, not finite (``-inf``, ``+inf`` or NaN)
-  exactly for a leaf with a non-finite element.
-
-  This is the one pass over the gradients; everything else works on scalars.
-  Its derivative treats a non-finite element as 0 (see :func:`discard_if`).
-  """
+  """The one pass: per-leaf local sums of squares, not finite exactly for a
+  leaf with a non-finite element (whose derivative counts as 0)."""
   return list(_leaf_sums(tuple(leaves)))
 
 
 @jax.custom_jvp
 def _leaf_sums(leaves):
+  """:func:`leaf_sums` on a tuple, with its derivative rule."""
   return tuple(
     lax.reduce_sum(_squares(x).astype(jnp.float32), range(x.ndim))
     for x in leaves
@@ -172,19 +113,8 @@ def _leaf_sums_jvp(primals, tangents):
 
 
 def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
-  """``leaves``, or zeros when ``overflow`` (a step whose result is discarded).
-
-  On an overflow step the gradients hold an inf, and everything computed
-  from them is discarded by ``skip_on_overflow``. A derivative taken through
-  the step (with respect to the parameters, or to a learning rate the update
-  closes over) still multiplies the discarded values' zero cotangents by
-  those infs: 0 * inf = NaN. Selected *before* the multiply, the optimizer
-  sees zeros instead, and gradients through an overflow step are finite:
-  zero through the discarded update. The select is in the values, not only
-  in a derivative rule: with respect to a learning rate, the gradients are
-  constants that no derivative rule would see. Elementwise, with the scalar
-  flag: XLA fuses it into the optimizer's own pass.
-  """
+  """``leaves``, or zeros when ``overflow``, selected before any multiply
+  (docs/design.md, "Differentiating through an overflow step")."""
   return tuple(jnp.where(overflow, 0.0, x) for x in leaves)
 
 
@@ -212,26 +142,8 @@ def reduce_norms(
   per_leaf: Optional[jax.Array] = None,
   in_float16_range: bool = False,
 ) -> Norms:
-  """Global and per-group norms, and per-leaf overflow, from
-  :func:`leaf_sums`.
-
-  Args:
-    sums: per-leaf local sums of squares, from :func:`leaf_sums`.
-    leaves: the leaves they were computed from (read again only in the rare
-      case where finite squares were too large for float32).
-    leaf_groups: static group index of each leaf (default: all in group 0).
-    num_groups: number of groups.
-    leaf_axes: static mesh axes to ``psum`` each leaf's sum over, from
-      :func:`leaf_axes_from_specs` (default: none).
-    per_leaf: ``Norms.leaf_sums`` of an earlier reduction of the same
-      ``sums`` over the same ``leaf_axes``: the vector is not built again.
-    in_float16_range: every leaf holds values within float16's range (a
-      float32 mean of float16 gradients): no finite square can reach the
-      cap, and the rescue is not traced.
-
-  Returns:
-    :class:`Norms`.
-  """
+  """:class:`Norms` from the :func:`leaf_sums` of ``leaves`` (read again only
+  for finite squares too large for float32), reusing ``per_leaf`` if given."""
   n = len(leaves)
   leaf_groups = tuple(leaf_groups) if leaf_groups is not None else (0,) * n
   leaf_axes = tuple(leaf_axes) if leaf_axes is not None else ((),) * n
@@ -239,38 +151,29 @@ def reduce_norms(
     return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
   if per_leaf is None:
-    per_leaf = leaf_vector(
-      sums,
-      leaf_axes,
-      lambda v, axes: lax.psum(v, axes),
-      lambda local: _marked(local, cap=needs_rescue),
-    )
+    mark = lambda local: _marked(local, cap=needs_rescue)
+    per_leaf = leaf_vector(sums, leaf_axes, lax.psum, mark)
   common, total = _group_sums(per_leaf, leaf_groups, num_groups)
   if needs_rescue and not in_float16_range:
-    rescue = lambda _: _rescued_roots(
-      leaves, leaf_groups, leaf_axes, num_groups
-    )
+    groups = (leaf_groups, leaf_axes, num_groups)
+    rescue = lambda _: _rescued_roots(leaves, *groups)
     keep = lambda _: _roots(total, common)
-    root, group_roots, overflow = lax.cond(total >= CAP, rescue, keep, None)
+    root, group_roots = lax.cond(total >= CAP, rescue, keep, None)
   else:
-    root, group_roots, overflow = _roots(total, common)
-  # -inf exactly for a leaf with a non-finite element on some device; the
-  # total of capped finite sums is finite, so it is -inf exactly then too.
-  leaf_nonfinite = per_leaf < 0
+    root, group_roots = _roots(total, common)
+  # -inf exactly for a leaf (and so a total) with a non-finite element.
   overflow = total < 0
   return Norms(
     norm=jnp.where(overflow, 0.0, root),
     group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
     overflow=overflow,
-    leaf_nonfinite=leaf_nonfinite,
+    leaf_nonfinite=per_leaf < 0,
     leaf_sums=per_leaf,
   )
 
 
 def _group_sums(per_leaf, leaf_groups, num_groups) -> tuple:
-  """``(per-group sums, total)`` of the per-leaf vector; a group without
-  leaves sums to 0. When one group holds every leaf, its sum is the total:
-  one reduction, not two."""
+  """``(per-group sums, total)`` of the per-leaf vector."""
   present = sorted(set(leaf_groups))
   if len(present) == 1:
     total = jnp.sum(per_leaf)
@@ -301,74 +204,38 @@ def _no_norms(num_groups: int) -> Norms:
 
 
 def _marked(local: jax.Array, *, cap: bool) -> jax.Array:
-  """A vector of local sums with every non-finite one ``-inf``, whatever it
-  met, and with ``cap`` each capped at ``CAP``: a leaf's sum is at most
-  ``2**31 * CAP``; capped at ``CAP``, the total of ``2**31`` of them stays
-  finite too. On the vector: a few operations, not a few a leaf."""
+  """Local sums with every non-finite one ``-inf``, and with ``cap`` each
+  capped at ``CAP`` so that their total stays finite too."""
   local = jnp.where(lax.is_finite(local), local, -jnp.inf)
   return jnp.minimum(local, jnp.float32(CAP)) if cap else local
 
 
 def _roots(total, common) -> tuple:
-  """``(norm, group norms, overflow)`` from the summed squares.
-
-  sqrt(|sum|): +inf exactly for a sum that met a non-finite leaf (-inf),
-  where sqrt(sum) would make a NaN; finite otherwise (sums are capped).
-  _sqrt's derivative is 0 where the root is 0 or inf, so gradients taken
-  through the step stay finite.
-  """
-  root = _sqrt(jnp.abs(total))
-  return root, _sqrt(jnp.abs(common)), jnp.isinf(root)
+  """``(norm, group norms)`` from the summed squares: sqrt(|sum|) is +inf,
+  not NaN, for a sum that met a non-finite leaf (-inf)."""
+  return _sqrt(jnp.abs(total)), _sqrt(jnp.abs(common))
 
 
 def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
-  """:func:`_roots` for finite squares too large for float32's sums.
-
-  Each group relative to its own largest magnitude: relative to the global
-  one, a small group's squares would underflow float32. Only entered for a
-  finite total, so every element is finite here.
-  """
+  """:func:`_roots` for finite squares too large for float32's sums: each
+  group relative to its own largest magnitude (entered for a finite total)."""
   maxima = [jnp.max(jnp.abs(x), initial=0).astype(jnp.float32) for x in leaves]
-  peaks = _grouped(
-    maxima,
-    leaf_groups,
-    leaf_axes,
-    num_groups,
-    jnp.max,
-    lambda v, axes: lax.pmax(v, axes),
-  )
+  groups = (leaf_groups, leaf_axes, num_groups)
+  peaks = _grouped(maxima, *groups, jnp.max, lax.pmax)
   peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
-  rel = _grouped(
-    [
-      jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
-      for x, g in zip(leaves, leaf_groups)
-    ],
-    leaf_groups,
-    leaf_axes,
-    num_groups,
-    jnp.sum,
-    lambda v, axes: lax.psum(v, axes),
-  )
+  rel = [
+    jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
+    for x, g in zip(leaves, leaf_groups)
+  ]
+  rel = _grouped(rel, *groups, jnp.sum, lax.psum)
   top = jnp.max(peaks)
-  return (
-    top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel)),
-    peaks * jnp.sqrt(rel),
-    jnp.bool_(False),  # entered only for a finite total
-  )
+  norm = top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel))
+  return norm, peaks * jnp.sqrt(rel)
 
 
 def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
-  """Per-leaf largest finite ``|x|`` and fraction of zero elements.
-
-  Opt-in telemetry: two more reductions per leaf over the same elements as
-  :func:`leaf_sums` (XLA:CPU, which has no multi-output fusion, reads the
-  gradients again for each). Under ``shard_map``
-  the maxima are ``pmax``-ed and the counts ``psum``-med across each leaf's
-  axes.
-
-  Returns:
-    ``(max_abs, zero_fraction)``, two float32 vectors in leaf order.
-  """
+  """``(max_abs, zero_fraction)``: per leaf across its mesh axes, the
+  largest finite ``|x|`` and the fraction of zero elements."""
   peaks = [
     jnp.max(
       jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype)),
@@ -378,7 +245,7 @@ def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
   ]
   zeros = [jnp.sum(x == 0, dtype=jnp.float32) for x in leaves]
   sizes = [jnp.float32(x.size) for x in leaves]
-  peaks = leaf_vector(peaks, leaf_axes, lambda v, axes: lax.pmax(v, axes))
-  zeros = leaf_vector(zeros, leaf_axes, lambda v, axes: lax.psum(v, axes))
-  sizes = leaf_vector(sizes, leaf_axes, lambda v, axes: lax.psum(v, axes))
+  peaks = leaf_vector(peaks, leaf_axes, lax.pmax)
+  zeros = leaf_vector(zeros, leaf_axes, lax.psum)
+  sizes = leaf_vector(sizes, leaf_axes, lax.psum)
   return peaks, zeros / jnp.maximum(sizes, 1.0)

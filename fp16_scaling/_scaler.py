@@ -1,28 +1,5 @@
-"""One loss-scale state machine, and the presets that configure it.
-
-Every dynamic loss scaler in the wild (DeepSpeed's ``DynamicLossScaler``,
-``torch.amp.GradScaler``, Megatron's ``DynamicGradScaler``, Flax's
-``DynamicScale``) is the same machine with different constants:
-
-* on an overflow, the clean-step counter restarts; the overflow is absorbed
-  while hysteresis is left, otherwise the scale backs off to
-  ``max(scale * backoff_factor, min_scale)``;
-* on a clean step the counter advances; when it reaches ``growth_interval``
-  the scale grows by ``growth_factor`` (a growth whose result is not a finite
-  float32 is refused), the counter restarts and hysteresis is refilled.
-  With ``consecutive_hysteresis`` every clean step refills it.
-
-The peers differ only in where the counter restarts (``growth_delay``:
-DeepSpeed tests ``iter - last_overflow_iter - 1``, so its first growth comes one
-clean step later than torch's), in the hysteresis depth, and in the floor.
-docs/peers.md states each peer's rule and how the tests check it against the
-peer's own code.
-
-The scale is always a normal, finite float32: the floor is at least
-float32's smallest normal number and growth that would overflow is refused.
-That is a designed difference from torch (whose scale sinks to 0 under
-persistent NaN and never recovers) and from Megatron and DeepSpeed (whose scale
-can grow past float32's range).
+"""One loss-scale state machine, and the presets that configure it as each
+peer's scaler (docs/peers.md; docs/design.md, "The state machine").
 """
 
 import dataclasses
@@ -41,18 +18,11 @@ class ScalerState(NamedTuple):
 
   Attributes:
     loss_scale: float32 scale to multiply the *next* loss by.
-    growth_tracker: int32 clean steps counted towards the next growth; it
-      restarts at ``-growth_delay`` after an overflow and at 0 after a growth.
-    hysteresis_left: int32 overflows that will still be absorbed before the
-      scale backs off: ``hysteresis - 1`` when full, so a ``hysteresis`` of
-      2 shows as 1. DeepSpeed's ``cur_hysteresis`` and Megatron's
-      ``hysteresis_tracker`` are this plus 1.
-    min_scale_errors: int32 overflows that wanted to back off while the scale
-      already sat at ``min_scale`` with ``raise_at_min_scale`` set: the steps
-      on which DeepSpeed raises. See :func:`raise_if_min_scale_reached`.
-    floor_overflows: int32 overflows that wanted to back off while the scale
-      already sat at ``min_scale``, counted for every preset: a scale that
-      keeps overflowing at its floor is not a scaling problem.
+    growth_tracker: int32 clean steps counted towards the next growth.
+    hysteresis_left: int32 overflows still absorbed before a back-off
+      (``hysteresis - 1`` when full).
+    min_scale_errors: int32 overflows at ``min_scale`` where DeepSpeed raises.
+    floor_overflows: int32 overflows at ``min_scale``, for every preset.
   """
 
   loss_scale: jax.Array
@@ -71,41 +41,28 @@ class Scaler:
     growth_factor: multiplier on growth (1.0 never grows).
     backoff_factor: multiplier on back-off (1.0 never backs off).
     growth_interval: clean steps between growths.
-    growth_delay: extra clean steps before the first growth after an overflow
-      (and at the start): 0 for torch, Megatron and Flax, 1 for DeepSpeed.
+    growth_delay: extra clean steps before the first growth after an overflow.
     min_scale: floor of the scale on back-off.
-    hysteresis: overflows in a row (with no growth between) that it takes to
-      back off; 1 backs off on every overflow.
-    consecutive_hysteresis: refill hysteresis on every clean step, not only
-      on growth (DeepSpeed's ``consecutive_hysteresis``).
-    raise_at_min_scale: count overflows that would back off below the floor in
-      ``ScalerState.min_scale_errors`` (DeepSpeed raises there).
-    headroom_bits: if set, after each clean step the next scale is chosen
-      from the largest unscaled gradient magnitude ``m`` so that ``m * scale``
-      lies this many bits below float16's maximum (rounded down to a power
-      of two, at most ``growth_factor`` times the current scale, within
-      ``[min_scale, max_scale]``); ``growth_interval`` is then unused.
-    growth_margin_bits: with ``headroom_bits``, the scale grows only when
-      the target is at least this many bits above it (it falls as soon as
-      the target is below it), so that batch-to-batch noise in the largest
-      gradient does not move it.
+    hysteresis: overflows in a row (with no growth between) to back off.
+    consecutive_hysteresis: refill hysteresis on every clean step.
+    raise_at_min_scale: count overflows at the floor in ``min_scale_errors``.
+    headroom_bits: if set, see :func:`headroom_scaler`.
+    growth_margin_bits: with ``headroom_bits``, see :func:`headroom_scaler`.
     max_scale: ceiling of the scale on growth.
 
   Examples:
     >>> import fp16_scaling as fs
     >>> scaler = fs.torch_scaler(init_scale=8.0, growth_interval=2)
     >>> state = scaler.init()
-    >>> for overflow in [False, False, True, False]:
+    >>> for overflow in [False, False, True]:
     ...   state = scaler.update(state, overflow)
     ...   print(float(state.loss_scale))
     8.0
     16.0
     8.0
-    8.0
 
   References:
-    Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (dynamic loss scaling).
+    Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
 
   init_scale: float
@@ -154,23 +111,18 @@ class Scaler:
     """Advances the machine by one step.
 
     Args:
-      state: the state before the step; ``state.loss_scale`` is the scale the
-        step's gradients were made with.
-      overflow: scalar bool, whether the step's gradients had a non-finite
-        element.
+      state: the state before the step, whose scale made its gradients.
+      overflow: scalar bool, whether those had a non-finite element.
       grad_max: float32 largest finite magnitude of the step's unscaled
         gradients; required when :attr:`needs_grad_max`, else ignored.
 
     Returns:
-      The state after the step. Only jnp selects: no Python branching on
-      traced values, so it jit-compiles and scans.
+      The state after the step (jnp selects only: it jits and scans).
     """
     scale = state.loss_scale
     overflow = jnp.asarray(overflow, jnp.bool_)
     full = jnp.int32(self.hysteresis - 1)
-    # Counters are read within this machine's ranges: a state of another
-    # preset (restored into this one's target) cannot carry its hysteresis
-    # or growth delay over. The identity on this machine's own states.
+    # Counters read within this machine's ranges (docs/design.md).
     left = jnp.clip(state.hysteresis_left, 0, full)
     counted = jnp.clip(
       state.growth_tracker, -self.growth_delay, self.growth_interval - 1
@@ -197,12 +149,10 @@ class Scaler:
     refill = grow | self.consecutive_hysteresis
     hysteresis_after_clean = jnp.where(refill, full, left)
 
+    floored = (overflow & hit_floor).astype(jnp.int32)
     errors = state.min_scale_errors
     if self.raise_at_min_scale:
-      errors = errors + (overflow & hit_floor).astype(jnp.int32)
-    floor_overflows = state.floor_overflows + (overflow & hit_floor).astype(
-      jnp.int32
-    )
+      errors = errors + floored
     return ScalerState(
       loss_scale=jnp.where(overflow, scale_after_overflow, scale_after_clean),
       growth_tracker=jnp.where(
@@ -214,7 +164,7 @@ class Scaler:
         overflow, hysteresis_after_overflow, hysteresis_after_clean
       ),
       min_scale_errors=errors,
-      floor_overflows=floor_overflows,
+      floor_overflows=state.floor_overflows + floored,
     )
 
   def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array):
@@ -225,17 +175,14 @@ class Scaler:
     target = jnp.float32(F16_MAX) / (
       grad_max * jnp.float32(2.0**self.headroom_bits)
     )
-    # Rounded down to a power of two, exactly: target = m * 2**e, m in
-    # [0.5, 1).
+    # Rounded down to a power of two, exactly: target = m * 2**e, m in [.5, 1).
     _, exponent = jnp.frexp(target)
     target = jnp.where(
       jnp.isfinite(target), jnp.ldexp(jnp.float32(1), exponent - 1), target
     )
+    grown = scale * jnp.float32(self.growth_factor)
     capped = jnp.minimum(
-      target,
-      jnp.minimum(
-        scale * jnp.float32(self.growth_factor), jnp.float32(self.max_scale)
-      ),
+      target, jnp.minimum(grown, jnp.float32(self.max_scale))
     )
     # Fall at once (the largest gradient is nearer the top than asked); grow
     # only with the margin to spare.
@@ -248,8 +195,6 @@ class Scaler:
 
 def static_scaler(scale: float) -> Scaler:
   """A fixed loss scale (DeepSpeed's ``fp16.loss_scale`` > 0).
-
-  Overflowing steps are still detected and skipped; the scale never moves.
 
   Args:
     scale: the loss scale, a positive normal float32.
@@ -268,10 +213,7 @@ def static_scaler(scale: float) -> Scaler:
 
 
 def no_scaler() -> Scaler:
-  """No loss scaling, for bfloat16 or float32 training.
-
-  The same state fields as every other scaler, with a scale of exactly 1.0, so
-  that no code path has an unset scale. Non-finite steps are still skipped.
+  """No loss scaling (scale 1.0), for bfloat16 or float32 training.
 
   Returns:
     A :class:`Scaler`.
@@ -284,7 +226,9 @@ def no_scaler() -> Scaler:
   return Scaler(init_scale=1.0)
 
 
-def _check_floor(min_scale: float, init_scale: float, name: str) -> float:
+def _floor(name: str, min_scale: float, init_scale: float) -> float:
+  """``min_scale``, checked to be a scale at most ``init_scale``."""
+  min_scale = _validate.scale(name, min_scale)
   if min_scale > init_scale:
     raise ValueError(
       f"{name} must not exceed the initial scale ({init_scale!r}), got "
@@ -302,14 +246,7 @@ def deepspeed_scaler(
   consecutive_hysteresis: bool = False,
   raise_error_at_min_scale: bool = True,
 ) -> Scaler:
-  """DeepSpeed's ``DynamicLossScaler``, step for step.
-
-  Follows ``deepspeed/runtime/fp16/loss_scaler.py`` (0.19): the scale doubles
-  when ``iter - last_overflow_iter - 1`` is a positive multiple of
-  ``scale_window`` (first growth on the ``scale_window + 1``-th clean step,
-  then every ``scale_window``); an overflow halves it, floored at
-  ``min_scale``, unless hysteresis (``delayed_shift``) absorbs it. DeepSpeed's
-  non-ZeRO fp16 optimizers use the same rule with ``delayed_shift=1``.
+  """DeepSpeed's ``DynamicLossScaler``, step for step (docs/peers.md).
 
   Args:
     init_scale: initial scale (DeepSpeed: ``2 ** initial_scale_power``).
@@ -324,8 +261,6 @@ def deepspeed_scaler(
     A :class:`Scaler`.
 
   Examples:
-    With a window of 2 the first growth comes on the third clean step:
-
     >>> import fp16_scaling as fs
     >>> scaler = fs.deepspeed_scaler(init_scale=8.0, scale_window=2)
     >>> state = scaler.init()
@@ -346,9 +281,7 @@ def deepspeed_scaler(
     backoff_factor=0.5,
     growth_interval=_validate.count("scale_window", scale_window),
     growth_delay=1,
-    min_scale=_check_floor(
-      _validate.scale("min_scale", min_scale), init_scale, "min_scale"
-    ),
+    min_scale=_floor("min_scale", min_scale, init_scale),
     hysteresis=_validate.count("delayed_shift", delayed_shift),
     consecutive_hysteresis=_validate.flag(
       "consecutive_hysteresis", consecutive_hysteresis
@@ -366,18 +299,9 @@ def torch_scaler(
   backoff_factor: float = 0.5,
   growth_interval: int = 2000,
 ) -> Scaler:
-  """``torch.amp.GradScaler``, step for step.
+  """``torch.amp.GradScaler``, step for step (docs/peers.md).
 
-  Follows ``torch._amp_update_scale_``: every overflow multiplies the scale by
-  ``backoff_factor``; after ``growth_interval`` consecutive clean steps it is
-  multiplied by ``growth_factor`` unless the result would not be finite.
-  Designed difference: the scale is floored at float32's smallest normal
-  number, where torch's sinks to 0 under persistent NaN and never recovers.
-
-  Factors are held in float32. torch multiplies its float32 scale by the
-  factor in double precision and rounds the product; for factors that are
-  float32 values (2, 0.5, 1.5, any k / 2**n) the two are bit-identical, for
-  others (1.1) each growth or back-off can land one float32 ulp apart.
+  Designed differences: a floor at float32's smallest normal; float32 factors.
 
   Args:
     init_scale: initial scale.
@@ -396,8 +320,6 @@ def torch_scaler(
     ...   state = scaler.update(state, overflow=False)
     >>> print(float(state.loss_scale))
     16.0
-    >>> print(float(scaler.update(state, overflow=True).loss_scale))
-    8.0
 
   References:
     PyTorch 2.13, ``torch.amp.GradScaler`` and ``torch._amp_update_scale_``.
@@ -419,14 +341,9 @@ def megatron_scaler(
   growth_interval: int = 1000,
   hysteresis: int = 2,
 ) -> Scaler:
-  """Megatron-core's ``DynamicGradScaler``, step for step.
+  """Megatron-core's ``DynamicGradScaler``, step for step (docs/peers.md).
 
-  Follows ``megatron/core/optimizer/grad_scaler.py``: every overflow restarts
-  the growth tracker and spends one unit of hysteresis; once it is spent, the
-  scale backs off to ``max(scale * backoff_factor, min_scale)``. After
-  ``growth_interval`` clean steps the scale grows and hysteresis is refilled.
-  Defaults are Megatron's command-line defaults. Designed difference: growth
-  that would overflow float32 is refused (Megatron's scale reaches inf).
+  Defaults are Megatron's command-line defaults.
 
   Args:
     initial_scale: initial scale.
@@ -440,8 +357,6 @@ def megatron_scaler(
     A :class:`Scaler`.
 
   Examples:
-    With the default hysteresis of 2, the first overflow is absorbed:
-
     >>> import fp16_scaling as fs
     >>> scaler = fs.megatron_scaler(initial_scale=8.0)
     >>> state = scaler.init()
@@ -460,9 +375,7 @@ def megatron_scaler(
     growth_factor=_validate.above_one("growth_factor", growth_factor),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
     growth_interval=_validate.count("growth_interval", growth_interval),
-    min_scale=_check_floor(
-      _validate.scale("min_scale", min_scale), initial_scale, "min_scale"
-    ),
+    min_scale=_floor("min_scale", min_scale, initial_scale),
     hysteresis=_validate.count("hysteresis", hysteresis),
   )
 
@@ -475,12 +388,9 @@ def flax_scaler(
   scale: float = 2.0**16,
   minimum_scale: float = _validate.F32_TINY,
 ) -> Scaler:
-  """Flax's ``flax.training.dynamic_scale.DynamicScale``.
+  """Flax's ``flax.training.dynamic_scale.DynamicScale`` (docs/peers.md).
 
-  Flax compares its counter with ``growth_interval`` before counting the
-  current step, so it grows every ``growth_interval + 1`` clean steps.
-  Designed difference: growth past float32's range is refused instead of
-  clamped to float32's maximum.
+  It grows every ``growth_interval + 1`` clean steps, as Flax does.
 
   Args:
     growth_factor: growth multiplier, above 1.
@@ -493,8 +403,6 @@ def flax_scaler(
     A :class:`Scaler`.
 
   Examples:
-    With ``growth_interval=2`` Flax grows on the third clean step:
-
     >>> import fp16_scaling as fs
     >>> scaler = fs.flax_scaler(growth_interval=2, scale=8.0)
     >>> state = scaler.init()
@@ -514,9 +422,7 @@ def flax_scaler(
     growth_factor=_validate.above_one("growth_factor", growth_factor),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
     growth_interval=_validate.count("growth_interval", growth_interval) + 1,
-    min_scale=_check_floor(
-      _validate.scale("minimum_scale", minimum_scale), scale, "minimum_scale"
-    ),
+    min_scale=_floor("minimum_scale", minimum_scale, scale),
   )
 
 
@@ -530,30 +436,17 @@ def headroom_scaler(
   min_scale: float = 1.0,
   max_scale: float = 2.0**24,
 ) -> Scaler:
-  """A scale set from the measured gradient range, not from a clean-step
-  count.
+  """A scale set from the measured gradient range, not a clean-step count.
 
-  After every clean step the next scale is chosen so that the largest
-  gradient of the step, times the scale, lies ``headroom_bits`` bits below
-  float16's maximum (65504): ``2**floor(log2(65504 / (max|g| *
-  2**headroom_bits)))``. It falls to that target at once, but grows only
-  when the target lies ``growth_margin_bits`` or more above the scale, and
-  then by at most ``max_growth`` per step; it stays within ``[min_scale,
-  max_scale]``. An
-  overflow backs off by ``backoff_factor``, floored at ``min_scale``, as the
-  other presets do. Scales are powers of two when ``init_scale`` is, so
-  unscaling is exact.
-
-  :func:`fp16_loss_scale` measures the largest finite ``|g|`` of each leaf
-  for it: one more reduction per leaf (+13% bytes accessed per step at
-  20M/200 on XLA:CPU, see benchmarks/README.md).
+  After a clean step the scale targets ``2**floor(log2(65504 / (max|g| *
+  2**headroom_bits)))``: it falls to it at once, and grows to it (by at most
+  ``max_growth``) when it lies ``growth_margin_bits`` above.
 
   Args:
     init_scale: first scale.
-    headroom_bits: bits between ``max|g| * scale`` and float16's maximum, in
-      [0, 24].
+    headroom_bits: bits between ``max|g| * scale`` and 65504, in [0, 24].
     growth_margin_bits: how far above the scale the target must be for it to
-      grow, in [0, 24]; 0 follows the target both ways.
+      grow, in [0, 24].
     max_growth: largest factor the scale may grow by in one step, above 1.
     backoff_factor: back-off multiplier on overflow, in (0, 1).
     min_scale: floor, at most ``init_scale``.
@@ -578,9 +471,7 @@ def headroom_scaler(
     init_scale=init_scale,
     growth_factor=_validate.above_one("max_growth", max_growth),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
-    min_scale=_check_floor(
-      _validate.scale("min_scale", min_scale), init_scale, "min_scale"
-    ),
+    min_scale=_floor("min_scale", min_scale, init_scale),
     headroom_bits=_validate.in_range("headroom_bits", headroom_bits, 0, 24),
     growth_margin_bits=_validate.in_range(
       "growth_margin_bits", growth_margin_bits, 0, 24

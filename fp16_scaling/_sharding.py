@@ -1,13 +1,7 @@
 """Which mesh axes each gradient leaf is split over, and the collectives
-that combine per-leaf scalars across them.
-
-Under ``shard_map`` each device holds a block of a sharded leaf; a leaf's
-sum of squares (or its maximum) is then combined across exactly the manual
-mesh axes its ``PartitionSpec`` splits it over. These helpers turn the
-user's ``partition_specs`` (a pytree of specs, or a prefix of the
-gradients' tree, as ``optax.masked`` takes a mask) into static per-leaf
-axes, check them against the mesh, and apply one collective per distinct
-set of axes.
+that combine per-leaf scalars across them: the user's ``partition_specs``
+(a pytree of specs, or a prefix of the gradients' tree) become static
+per-leaf axes, checked against the mesh.
 """
 
 import jax
@@ -18,13 +12,8 @@ AxisNames = tuple  # tuple[str, ...], sorted; () for an unsharded leaf
 
 
 def leaf_vector(values, leaf_axes, collective, prepare=None) -> jax.Array:
-  """Per-leaf scalars as one vector, each combined across its mesh axes.
-
-  The leaves are grouped by their set of axes; each group's scalars are
-  stacked once, passed through ``prepare`` (before any collective) and
-  combined with one ``collective``; leaves with no axes take none. With one
-  group (the common case, plain ``jit``) the vector is that group's.
-  """
+  """Per-leaf scalars as one vector, each combined across its mesh axes:
+  one ``prepare`` and one ``collective`` per distinct set of axes."""
   if not values:
     return jnp.zeros([0], jnp.float32)
   by_axes = {}
@@ -53,15 +42,14 @@ def spec_axes(spec) -> AxisNames:
   return tuple(sorted(set(names)))
 
 
-def _is_spec(s) -> bool:
+def is_spec(s) -> bool:
+  """Whether ``s`` is a leaf of a ``PartitionSpec`` pytree."""
   return s is None or isinstance(s, jax.sharding.PartitionSpec)
 
 
 def varying_axes(t, *, unreduced: bool = False) -> AxisNames:
-  """Manual mesh axes over which a value of type ``t`` (an aval or a
-  ``ShapeDtypeStruct``) may differ, and with ``unreduced`` those where it
-  holds unreduced partial sums, as ``shard_map``'s ``check_vma`` types it;
-  empty when unchecked."""
+  """Manual mesh axes over which a value of type ``t`` may differ (and with
+  ``unreduced``, hold partial sums), as ``shard_map``'s ``check_vma`` says."""
   mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9
   if mat is None:
     return tuple(sorted(set(getattr(t, "vma", ()))))
@@ -71,21 +59,15 @@ def varying_axes(t, *, unreduced: bool = False) -> AxisNames:
 
 def _leaf_specs(partition_specs, tree, what: str) -> list:
   """The ``PartitionSpec`` (or None) of each leaf of ``tree``, in leaf order."""
-  for spec in jax.tree.leaves(partition_specs, is_leaf=_is_spec):
-    if not _is_spec(spec):
+  specs = jax.tree.leaves(partition_specs, is_leaf=is_spec)
+  for spec in specs:
+    if not is_spec(spec):
       raise TypeError(
         f"{what}: partition_specs must hold a jax.sharding.PartitionSpec or "
         f"None at each leaf, got {spec!r} ({type(spec).__name__})"
       )
   try:
-    return list(
-      broadcast_prefix(
-        jax.tree.leaves(partition_specs, is_leaf=_is_spec),
-        partition_specs,
-        tree,
-        is_leaf=_is_spec,
-      )
-    )
+    return list(broadcast_prefix(specs, partition_specs, tree, is_spec))
   except (ValueError, TypeError) as e:
     raise ValueError(
       f"{what}: partition_specs must have the structure of the gradients "
@@ -102,15 +84,8 @@ class _Repeated:
 
 
 def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
-  """One of ``values`` (given per leaf of ``prefix``) per leaf of ``tree``.
-
-  ``prefix`` has the structure of ``tree`` or a prefix of it, as
-  ``optax.masked``'s mask: a leaf of ``prefix`` stands for every leaf of the
-  subtree of ``tree`` at its place.
-
-  Raises:
-    ValueError: ``prefix`` is not a prefix of ``tree``'s structure.
-  """
+  """One of ``values`` (one per leaf of ``prefix``, a prefix of ``tree`` as in
+  ``optax.masked``) per leaf of ``tree``."""
   it = iter(values)
   repeated = jax.tree.map(
     lambda _, sub: _Repeated(next(it), len(jax.tree.leaves(sub))),
@@ -128,24 +103,8 @@ def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
 
 
 def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
-  """Static per-leaf mesh axes to sum each leaf's squares over, from specs.
-
-  ``partition_specs`` is what the user gives ``shard_map`` for the gradients:
-  the gradients' structure with a ``PartitionSpec`` (or None) per leaf, or a
-  prefix of it (one spec for a whole subtree).
-
-  Only the *manual* axes of the mesh being traced under are kept: inside
-  ``shard_map`` each device holds a block and the blocks' sums are added
-  with ``psum``; under plain ``jit`` (sharded or not) the arrays are global,
-  their sums already are, and the same transformation needs no collective.
-
-  Raises:
-    TypeError: a leaf of ``partition_specs`` is not a PartitionSpec or None.
-    ValueError: ``partition_specs`` does not match the structure of ``tree``;
-      a spec names an axis the current mesh does not have; or (under
-      ``shard_map`` with ``check_vma``) a leaf varies over a mesh axis its spec
-      says it is replicated over, so its blocks would disagree across it.
-  """
+  """Static per-leaf mesh axes to sum each leaf's squares over: the manual
+  (``shard_map``'s) axes its spec names, checked against the mesh."""
   leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
   if partition_specs is None:
     for path, x in leaves_with_paths:
@@ -161,8 +120,7 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
           f"reduce the gradients over {varying[0]!r} first (lax.pmean)."
         )
   if partition_specs is None or not leaves_with_paths:
-    # No leaves, nothing to sum (optax.tree_map_params, the usual way to build
-    # the optimizer state's specs, calls init with such a placeholder).
+    # No leaves: optax.tree_map_params' placeholder.
     return ((),) * len(leaves_with_paths)
   specs = _leaf_specs(partition_specs, tree, what)
   mesh = jax.sharding.get_abstract_mesh()

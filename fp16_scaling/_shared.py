@@ -1,14 +1,7 @@
 """One loss scale for several optimizers, with ``torch.amp.GradScaler``'s
-semantics.
-
-torch steps several optimizers with one scaler: each ``scaler.step(opt)``
-skips that optimizer alone when its own gradients held an inf or NaN, and
-the one ``scaler.update()`` backs off once if any of them did, or counts a
-clean step. Here the scale is a value the caller holds and passes: every
-optimizer is built with ``fp16_loss_scale(shared)`` and updated with
-``tx.update(..., loss_scale=scale_state)``; it measures and skips on its
-own gradients and never steps the scale. ``shared.update(scale_state,
-*opt_states)`` then steps it once from their overflows.
+semantics: each optimizer skips on its own gradients, and the scale, a value
+the caller holds, steps once from all their overflows (docs/design.md, "One
+scale for several optimizers").
 """
 
 import dataclasses
@@ -39,18 +32,15 @@ class SharedLossScale:
     """Steps the shared scale once, after every optimizer has stepped.
 
     Args:
-      scale_state: the state every ``tx.update`` of this step was given
-        as ``loss_scale=``.
-      *opt_states: the optimizer states those updates returned, one per
-        optimizer built with ``fp16_loss_scale(self)``.
+      scale_state: the state every ``tx.update`` was given as ``loss_scale=``.
+      *opt_states: the optimizer states those updates returned.
 
     Returns:
       The next :class:`ScalerState`: backed off once if any optimizer's
       gradients overflowed, else one clean step counted.
 
     Raises:
-      ValueError: a state not built with this shared scale, or one under
-        :func:`accumulate_gradients`.
+      ValueError: a state not built with this shared scale, or accumulating.
     """
     if not opt_states:
       raise ValueError("shared.update needs the optimizer states it steps")
@@ -64,6 +54,7 @@ class SharedLossScale:
     return self.scaler.update(scale_state, overflow, grad_max)
 
   def _member(self, opt_state: Any):
+    """The loss-scale state of one optimizer sharing this scale."""
     ls = _lookup.loss_scale_state(opt_state)
     paths = ls.leaf_paths
     if not paths.shared or paths.scaler != self.scaler:
@@ -88,13 +79,8 @@ def shared_loss_scale(scaler: Scaler) -> SharedLossScale:
     scaler: a :class:`Scaler` from a preset.
 
   Returns:
-    A :class:`SharedLossScale`: build each optimizer with
-    ``fp16_loss_scale(shared)``, keep ``scale_state = shared.init()`` next
-    to the optimizer states, take gradients with
-    ``fs.value_and_grad(loss, scale_state)``, update each optimizer with
-    ``tx.update(grads, opt_state, params, loss_scale=scale_state)``, and
-    once every optimizer has stepped, ``scale_state = shared.update(
-    scale_state, opt_state_1, opt_state_2, ...)``.
+    A :class:`SharedLossScale`, to build each optimizer with
+    ``fp16_loss_scale(shared)`` and step once with ``shared.update``.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs

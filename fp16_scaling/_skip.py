@@ -1,13 +1,5 @@
-"""``skip_on_overflow``: an exact skip of the whole chain on an overflow step.
-
-An element of ``optax.chain`` cannot stop the elements after it, so the guard
-wraps the chain. It measures the gradients once (:func:`_measure.measure`),
-hands that measurement to its own elements with their state, and on an
-overflow step returns ``-0.0`` updates and keeps every leaf of the inner
-state bit for bit, except the bookkeeping that must move: the loss-scale
-state and the clip's norms. The selects come after the inner update, as in
-``optax.apply_if_finite`` and jmp; each is elementwise and XLA fuses it
-into the optimizer's own pass.
+"""``skip_on_overflow``: an exact skip of the whole chain on an overflow step
+(docs/design.md, "Data flow" and "The exact skip").
 """
 
 from typing import Any
@@ -56,6 +48,7 @@ _INSIDE = (
 
 
 def _is_bookkeeping(x) -> bool:
+  """Whether ``x`` is a state that moves on an overflow step too."""
   return isinstance(x, _BOOKKEEPING)
 
 
@@ -65,35 +58,24 @@ def skip_on_overflow(
   """Runs ``inner`` and discards the step exactly when its gradients overflowed.
 
   Args:
-    inner: a chain whose first element is :func:`fp16_loss_scale`, typically
-      ``optax.chain(fp16_loss_scale(...), clip_by_unscaled_norm(...),
-      optimizer)``.
-    early_select: deprecated and ignored (the selects follow the inner
-      update; on XLA:CPU see docs/design.md for the compiler option that
-      keeps the step in place).
+    inner: a chain whose first element is :func:`fp16_loss_scale`.
+    early_select: deprecated and ignored (docs/design.md, "In place").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
-    state. On an overflow step the updates are ``-0.0`` (so ``params +
-    updates`` is bit-identical to ``params``, signed zeros included) and the
-    inner state is unchanged except for :class:`LossScaleState` and
-    :class:`ClipState`. Extra arguments reach ``inner`` as they are.
-    Gradients taken through an overflow step are finite: zero through the
-    discarded update.
+    state. On an overflow step the updates are ``-0.0`` (``params +
+    updates`` keeps every bit of ``params``) and the inner state is
+    unchanged but for :class:`LossScaleState` and :class:`ClipState`.
 
   Raises:
-    ValueError: at ``init`` and ``update``, unless ``inner``'s state holds
-      exactly one :class:`LossScaleState`, that of its first element, and
-      no clip before it or accumulation inside it.
+    ValueError: at ``init`` and ``update``, unless ``inner``'s first element,
+      and only it, is an ``fp16_loss_scale`` (docs/design.md).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.skip_on_overflow(optax.chain(
     ...     fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=1024.0)),
-    ...     fs.clip_by_unscaled_norm(1.0),
-    ...     optax.adam(1e-3)))
+    ...     fs.clip_by_unscaled_norm(1.0), optax.adam(1e-3)))
     >>> params = jnp.ones(2)
     >>> state = tx.init(params)
     >>> grads = jnp.array([1.0, jnp.inf])  # an overflow: skip the step
@@ -103,11 +85,6 @@ def skip_on_overflow(
     >>> m = fs.scale_metrics(state)
     >>> print(bool(m["overflow"]), float(m["loss_scale"]))
     True 512.0
-
-  References:
-    Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018: a step whose gradients
-    overflowed is skipped and the scale lowered.
   """
   if early_select is not None:
     warnings.warn(
@@ -157,8 +134,7 @@ def skipped_if(overflow, updates, old_state, new_state) -> tuple:
 
 
 def _handed(state, measurement, loss_scale, clip_follows: bool):
-  """``state`` with the loss-scale state, and the clip's when it follows,
-  each handed the measurement (:class:`_measure.Handed`)."""
+  """``state`` with its loss-scale (and following clip) state handed on."""
 
   def hand(x):
     if isinstance(x, LossScaleState):
@@ -183,13 +159,8 @@ def _elements(state) -> list:
 
 
 def chain_layout(state) -> bool:
-  """Checks the order of the chain whose state is ``state``; returns whether
-  its one clip comes right after ``fp16_loss_scale``.
-
-  Raises:
-    ValueError: not exactly one loss-scale state, or not the first
-      element's; a clip before it; accumulation inside the chain.
-  """
+  """Checks the order of the chain whose state is ``state`` (ValueError);
+  returns whether its one clip comes right after ``fp16_loss_scale``."""
   found = _lookup.all_with_path(state, LossScaleState)
   if len(found) != 1:
     raise ValueError(_NOT_ONE.format(found=len(found)))

@@ -1,9 +1,6 @@
 """Argument checks shared by every public constructor, and the checks of
-values read from data (a DeepSpeed config, a peer's saved state).
-
-Each check raises ``ValueError`` (or ``TypeError``) naming the parameter, the
-allowed range and the value received, so that a bad configuration fails where
-it is written rather than as a NaN many steps later.
+values read from data (a DeepSpeed config, a peer's saved state): each names
+the parameter, the allowed range and the value received.
 """
 
 import math
@@ -16,10 +13,12 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _describe(value):
+  """``value`` and its type, for messages."""
   return f"{value!r} ({type(value).__name__})"
 
 
 def real(name: str, value) -> float:
+  """A real number that is not a bool, as a Python float."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"{name} must be a real number, got {_describe(value)}")
   try:
@@ -56,9 +55,8 @@ def above_one(name: str, value) -> float:
 
 
 def open_unit(name: str, value) -> float:
-  """``value`` as the float32 the state holds, which must lie in (0, 1): a
-  factor that rounds to 0.0 or 1.0 in float32 would zero the scale or
-  never lower it."""
+  """``value`` as the float32 the state holds, which must lie in (0, 1) (so
+  that the factor neither zeroes the scale nor leaves it)."""
   v = real(name, value)
   f = float(np.float32(v)) if 0.0 < v < 1.0 else v
   if not 0.0 < f < 1.0:
@@ -131,8 +129,7 @@ def in_range(name: str, value, low: float, high: float) -> float:
 
 
 def one_element(name: str, value):
-  """The one element of a number, a numpy array or a torch tensor (read
-  without importing torch), as a Python scalar."""
+  """The one element of a number, array or torch tensor, as a scalar."""
   if hasattr(value, "detach"):  # a torch tensor
     value = value.detach().cpu().numpy()
   a = np.asarray(value)

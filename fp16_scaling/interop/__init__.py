@@ -1,10 +1,5 @@
-"""The interop wing: other libraries' formats, read and written.
-
-The scaler's state as plain values and as the PyTorch peers save it
-(``_state_dict``, with one record per peer in ``_peers``), and the scaler and
-clip a DeepSpeed JSON config asks for (``_deepspeed_config``). These modules
-import the core (``fp16_scaling/_*.py``); no core module imports them. Every
-name here is also exported by ``fp16_scaling`` itself.
+"""The interop wing: the peers' scaler states and DeepSpeed's config. No core
+module imports it; ``fp16_scaling`` exports every name here too.
 """
 
 from fp16_scaling.interop._deepspeed_config import DeepSpeedFP16

@@ -1,13 +1,5 @@
-"""``from_deepspeed_config``: the scaler and clip a DeepSpeed config asks for.
-
-Reads a DeepSpeed JSON config the way DeepSpeed 0.19 does
-(``runtime/precision_config.py``, ``runtime/config.py``,
-``runtime/engine.py``): the ``fp16`` section, the engine path that
-``zero_optimization.stage`` selects (hysteresis and the error at the floor
-only under ZeRO, unless ``stage0_hysteresis``), ``gradient_clipping`` and
-the batch sizes that give ``gradient_accumulation_steps``. Fields not
-modelled get one warning that names them; Hugging Face's ``"auto"`` values
-are refused. docs/peers.md ("DeepSpeed's JSON config") has the details.
+"""``from_deepspeed_config``: the scaler and clip a DeepSpeed config asks
+for, read as DeepSpeed 0.19 does (docs/peers.md, "DeepSpeed's JSON config").
 """
 
 import json
@@ -27,17 +19,13 @@ from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._skip import skip_on_overflow
 
-_FP16_KEYS = {
-  "enabled",
-  "auto_cast",
-  "loss_scale",
-  "initial_scale_power",
-  "loss_scale_window",
-  "hysteresis",
-  "consecutive_hysteresis",
-  "min_loss_scale",
-  "fp16_master_weights_and_grads",
-}
+_FP16_KEYS = set(
+  (
+    "enabled auto_cast loss_scale initial_scale_power loss_scale_window "
+    "hysteresis consecutive_hysteresis min_loss_scale "
+    "fp16_master_weights_and_grads"
+  ).split()
+)
 
 
 class DeepSpeedFP16(NamedTuple):
@@ -67,13 +55,8 @@ class DeepSpeedFP16(NamedTuple):
     above 1."""
     parts = [fp16_loss_scale(self.scaler, partition_specs=partition_specs)]
     if self.max_norm is not None:
-      parts.append(
-        clip_by_unscaled_norm(
-          self.max_norm,
-          expert_mask=expert_mask,
-          partition_specs=partition_specs,
-        )
-      )
+      kw = dict(expert_mask=expert_mask, partition_specs=partition_specs)
+      parts.append(clip_by_unscaled_norm(self.max_norm, **kw))
     parts.append(inner)
     tx = skip_on_overflow(optax.chain(*parts))
     if self.gradient_accumulation_steps > 1:
@@ -81,22 +64,16 @@ class DeepSpeedFP16(NamedTuple):
     return tx
 
 
-# Read here; everything else at the top level is named in a warning.
-_MODELLED = {
-  "fp16",
-  "bf16",
-  "bfloat16",
-  "zero_optimization",
-  "gradient_clipping",
-  "gradient_accumulation_steps",
-  "train_batch_size",
-  "train_micro_batch_size_per_gpu",
-}
 _BATCH_FIELDS = (
   "train_batch_size",
   "train_micro_batch_size_per_gpu",
   "gradient_accumulation_steps",
 )
+# Read here; everything else at the top level is named in a warning.
+_MODELLED = {
+  *"fp16 bf16 bfloat16 zero_optimization gradient_clipping".split(),
+  *_BATCH_FIELDS,
+}
 
 
 def _refuse_auto(config, path=()) -> list:
@@ -112,6 +89,7 @@ def _refuse_auto(config, path=()) -> list:
 
 
 def _warn_unmodelled(config) -> None:
+  """One warning naming the fields not read here."""
   unmodelled = sorted(set(map(str, config)) - _MODELLED)
   zero = config.get("zero_optimization", {})
   if isinstance(zero, Mapping):
@@ -129,13 +107,8 @@ def _warn_unmodelled(config) -> None:
 
 
 def _accumulation_steps(config, world_size: int) -> int:
-  """``gradient_accumulation_steps`` as DeepSpeed 0.19 derives and checks it
-  (``DeepSpeedConfig._set_batch_related_parameters``, ``_batch_assertion``).
-
-  With neither batch size given DeepSpeed refuses the config; the scaler
-  needs no batch size, so this takes ``gradient_accumulation_steps``
-  (default 1) as it is.
-  """
+  """``gradient_accumulation_steps`` as DeepSpeed 0.19's ``DeepSpeedConfig``
+  derives and checks it (taken as it is without batch sizes)."""
   train, micro, steps = (
     None if config.get(f) is None else _validate.integer(f, config[f])
     for f in _BATCH_FIELDS
@@ -175,28 +148,23 @@ def from_deepspeed_config(
   Args:
     config: a DeepSpeed config dict, or the path of its JSON file.
     world_size: the data-parallel world size DeepSpeed would check the batch
-      sizes against (``train_batch_size = train_micro_batch_size_per_gpu *
-      gradient_accumulation_steps * world_size``).
-    stage0_hysteresis: without ZeRO (stage 0), honour ``fp16.hysteresis``
-      and ``fp16.consecutive_hysteresis`` as DeepSpeed's fp16 optimizers do
-      after 0.19.8 (their ``state_dict`` then holds ``cur_hysteresis``). The
-      default, False, is 0.19.8's behaviour: no hysteresis at stage 0.
+      sizes against.
+    stage0_hysteresis: without ZeRO, honour ``fp16.hysteresis`` as the fp16
+      optimizers do after DeepSpeed 0.19.8 (False: as 0.19.8 does).
 
   Returns:
     A :class:`DeepSpeedFP16`; ``.optimizer(optax.adamw(...))`` builds the
     guarded chain (accumulating when ``gradient_accumulation_steps`` > 1).
 
   Raises:
-    ValueError: for values DeepSpeed rejects (with DeepSpeed's field names),
-      for values it accepts but that cannot be a float32 loss scale, and for
-      ``"auto"`` values.
+    ValueError: for values DeepSpeed rejects, that cannot be a float32 loss
+      scale, or that are ``"auto"``.
 
   Warns:
     UserWarning: once, naming the fields that are not modelled.
 
   Examples:
-    >>> import optax
-    >>> import fp16_scaling as fs
+    >>> import optax, fp16_scaling as fs
     >>> ds = fs.from_deepspeed_config({
     ...     "fp16": {"enabled": True, "initial_scale_power": 12},
     ...     "gradient_clipping": 1.0,
@@ -207,8 +175,7 @@ def from_deepspeed_config(
     >>> tx = ds.optimizer(optax.adamw(1e-3))
 
   References:
-    DeepSpeed 0.19, ``deepspeed/runtime/precision_config.py``,
-    ``deepspeed/runtime/config.py`` and ``deepspeed/runtime/engine.py``.
+    DeepSpeed 0.19, ``deepspeed/runtime/{precision_config,config,engine}.py``.
   """
   world_size = _validate.count("world_size", world_size)
   stage0_hysteresis = _validate.flag("stage0_hysteresis", stage0_hysteresis)
@@ -239,8 +206,7 @@ def from_deepspeed_config(
 
 
 def _read(config: Union[Mapping[str, Any], str, os.PathLike]) -> Mapping:
-  """The config dict (read from its JSON file when a path), with no
-  ``"auto"`` value."""
+  """The config dict (from its JSON file), refusing ``"auto"`` values."""
   if not isinstance(config, Mapping):
     with open(config) as f:
       config = json.load(f)
@@ -255,6 +221,7 @@ def _read(config: Union[Mapping[str, Any], str, os.PathLike]) -> Mapping:
 
 
 def _fp16_section(config: Mapping) -> Mapping:
+  """The ``fp16`` section, checked for unknown fields."""
   fp16 = config.get("fp16", {})
   if not isinstance(fp16, Mapping):
     raise ValueError(f"fp16 must be a JSON object, got {fp16!r}")
@@ -267,31 +234,25 @@ def _fp16_section(config: Mapping) -> Mapping:
 
 
 def _zero_stage(config: Mapping) -> int:
+  """``zero_optimization.stage``, 0 to 3."""
   stage = config.get("zero_optimization", {}).get("stage", 0)
   return _validate.integer("zero_optimization.stage", stage, low=0, high=3)
+
+
+def _int(fp16: Mapping, key: str, default: int, **kw) -> int:
+  """``fp16[key]`` (or ``default``), an integer (``kw``: its range)."""
+  return _validate.integer(f"fp16.{key}", fp16.get(key, default), **kw)
 
 
 def _dynamic_scaler(
   fp16: Mapping, stage: int, stage0_hysteresis: bool
 ) -> Scaler:
   """The ``DynamicLossScaler`` the engine builds for ``fp16.loss_scale`` 0."""
-  power = _validate.integer(
-    "fp16.initial_scale_power",
-    fp16.get("initial_scale_power", 16),
-    low=-126,
-    high=127,
-    why=" so that 2**power is a normal float32",
-  )
+  why = " so that 2**power is a normal float32"
+  power = _int(fp16, "initial_scale_power", 16, low=-126, high=127, why=why)
   dynamic = " when dynamic loss scaling is enabled (loss_scale=0)"
-  window = _validate.integer(
-    "fp16.loss_scale_window",
-    fp16.get("loss_scale_window", 1000),
-    low=1,
-    why=dynamic,
-  )
-  min_scale = _validate.integer(
-    "fp16.min_loss_scale", fp16.get("min_loss_scale", 1), low=1, why=dynamic
-  )
+  window = _int(fp16, "loss_scale_window", 1000, low=1, why=dynamic)
+  min_scale = _int(fp16, "min_loss_scale", 1, low=1, why=dynamic)
   hysteresis, consecutive, raise_at_min = _hysteresis(
     fp16, stage, stage0_hysteresis
   )
@@ -312,9 +273,8 @@ def _dynamic_scaler(
 
 
 def _hysteresis(fp16: Mapping, stage: int, stage0_hysteresis: bool) -> tuple:
-  """``(hysteresis, consecutive_hysteresis, raise_at_min_scale)`` on the
-  engine path that ``stage`` selects."""
-  hysteresis = _validate.integer("fp16.hysteresis", fp16.get("hysteresis", 2))
+  """``(hysteresis, consecutive, raise_at_min_scale)`` at ``stage``."""
+  hysteresis = _int(fp16, "hysteresis", 2)
   consecutive = _validate.boolean(
     "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
   )

@@ -1,29 +1,9 @@
-"""The PyTorch peers' scaler states: one :class:`Peer` record per peer.
-
-A record says how a peer's saved state is recognised (the keys it always
-holds), what configuration it implies (checked against the :class:`Scaler`
-it is loaded into), how its counters map to the :class:`ScalerState` here
-(``to_own``) and back (``from_own``, for ``to_peer_state_dict``), and which
-preset it describes (``scaler_from_state_dict``). The peers: torch
-``GradScaler``; Megatron-core ``DynamicGradScaler``; DeepSpeed's fp16
-optimizers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``; ``cur_hysteresis``
-from releases after 0.19.8) and a ZeRO checkpoint's ``loss_scaler``
-(``DynamicLossScaler``, or its attributes as a dict); DeepSpeed's static
-scale. Each mapping of the counters is exact, so a run continued on the
-other side takes the same decisions; docs/checkpoints.md says how each peer
-counts.
+"""The PyTorch peers' scaler states, one :class:`Peer` record each: how it is
+recognised, what it implies, and its counters both ways, exactly.
 """
 
 import dataclasses
-from typing import (
-  Any,
-  Callable,
-  FrozenSet,
-  Mapping,
-  NamedTuple,
-  Optional,
-  Tuple,
-)
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -32,8 +12,6 @@ from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import deepspeed_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
-
-# ---------------------------------------------------------------- values
 
 
 def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
@@ -45,27 +23,24 @@ def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
 
 
 def _scale(d: Mapping, key: str) -> float:
+  """``d[key]``, checked to be a loss scale."""
   return _read(d, key, _validate.scale)
+
+
+def _int(d: Mapping, key: str, **kw) -> int:
+  """``d[key]``, an integer (``kw``: ``low``, ``high``, ``why``)."""
+  return _read(d, key, _validate.integer, **kw)
 
 
 def _tracker(d: Mapping, key: str, scaler: Scaler) -> int:
   """A growth tracker, in the range ``scaler`` counts it in."""
-  return _read(
-    d,
-    key,
-    _validate.integer,
-    low=-scaler.growth_delay,
-    high=scaler.growth_interval - 1,
-    why=f" for growth_interval {scaler.growth_interval}",
-  )
-
-
-# ---------------------------------------------------------- configuration
+  low, high = -scaler.growth_delay, scaler.growth_interval - 1
+  why = f" for growth_interval {scaler.growth_interval}"
+  return _int(d, key, low=low, high=high, why=why)
 
 
 def config(scaler: Scaler) -> dict:
-  """Every field of ``scaler``: a field added to :class:`Scaler` is saved and
-  checked on load without a change here."""
+  """Every field of ``scaler``, by name."""
   return {f.name: getattr(scaler, f.name) for f in dataclasses.fields(Scaler)}
 
 
@@ -88,8 +63,7 @@ PEER_FIX = (
 def check(
   scaler: Scaler, source: str, expected: Mapping[str, Any], fix: str
 ) -> None:
-  """Raises if ``scaler``'s fields differ from what a ``source`` state
-  implies; ``fix`` says what to do about it."""
+  """Raises if ``scaler`` differs from what a ``source`` state implies."""
   have = config(scaler)
   for field, value in expected.items():
     if field not in have:
@@ -104,9 +78,6 @@ def check(
         f"{source} state disagrees with the scaler on {field}: the state "
         f"implies {value!r}, the scaler has {have[field]!r}. {fix}"
       )
-
-
-# ---------------------------------------------------------------- records
 
 
 class Counters(NamedTuple):
@@ -124,27 +95,16 @@ class Counters(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-  """One peer's saved scaler state.
-
-  Attributes:
-    name: the peer in messages.
-    saved_by: what saves such a state, for the message on an unknown one.
-    keys: a state holding all of these is this peer's (when ``when`` agrees).
-    implies: the :class:`Scaler` fields a state implies, checked on load.
-    to_own: a state's counters (after the check), as :class:`Counters`.
-    from_own: :class:`Counters` as a state the peer loads.
-    needs: ``(field, value, why)``: the scaler ``from_own`` needs.
-    preset: ``(state, overrides)`` to the preset the state describes.
-    when: whether a state with ``keys`` is this peer's.
-  """
+  """One peer's saved scaler state: its ``keys``, the fields it ``implies``,
+  its counters both ways, what ``from_own`` ``needs``, its ``preset``."""
 
   name: str
   saved_by: str
-  keys: FrozenSet[str]
+  keys: frozenset
   implies: Callable[[Mapping], dict]
   to_own: Callable[[Mapping, Scaler], Counters]
   from_own: Callable[[Counters, Scaler], dict]
-  needs: Tuple[Tuple[str, Any, str], ...]
+  needs: tuple  # of (field, value, why)
   preset: Callable[[Mapping, dict], Scaler]
   when: Callable[[Mapping], bool] = lambda d: True
 
@@ -168,10 +128,7 @@ class Peer:
     return self.from_own(counters, scaler)
 
 
-# torch.amp.GradScaler: its tracker is the one here; no hysteresis. Its
-# configuration entries have the names of Scaler's fields and of
-# torch_scaler's arguments.
-
+# torch.amp.GradScaler: its tracker is the one here; no hysteresis.
 _TORCH_CONFIG = {
   "growth_factor": _validate.number,
   "backoff_factor": _validate.number,
@@ -210,19 +167,11 @@ TORCH = Peer(
 )
 
 
-# Megatron-core DynamicGradScaler: its hysteresis_tracker goes on falling
-# below 1 while it backs off; every value <= 1 backs off on the next
-# overflow, as hysteresis_left == 0 does here.
-
-
+# Megatron-core DynamicGradScaler: its hysteresis_tracker keeps falling
+# below 1 while it backs off, as hysteresis_left == 0 does here.
 def _megatron_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  tracker = _read(
-    d,
-    "hysteresis_tracker",
-    _validate.integer,
-    high=scaler.hysteresis,
-    why=" (the scaler's hysteresis)",
-  )
+  why = " (the scaler's hysteresis)"
+  tracker = _int(d, "hysteresis_tracker", high=scaler.hysteresis, why=why)
   growth = _tracker(d, "growth_tracker", scaler)
   return Counters(_scale(d, "scale"), growth, max(tracker - 1, 0))
 
@@ -261,15 +210,12 @@ MEGATRON = Peer(
 )
 
 
-# DeepSpeed's DynamicLossScaler, also inside the fp16 optimizers' state. It
-# grows when k = cur_iter - last_overflow_iter - 1 is a positive multiple of
-# scale_window; here the tracker is -1 when k == 0 and (k - 1) % scale_window
-# otherwise. Going back, the iteration counter restarts (cur_iter is k,
-# last_overflow_iter -1). cur_hysteresis is hysteresis_left + 1.
+# DeepSpeed's DynamicLossScaler, also inside the fp16 optimizers' state:
+# with k = cur_iter - last_overflow_iter - 1, the tracker here is -1 when
+# k == 0, else (k - 1) % scale_window; cur_hysteresis is hysteresis_left + 1.
 
-# What a ZeRO loss_scaler adds: each attribute (also deepspeed_scaler's
-# argument), the Scaler field it is, and its check. Releases before
-# raise_error_at_min_scale existed lack that one.
+# What a ZeRO loss_scaler adds: (attribute, Scaler field, check). Old
+# releases lack raise_error_at_min_scale.
 _DS_ZERO = (
   ("min_scale", "min_scale", _validate.number),
   ("delayed_shift", "hysteresis", _validate.integer),
@@ -287,46 +233,33 @@ def _ds_implies(d: Mapping) -> dict:
   return {
     "growth_factor": factor,
     "backoff_factor": 1.0 / factor,
-    "growth_interval": _read(d, "scale_window", _validate.integer),
+    "growth_interval": _int(d, "scale_window"),
     "growth_delay": 1,
   }
 
 
 def _ds_loss_scaler_implies(d: Mapping) -> dict:
-  zero = _ds_zero(d)
-  fields = {field: zero[key] for key, field, _ in _DS_ZERO if key in zero}
-  return {**_ds_implies(d), **fields}
+  zero = {f: _read(d, key, check) for key, f, check in _DS_ZERO if key in d}
+  return {**_ds_implies(d), **zero}
 
 
 def _ds_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  cur_iter = _read(d, "cur_iter", _validate.integer)
-  last = _read(
-    d,
-    "last_overflow_iter",
-    _validate.integer,
-    high=cur_iter - 1,
-    why=" (below state_dict['cur_iter'])",
-  )
+  cur_iter = _int(d, "cur_iter")
+  why = " (below state_dict['cur_iter'])"
+  last = _int(d, "last_overflow_iter", high=cur_iter - 1, why=why)
   since = cur_iter - last - 1
   # A 0.19.8 FP16_Optimizer keeps no hysteresis; DeepSpeed after 0.19.8
   # loads such a checkpoint with its hysteresis full, and so does this.
   cur = scaler.hysteresis
   if "cur_hysteresis" in d:
-    cur = _read(
-      d,
-      "cur_hysteresis",
-      _validate.integer,
-      low=1,
-      high=scaler.hysteresis,
-      why=" for the scaler's hysteresis",
-    )
+    why = " for the scaler's hysteresis"
+    cur = _int(d, "cur_hysteresis", low=1, high=scaler.hysteresis, why=why)
   tracker = -1 if since == 0 else (since - 1) % scaler.growth_interval
   return Counters(_scale(d, "cur_scale"), tracker, cur - 1)
 
 
 def _ds_from_own(c: Counters, scaler: Scaler) -> dict:
-  """The fp16 optimizers' loss-scale entries and ``cur_hysteresis``, with the
-  ``DynamicLossScaler`` attributes a ZeRO ``loss_scaler`` holds."""
+  """The fp16 optimizers' entries, with a ZeRO ``loss_scaler``'s."""
   return {
     "dynamic_loss_scale": True,
     "cur_scale": c.loss_scale,
@@ -356,7 +289,7 @@ def _ds_preset(d: Mapping, overrides: dict, zero: dict) -> Scaler:
     )
   kw = {
     "init_scale": _scale(d, "cur_scale"),
-    "scale_window": _read(d, "scale_window", _validate.integer),
+    "scale_window": _int(d, "scale_window"),
     "raise_error_at_min_scale": False,  # the fp16 optimizers never raise
     **zero,
     **overrides,
@@ -371,17 +304,10 @@ DS_LOSS_SCALER = Peer(
   name="DeepSpeed DynamicLossScaler",
   saved_by="a ZeRO checkpoint's loss_scaler",
   keys=frozenset(
-    {
-      "cur_scale",
-      "cur_iter",
-      "last_overflow_iter",
-      "scale_factor",
-      "scale_window",
-      "min_scale",
-      "delayed_shift",
-      "cur_hysteresis",
-      "consecutive_hysteresis",
-    }
+    (
+      "cur_scale cur_iter last_overflow_iter scale_factor scale_window "
+      "min_scale delayed_shift cur_hysteresis consecutive_hysteresis"
+    ).split()
   ),
   implies=_ds_loss_scaler_implies,
   to_own=_ds_to_own,
@@ -403,9 +329,6 @@ DS_OPTIMIZER = Peer(
   preset=lambda d, overrides: _ds_preset(d, overrides, {}),
   when=lambda d: bool(d["dynamic_loss_scale"]),
 )
-
-
-# DeepSpeed's static scale
 
 
 def _ds_static(d: Mapping) -> bool:
@@ -447,9 +370,8 @@ DS_STATIC = Peer(
 )
 
 
-# Tried in this order; the first that recognises a state is its peer (the
-# dict to_peer_state_dict writes for DeepSpeed holds the keys of both
-# DeepSpeed's loss_scaler and its optimizer).
+# Tried in order, the first to recognise a state wins (the DeepSpeed dict
+# to_peer_state_dict writes has both DeepSpeed key sets).
 PEERS = (DS_LOSS_SCALER, DS_STATIC, DS_OPTIMIZER, TORCH, MEGATRON)
 
 # to_peer_state_dict's names.
@@ -462,8 +384,7 @@ def recognise(d: Mapping) -> Optional[Peer]:
 
 
 def exported(name: str, scaler: Scaler) -> Peer:
-  """The peer that ``to_peer_state_dict(..., name, scaler)`` writes for:
-  DeepSpeed's static form for a static scaler."""
+  """The peer that ``to_peer_state_dict`` writes ``name``'s state for."""
   peer = EXPORTS[name]
   if peer is DS_OPTIMIZER and not scaler.dynamic:
     return DS_STATIC

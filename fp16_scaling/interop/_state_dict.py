@@ -1,21 +1,5 @@
-"""The loss-scale state as plain values, and the peers' scaler states.
-
-``scaler_state_dict`` reads the scaler out of an optax state as Python numbers;
-``load_scaler_state_dict`` writes one back, from fp16_scaling's own dict or
-from a PyTorch peer's (torch ``GradScaler``, Megatron ``DynamicGradScaler``,
-DeepSpeed's fp16 optimizers and ZeRO ``loss_scaler``), recognised by its keys.
-Each peer is one record in ``_peers``, which also says how its counters map
-to :class:`ScalerState`.
-
-fp16_scaling's own dict is read off the state's NamedTuples: one entry per
-array of the :class:`LossScaleState`, named by its field, and the
-:class:`Scaler`'s fields under ``config``. A field added to either is saved
-and loaded with no change here.
-
-The scaler's configuration is not part of the optax state (it is the
-:class:`Scaler` the transformation was built with), so these functions take
-that ``scaler``: the peer's configuration is checked against it, and
-:func:`scaler_from_state_dict` builds the preset a peer's state describes.
+"""The loss-scale state as plain values, read off the state's NamedTuples,
+and the peers' scaler states recognised by their keys (docs/checkpoints.md).
 """
 
 from typing import Any, Mapping, Optional
@@ -31,29 +15,18 @@ from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
 
-# fp16_scaling's own format is read off the state: one key per array of the
-# LossScaleState, named by its field. A nested NamedTuple's fields are
-# flattened in, with this prefix (its field name and "_" when not listed).
-# A field that is None (grad_range off) is left out, and so is one that holds
-# no arrays (leaf_paths, static in the treedef): the target state keeps its
-# own. A field added to the states is saved and loaded with no change here.
+# The own format has one key per array of the LossScaleState, named by its
+# field; a nested NamedTuple's fields get this prefix (default: name + "_").
 _NESTED_PREFIX = {"scaler": "", "grad_range": "grad_"}
 
 # Every dict the format ever saved holds these; fields added since are
-# optional on load (older dicts lack them, and the state's own are kept).
-# Written out on purpose, not derived from the NamedTuples' _fields: a field
-# added later must not become required.
+# optional on load. Written out, not derived from _fields, on purpose: a
+# field added later must not become required.
 _FIRST_KEYS = frozenset(
-  {
-    "loss_scale",
-    "prev_loss_scale",
-    "growth_tracker",
-    "hysteresis_left",
-    "min_scale_errors",
-    "skipped_steps",
-    "overflow",
-    "grad_norm",
-  }
+  (
+    "loss_scale prev_loss_scale growth_tracker hysteresis_left "
+    "min_scale_errors skipped_steps overflow grad_norm"
+  ).split()
 )
 
 # Checked on load as loss scales: positive, normal, finite float32.
@@ -77,7 +50,8 @@ def _own_fields(state: tuple, prefix: str = "", path: tuple = ()) -> dict:
 
 def _own_dict(state: tuple) -> dict:
   """The own format's entries of ``state``, as Python numbers."""
-  return {key: _plain(x) for key, (_, x) in _own_fields(state).items()}
+  fields = _own_fields(jax.device_get(state))
+  return {key: np.asarray(x).tolist() for key, (_, x) in fields.items()}
 
 
 def _per_leaf(fields: Mapping) -> dict:
@@ -98,20 +72,15 @@ def _put_own(state: tuple, fields: Mapping, values: Mapping) -> tuple:
 
 
 def _replace_at(node: tuple, path: tuple, value: Any) -> tuple:
+  """``node`` with the field at ``path`` (field names) set to ``value``."""
   head, rest = path[0], path[1:]
   if rest:
     value = _replace_at(getattr(node, head), rest, value)
   return node._replace(**{head: value})
 
 
-def _plain(x: Any) -> Any:
-  """A host copy of ``x`` as Python numbers (nested lists when batched)."""
-  return np.asarray(jax.device_get(x)).tolist()
-
-
 def _recognise(state_dict: Any) -> tuple:
-  """``(peer, dict)``: the :class:`_peers.Peer` whose state ``state_dict``
-  is (None for fp16_scaling's own), recognised by its keys."""
+  """``(peer, dict)`` of ``state_dict``; peer None for the own format."""
   if not isinstance(state_dict, Mapping):
     attrs = getattr(state_dict, "__dict__", None)
     if isinstance(attrs, Mapping) and "cur_scale" in attrs:
@@ -155,19 +124,13 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   """The loss-scale state of ``opt_state`` as plain Python values.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState` (also
-      batched, or inside ``nnx.Optimizer``).
-    scaler: the :class:`Scaler` the optimizer was built with; its
-      configuration is stored under ``"config"`` so that a load checks it.
+    opt_state: an optax state holding one :class:`LossScaleState`.
+    scaler: the :class:`Scaler` the optimizer was built with, stored under
+      ``"config"`` so that a load checks it.
 
   Returns:
-    A dict: ``format`` (``"fp16_scaling"``), one entry per array of the
-    :class:`LossScaleState` named by its field: the :class:`ScalerState`'s
-    (``loss_scale``, ``growth_tracker``, ...), then ``prev_loss_scale``,
-    ``skipped_steps`` and the others, per gradient leaf ``leaf_nonfinite``
-    and ``leaf_nonfinite_steps`` (with ``grad_range`` also ``grad_max_abs``
-    and ``grad_zero_fraction``), as Python numbers (nested lists for a
-    batched state); and with ``scaler``, ``config``.
+    A dict: ``format``, then one entry per array of the
+    :class:`LossScaleState` named by its field, as Python numbers.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -186,6 +149,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
 
 
 def _scaler_arg(scaler: Any) -> Scaler:
+  """``scaler``, checked to be a :class:`Scaler`."""
   if not isinstance(scaler, Scaler):
     raise TypeError(
       "scaler must be the Scaler the optimizer was built with (from a preset "
@@ -228,8 +192,7 @@ def _from_peer(peer: _peers.Peer, d: Mapping, scaler: Scaler) -> dict:
 
 def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
   """Raises unless every per-leaf field holds as many entries (on its last
-  axis) as the state's: a dict saved for another model must not be broadcast
-  onto this one."""
+  axis) as the state's: a dict of another model must not be broadcast."""
   per_leaf = _per_leaf(fields)
   for field, (_, x) in per_leaf.items():
     if field not in values:
@@ -253,29 +216,18 @@ def load_scaler_state_dict(
   """``opt_state`` with its loss-scale state taken from ``state_dict``.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState` (for
-      instance ``tx.init(params)``); batched states get the values
-      broadcast, nnx-wrapped ones keep their Variables.
+    opt_state: an optax state holding one :class:`LossScaleState`.
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
-      (torch ``GradScaler.state_dict()``, Megatron
-      ``DynamicGradScaler.state_dict()``, DeepSpeed ``FP16_Optimizer`` /
-      ``FP16_UnfusedOptimizer.state_dict()``, a ZeRO checkpoint's
-      ``loss_scaler``), recognised by its keys.
-    scaler: the :class:`Scaler` the optimizer was built with. The state's
-      configuration (what it holds or implies: intervals, factors, growth
-      delay, hysteresis, floor) must agree with it.
+      (docs/checkpoints.md), recognised by its keys.
+    scaler: the :class:`Scaler` the optimizer was built with; the
+      configuration the state holds or implies must agree with it.
 
   Returns:
-    The new optax state. A peer's state sets the scale, the growth tracker
-    and hysteresis; the previous scale becomes the loaded scale and the
-    other counters of ``opt_state`` (``skipped_steps``, ``grad_norm``) are
-    kept, since no peer stores them.
+    The new optax state (a peer's sets the scale and its counters only).
 
   Raises:
-    ValueError: the state comes from no known source, holds a scale that is
-      not a positive normal finite float32, or disagrees with ``scaler``
-      (the message names the field; to take the peer's configuration build
-      the optimizer with ``scaler_from_state_dict(state_dict)``).
+    ValueError: an unknown state, a scale that is not a normal float32, or
+      a configuration that disagrees with ``scaler``.
   """
   scaler = _scaler_arg(scaler)
   old = _lookup.loss_scale_state(opt_state)
@@ -288,23 +240,18 @@ def load_scaler_state_dict(
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
-  """The preset whose configuration a peer's scaler state holds.
-
-  For taking the peer's configuration rather than checking against one:
-  build the optimizer with this scaler, then :func:`load_scaler_state_dict`.
+  """The preset whose configuration a peer's scaler state holds (build the
+  optimizer with it, then :func:`load_scaler_state_dict`).
 
   Args:
     state_dict: a state accepted by :func:`load_scaler_state_dict`, other
-      than Megatron's (which holds no configuration: use
-      :func:`megatron_scaler` with the run's arguments).
+      than Megatron's (which holds no configuration).
     **overrides: keyword arguments of the preset for what the state does not
-      hold: DeepSpeed's optimizer states lack ``min_scale`` (the engine's
-      ``min_loss_scale``, 1 by default) and, as saved by DeepSpeed 0.19.8,
-      hysteresis; torch's lacks nothing.
+      hold: ``min_scale`` for DeepSpeed's optimizer states, and hysteresis
+      for those DeepSpeed 0.19.8 saves.
 
   Returns:
-    A :class:`Scaler` (``torch_scaler``, ``deepspeed_scaler`` or
-    ``static_scaler``) whose initial scale is the state's scale.
+    A :class:`Scaler` whose initial scale is the state's scale.
 
   Raises:
     ValueError: for Megatron's or our own state, or an unknown one.
@@ -324,24 +271,18 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   Args:
     opt_state: an optax state holding one unbatched :class:`LossScaleState`.
     peer: ``"torch"`` (for ``GradScaler.load_state_dict``), ``"megatron"``
-      (``DynamicGradScaler.load_state_dict``; ``scale`` is a one-element
-      float32 torch tensor, as Megatron saves it) or ``"deepspeed"`` (the
-      loss-scale entries of ``FP16_Optimizer.state_dict()``, to merge into
-      one before ``load_state_dict``, together with ``cur_hysteresis`` and the
-      ``DynamicLossScaler`` attributes a ZeRO checkpoint's ``loss_scaler``
-      holds).
+      (``DynamicGradScaler.load_state_dict``; ``scale`` a torch tensor) or
+      ``"deepspeed"`` (entries to merge into ``FP16_Optimizer.state_dict()``,
+      with the attributes of a ZeRO ``loss_scaler``).
     scaler: the :class:`Scaler` the optimizer was built with.
 
   Returns:
-    A dict the peer loads, and that continues exactly as this state would.
-    DeepSpeed's iteration counter restarts: ``cur_iter`` is the number of
-    clean steps counted since the last overflow and ``last_overflow_iter`` is
-    -1.
+    A dict the peer loads, and that continues exactly as this state would
+    (DeepSpeed's iteration counter restarts).
 
   Raises:
     ValueError: an unknown peer, a batched state, or a configuration the
-      peer cannot run (for instance hysteresis for torch, or a growth delay
-      other than the peer's).
+      peer cannot run.
   """
   scaler = _scaler_arg(scaler)
   if peer not in _peers.EXPORTS:
