@@ -12,6 +12,7 @@ import numpy as np
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._metrics import headroom_bits
+from fp16_scaling._scaler import ScalerState
 from fp16_scaling._states import KINDS
 
 _ADVICE = {
@@ -171,7 +172,9 @@ def _fmt_scale(s: float) -> str:
   return f"{s:g}"
 
 
-def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
+def overflow_report(
+  opt_state: Any, *, top: int = 10, loss_scale: Any = None
+) -> OverflowReport:
   """Which gradient leaves overflowed, how often, at what scale, and why.
 
   Reads the state that ``fp16_loss_scale`` keeps; call it on the host.
@@ -179,6 +182,9 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`.
     top: how many leaves the printed report lists; an integer >= 1.
+    loss_scale: for an optimizer that shares its scale, the shared scale's
+      state after ``shared.update`` (the next scale and the floor count
+      are its); for any other, None.
 
   Returns:
     An :class:`OverflowReport`; ``print`` it for a readable summary.
@@ -202,6 +208,11 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   top = _validate.count("top", top)
   _lookup.require_host(opt_state, "overflow_report")
   ls = _lookup.loss_scale_state(opt_state)
+  if loss_scale is not None or ls.leaf_paths.shared:
+    if not ls.leaf_paths.shared:
+      raise ValueError("overflow_report: loss_scale= is for a shared scale")
+    given = opt_state if loss_scale is None else loss_scale  # None: refused
+    ls = ls._replace(scaler=_lookup.scaler_state(given, "loss_scale"))
   host = jax.device_get(ls._replace(leaf_paths=None))
   if np.ndim(host.overflow):
     raise ValueError(
@@ -247,7 +258,8 @@ def raise_if_min_scale_reached(
   on the host (say when logging).
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState`.
+    opt_state: an optax state holding one :class:`LossScaleState`, or a
+      shared scale's :class:`ScalerState`.
     max_floor_overflows: if set (an integer >= 1), also raise once this many
       overflows hit the floor, whatever the preset.
 
@@ -273,10 +285,10 @@ def raise_if_min_scale_reached(
       "max_floor_overflows", max_floor_overflows
     )
   _lookup.require_host(opt_state, "raise_if_min_scale_reached")
-  ls = _lookup.loss_scale_state(opt_state)
+  scaler = jax.device_get(_lookup.scaler_state(opt_state))
   # Summed, so that a batched (vmapped) state raises if any member would.
-  errors = int(np.sum(jax.device_get(ls.scaler.min_scale_errors)))
-  at_floor = int(np.max(jax.device_get(ls.scaler.floor_overflows)))
+  errors = int(np.sum(scaler.min_scale_errors))
+  at_floor = int(np.max(scaler.floor_overflows))
   if errors:
     why = (
       f"{errors} overflowing step(s) hit the floor (DeepSpeed raises here; "
@@ -289,7 +301,9 @@ def raise_if_min_scale_reached(
     )
   else:
     return
-  if np.ndim(jax.device_get(ls.scaler.loss_scale)) == 0:
+  if isinstance(opt_state, ScalerState):  # a shared scale: no leaves
+    detail = " See each optimizer's overflow_report for its leaves."
+  elif np.ndim(scaler.loss_scale) == 0:
     report = overflow_report(opt_state, top=5)
     detail = (
       f" Last overflow: {report.kind}. Leaves that kept overflowing: "
@@ -299,6 +313,6 @@ def raise_if_min_scale_reached(
     detail = " Call overflow_report on one member to see its leaves."
   raise MinLossScaleError(
     f"Current loss scale already at minimum "
-    f"({float(np.min(jax.device_get(ls.scaler.loss_scale)))}) - cannot "
+    f"({float(np.min(scaler.loss_scale))}) - cannot "
     f"decrease scale anymore: {why}.{detail}"
   )

@@ -48,7 +48,10 @@ def value_and_grad(
     are those of ``fun * S``, to pass to ``tx.update`` as they are.
 
   Raises:
-    ValueError: called inside ``jit`` with a state from outside it.
+    ValueError: called inside ``jit`` with a state from outside any trace.
+      Build it where the state is: inside a ``lax.scan`` body that carries
+      the state, from the carried state (one built outside the body is not
+      caught).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs

@@ -93,6 +93,23 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   )
 
 
+def scaler_state(state: Any, what: str = "opt_state") -> ScalerState:
+  """The scale machine's state: ``state`` itself when it is a shared
+  scale's :class:`ScalerState`, else that of its one loss-scale state,
+  which must own its scale (a shared optimizer's holds a past copy)."""
+  if isinstance(state, ScalerState):
+    return unwrap(state)
+  ls = loss_scale_state(state, what)
+  if ls.leaf_paths.shared:
+    raise ValueError(
+      f"{what} is that of an optimizer that shares its loss scale "
+      "(fp16_loss_scale(shared)): it holds the scale of its last step, not "
+      "the scale machine's state. Pass the shared scale's state instead, "
+      "as in fs.current_scale(scale_state)."
+    )
+  return ls.scaler
+
+
 def require_host(opt_state: Any, helper: str) -> None:
   """Raises TypeError when ``opt_state`` holds tracers: ``helper`` reads
   concrete values on the host."""
@@ -168,6 +185,7 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   if isinstance(opt_state, ScalerState):
     scale = jnp.full_like(opt_state.loss_scale, scale)
     return opt_state._replace(loss_scale=scale)
+  scaler_state(opt_state)  # refuses a shared optimizer's past copy
   old = loss_scale_state(opt_state)
   loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
   new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))

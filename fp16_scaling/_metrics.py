@@ -10,7 +10,6 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling._scaler import F16_MAX
-from fp16_scaling._scaler import ScalerState
 
 
 class ScaleMetrics(TypedDict, total=False):
@@ -76,16 +75,7 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
     >>> print(fs.current_scale(state))  # multiply the next loss by this
     65536.0
   """
-  if isinstance(opt_state, ScalerState):
-    return opt_state.loss_scale
-  ls = _lookup.loss_scale_state(opt_state)
-  if ls.leaf_paths.shared:
-    raise ValueError(
-      "this optimizer shares its loss scale (fp16_loss_scale(shared)): its "
-      "state holds the scale of its last step, not the next one. Read "
-      "fs.current_scale(scale_state), the shared scale's state."
-    )
-  return ls.scaler.loss_scale
+  return _lookup.scaler_state(opt_state).loss_scale
 
 
 def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:

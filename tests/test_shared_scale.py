@@ -486,12 +486,6 @@ def test_errors_say_what_to_do():
 # scale: each test accepts a refusal, or the behaviour the helper's
 # docstring promises.
 
-_STALE_COPY = (
-  "library bug: {what} a shared chain's optimizer state, whose loss-scale "
-  "copy is the last step's scale, not the shared scale's next one; "
-  "current_scale refuses such a state for that reason"
-)
-
 
 def _after_a_one_sided_overflow():
   """A shared torch scale at 8, one optimizer's step overflowed: the
@@ -512,63 +506,45 @@ def _after_a_one_sided_overflow():
   return shared, tx, p, state, scale_state
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason=_STALE_COPY.format(what="overflow_report reports next_scale from")
-  + ": it says 2^3 -> 2^3 and advises that the scale was not lowered, "
-  "where the shared scale backed off to 2^2",
-)
-def test_overflow_report_of_a_shared_chain_does_not_invent_the_next_scale():
-  _, _, _, state, _ = _after_a_one_sided_overflow()
-  try:
-    report = fs.overflow_report(state)
-  except ValueError:
-    return  # refused: the next scale is the shared state's
-  assert report.step_overflowed and report.scale == 8.0
-  assert report.next_scale != 8.0  # the shared scale is 4
+# A shared optimizer's state holds the scale of its last step; what needs
+# the scale machine's state (the next scale, its counters) takes the shared
+# state, and refuses the optimizer's, as current_scale does.
+
+
+def test_overflow_report_of_a_shared_chain_takes_the_shared_state():
+  _, _, _, state, scale_state = _after_a_one_sided_overflow()
+  with pytest.raises(ValueError, match="shares its loss scale"):
+    fs.overflow_report(state)
+  report = fs.overflow_report(state, loss_scale=scale_state)
+  assert report.step_overflowed and report.kind == "backward"
+  assert (report.scale, report.next_scale) == (8.0, 4.0)
   assert "was not lowered" not in report.advice()
+  owned = fs.skip_on_overflow(fs.fp16_loss_scale(fs.torch_scaler()))
+  with pytest.raises(ValueError, match="loss_scale= is for a shared scale"):
+    fs.overflow_report(owned.init(jnp.ones(2)), loss_scale=scale_state)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason=_STALE_COPY.format(what="to_peer_state_dict exports")
-  + ": torch is handed scale 8.0 where the run continues at 4.0",
-)
-def test_torch_export_of_a_shared_chain_continues_as_the_run_would():
+def test_torch_export_of_a_shared_scale_continues_as_the_run_would():
   shared, _, _, state, scale_state = _after_a_one_sided_overflow()
-  try:
-    sd = fs.to_peer_state_dict(state, "torch", shared.scaler)
-  except ValueError:
-    return  # refused
-  # "A dict the peer loads, and that continues exactly as this state
-  # would": the run's next scale is the shared state's.
-  assert sd["scale"] == float(scale_state.loss_scale)
+  with pytest.raises(ValueError, match="shares its loss scale"):
+    fs.to_peer_state_dict(state, "torch", shared.scaler)
+  sd = fs.to_peer_state_dict(scale_state, "torch", shared.scaler)
+  assert sd["scale"] == 4.0 and sd["_growth_tracker"] == 0
+  # And back: a torch GradScaler's state loads into a shared scale.
+  sd["scale"], sd["_growth_tracker"] = 16.0, 3
+  loaded = fs.load_scaler_state_dict(scale_state, sd, shared.scaler)
+  assert float(loaded.loss_scale) == 16.0 and int(loaded.growth_tracker) == 3
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason=_STALE_COPY.format(what="set_loss_scale edits")
-  + ": the edit is silently dropped, the next update takes the shared "
-  "state's scale",
-)
-def test_set_loss_scale_on_a_shared_chain_sets_the_next_scale_or_refuses():
+def test_set_loss_scale_sets_the_shared_state_not_an_optimizers_copy():
   _, tx, p, state, scale_state = _after_a_one_sided_overflow()
-  try:
-    edited = fs.set_loss_scale(state, 64.0)
-  except ValueError:
-    return  # refused: set the shared state's scale instead
-  # "opt_state with the loss scale for the next step set to scale".
-  _, after = tx.update(jnp.ones(2), edited, p, loss_scale=scale_state)
+  with pytest.raises(ValueError, match="shares its loss scale"):
+    fs.set_loss_scale(state, 64.0)
+  scale_state = fs.set_loss_scale(scale_state, 64.0)
+  _, after = tx.update(jnp.ones(2), state, p, loss_scale=scale_state)
   assert float(after[0].prev_loss_scale) == 64.0
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="library bug: raise_if_min_scale_reached never raises for a shared "
-  "DeepSpeed scale at its floor: the optimizer state's copy lags a step "
-  "(min_scale_errors 0) and the shared ScalerState, which counts 1, is "
-  "refused ('no fp16_loss_scale state found')",
-)
 def test_a_shared_deepspeed_scale_at_its_floor_raises_where_deepspeed_does():
   shared = fs.shared_loss_scale(
     fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)
@@ -581,12 +557,7 @@ def test_a_shared_deepspeed_scale_at_its_floor_raises_where_deepspeed_does():
   )
   scale_state = shared.update(scale_state, state)
   assert int(scale_state.min_scale_errors) == 1  # DeepSpeed raises here
-  raised = []
-  for s in (state, scale_state):
-    try:
-      fs.raise_if_min_scale_reached(s)
-    except fs.MinLossScaleError:
-      raised.append(s)
-    except ValueError:
-      pass
-  assert raised
+  with pytest.raises(fs.MinLossScaleError, match="already at minimum"):
+    fs.raise_if_min_scale_reached(scale_state)
+  with pytest.raises(ValueError, match="shares its loss scale"):
+    fs.raise_if_min_scale_reached(state)

@@ -11,6 +11,7 @@ import numpy as np
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
+from fp16_scaling._scaler import ScalerState
 from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
@@ -216,7 +217,8 @@ def load_scaler_state_dict(
   """``opt_state`` with its loss-scale state taken from ``state_dict``.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState`.
+    opt_state: an optax state holding one :class:`LossScaleState`, or a
+      shared scale's :class:`ScalerState` (for a peer's state).
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
       (docs/checkpoints.md), recognised by its keys.
     scaler: the :class:`Scaler` the optimizer was built with; the
@@ -230,13 +232,14 @@ def load_scaler_state_dict(
       a configuration that disagrees with ``scaler``.
   """
   scaler = _scaler_arg(scaler)
-  old = _lookup.loss_scale_state(opt_state)
+  shared = isinstance(opt_state, ScalerState)
+  old = opt_state if shared else _lookup.loss_scale_state(opt_state)
   peer, d = _recognise(state_dict)
   values = _from_own(d, scaler) if peer is None else _from_peer(peer, d, scaler)
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
   new = _put_own(old, fields, values)
-  return _lookup.replace_loss_scale_state(opt_state, new)
+  return new if shared else _lookup.replace_loss_scale_state(opt_state, new)
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
@@ -269,7 +272,8 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   """The loss-scale state of ``opt_state`` in a peer's own format.
 
   Args:
-    opt_state: an optax state holding one unbatched :class:`LossScaleState`.
+    opt_state: an optax state holding one unbatched :class:`LossScaleState`,
+      or a shared scale's :class:`ScalerState`.
     peer: ``"torch"`` (for ``GradScaler.load_state_dict``), ``"megatron"``
       (``DynamicGradScaler.load_state_dict``; ``scale`` a torch tensor) or
       ``"deepspeed"`` (entries to merge into ``FP16_Optimizer.state_dict()``,
@@ -290,11 +294,11 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       f"peer must be one of {tuple(_peers.EXPORTS)}, got {peer!r}"
     )
   _lookup.require_host(opt_state, "to_peer_state_dict")
-  ls = _lookup.loss_scale_state(opt_state)
-  if np.ndim(ls.scaler.loss_scale):
+  state = _lookup.scaler_state(opt_state)
+  if np.ndim(state.loss_scale):
     raise ValueError(
       "to_peer_state_dict needs one state, got a batched one of shape "
-      f"{np.shape(ls.scaler.loss_scale)}: index one member first"
+      f"{np.shape(state.loss_scale)}: index one member first"
     )
-  counters = _peers.Counters.of(jax.device_get(ls.scaler))
+  counters = _peers.Counters.of(jax.device_get(state))
   return _peers.exported(peer, scaler).save(counters, scaler)
