@@ -27,19 +27,19 @@ class LeafPaths:
     self.scaler = scaler
     self.shared = bool(shared)
     # Hashable: the specs' leaves and treedef, not the (maybe dict) pytree.
-    self._specs = jax.tree.flatten(specs, is_leaf=is_spec)
-    self._specs = (tuple(self._specs[0]), self._specs[1])
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    self._specs = (tuple(leaves), treedef)
+    # The key equality and hash compare, made once: jit compares treedefs
+    # on every call. The initial scale does not matter once a run is under
+    # way.
+    if scaler is not None:
+      scaler = dataclasses.replace(scaler, init_scale=1.0)
+    self._key = (scaler, self.shared, self._specs)
+    self._hash = hash(self._key)
 
   @property
   def partition_specs(self):
     return jax.tree.unflatten(self._specs[1], self._specs[0])
-
-  def _key(self):
-    # The initial scale does not matter once a run is under way.
-    scaler = self.scaler
-    if scaler is not None:
-      scaler = dataclasses.replace(scaler, init_scale=1.0)
-    return (scaler, self.shared, self._specs)
 
   def tree_flatten(self):
     return (), self  # the node itself is the treedef's metadata
@@ -50,10 +50,12 @@ class LeafPaths:
     return aux
 
   def __eq__(self, other):
-    return isinstance(other, LeafPaths) and self._key() == other._key()
+    return self is other or (
+      isinstance(other, LeafPaths) and self._key == other._key
+    )
 
   def __hash__(self):
-    return hash(self._key())
+    return self._hash
 
   def __len__(self):
     return len(self.paths)

@@ -224,3 +224,28 @@ def test_bfloat16_gradients_warn_unless_the_scale_is_one(scaler, warns):
   assert bool(said) == warns
   if warns:
     assert "no_scaler()" in str(said[0].message)
+
+
+def test_leaf_paths_equality_is_the_configurations_transitive_and_hashed():
+  """The state's static LeafPaths compare (and hash) by the configuration
+  the state was built for, never by its names: optax.tree_map_params'
+  placeholder init (no leaves) matches the real state, and equality is an
+  equivalence, so a and b equal and b and c equal means a and c equal."""
+  from fp16_scaling._states import LeafPaths
+
+  torch = fs.torch_scaler(init_scale=8.0)
+  real = LeafPaths(["['w']", "['b']"], [4, 2], scaler=torch)
+  placeholder = LeafPaths([], [], scaler=torch)
+  other_names = LeafPaths(["['v']"], [6], scaler=torch)
+  for a, b in [(real, placeholder), (placeholder, other_names)]:
+    assert a == b and hash(a) == hash(b)
+  assert real == other_names and hash(real) == hash(other_names)
+  # The initial scale is not part of it; any other field, the sharing and
+  # the partition specs are.
+  assert real == LeafPaths([], [], scaler=fs.torch_scaler(init_scale=2.0))
+  for different in (
+    LeafPaths([], [], scaler=fs.torch_scaler(growth_interval=3)),
+    LeafPaths([], [], scaler=torch, shared=True),
+    LeafPaths([], [], scaler=torch, specs=jax.sharding.PartitionSpec("x")),
+  ):
+    assert real != different and placeholder != different
