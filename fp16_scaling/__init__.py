@@ -4,6 +4,7 @@ README.md has the quickstart; docs/design.md, the design.
 """
 
 from fp16_scaling._accumulate import accumulate_gradients
+from fp16_scaling._cast import cast_report
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
@@ -55,6 +56,7 @@ __all__ = [
   "ScalerState",
   "SharedLossScale",
   "accumulate_gradients",
+  "cast_report",
   "clip_by_unscaled_norm",
   "current_scale",
   "deepspeed_scaler",

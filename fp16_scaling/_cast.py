@@ -1,0 +1,140 @@
+"""``cast_report``: what casting a checkpoint to float16, bfloat16 or a
+float8 type would do to each leaf, read on the host before training.
+"""
+
+from typing import Any, Dict, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp16_scaling import _lookup
+from fp16_scaling import _validate
+
+# The targets, as jax.numpy names them.
+CAST_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+CAST_DTYPES += ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz")
+
+
+class LeafCast(NamedTuple):
+  """What the cast does to one floating leaf.
+
+  Attributes:
+    size: the leaf's number of elements.
+    to_inf: finite values the cast makes non-finite: past the dtype's range
+      (inf in float16, bfloat16 and float8_e5m2; NaN in the float8 types
+      without an inf, which have no saturation in a plain cast).
+    to_subnormal: values the cast makes subnormal (nonzero, below the
+      dtype's smallest normal): they keep fewer significant bits.
+    to_zero: nonzero values the cast flushes to zero.
+    max_abs: the largest finite magnitude in the leaf, before the cast.
+  """
+
+  size: int
+  to_inf: int
+  to_subnormal: int
+  to_zero: int
+  max_abs: float
+
+
+class CastReport(NamedTuple):
+  """What a cast of a parameter tree would do; see :func:`cast_report`.
+
+  Attributes:
+    dtype: the target dtype's name, one of ``CAST_DTYPES``.
+    max_finite: the target's largest finite value (65504 for float16).
+    leaves: path -> :class:`LeafCast`, for every floating leaf (integer and
+      boolean leaves are not cast and not listed), the most values past the
+      range first, then the largest magnitude first.
+    overflowing: the paths of the leaves with ``to_inf > 0``, in that
+      order.
+    top: how many leaves ``str()`` lists.
+  """
+
+  dtype: str
+  max_finite: float
+  leaves: Dict[str, LeafCast]
+  overflowing: Tuple[str, ...]
+  top: int = 10
+
+  def __str__(self) -> str:
+    inf, sub, zero = (
+      sum(c[i] for c in self.leaves.values()) for i in (1, 2, 3)
+    )
+    lines = [
+      f"Cast to {self.dtype} (largest finite {self.max_finite:g}): {inf} "
+      f"values past the range in {len(self.overflowing)} of "
+      f"{len(self.leaves)} leaves, {sub} subnormal, {zero} flushed to zero.",
+      f"Per leaf, overflowing first (top {self.top}): to inf, to subnormal, "
+      "to zero, max |x|",
+    ]
+    for p, c in list(self.leaves.items())[: self.top]:
+      lines.append(f"  {c[1]:>7} {c[2]:>7} {c[3]:>7} {c[4]:>10.3g}  {p}")
+    if len(self.leaves) > self.top:
+      lines.append(f"  ... and {len(self.leaves) - self.top} more leaves")
+    if self.overflowing:
+      lines.append(
+        f"What to do: values past {self.max_finite:g} overflow the forward "
+        "pass at any loss scale; rescale those leaves or keep their layers "
+        f"out of {self.dtype}."
+      )
+    return "\n".join(lines)
+
+
+def _leaf_cast(x: np.ndarray, dtype, smallest_normal) -> LeafCast:
+  """``x``'s :class:`LeafCast` for a cast to ``dtype``."""
+  finite = np.isfinite(x)
+  with np.errstate(over="ignore", invalid="ignore"):  # counted below
+    y = np.abs(x.astype(dtype).astype(np.float64))
+  return LeafCast(
+    int(x.size),
+    int(np.sum(finite & ~np.isfinite(y))),
+    int(np.sum((y > 0) & (y < smallest_normal))),
+    int(np.sum(finite & (x != 0) & (y == 0))),
+    float(np.max(np.abs(x[finite]), initial=0.0)),
+  )
+
+
+def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
+  """What casting every floating leaf of ``params`` to ``dtype`` would do.
+
+  A host function, for a checkpoint before training: a bfloat16-trained
+  checkpoint may hold values past float16's 65504, which overflow the
+  forward pass whatever the loss scale. The cast is the plain one
+  (round to nearest even, as ``x.astype(dtype)`` and XLA do); values
+  already inf or NaN are not counted.
+
+  Args:
+    params: a pytree of arrays (numpy or JAX, on the host or a device).
+    dtype: the target, by name or type: one of ``CAST_DTYPES``
+      (``"float16"``, ``"bfloat16"`` and the float8 types).
+    top: how many leaves the printed report lists; an integer >= 1.
+
+  Returns:
+    A :class:`CastReport`; ``print`` it for a readable summary.
+
+  Raises:
+    ValueError: a ``dtype`` not in ``CAST_DTYPES``; a bad ``top``.
+    TypeError: called inside ``jit`` (``params`` holds tracers).
+
+  Examples:
+    >>> import numpy as np, fp16_scaling as fs
+    >>> params = {"w": np.array([1.0, 7e4, 1e-9], np.float32)}
+    >>> report = fs.cast_report(params, "float16")
+    >>> report.overflowing, report.leaves["['w']"].to_zero
+    (("['w']",), 1)
+  """
+  name = getattr(dtype, "__name__", str(dtype))  # a type, a dtype, a name
+  name = _validate.choice("dtype", name, CAST_DTYPES)
+  top = _validate.count("top", top)
+  _lookup.require_host(params, "cast_report")
+  info = jnp.finfo(getattr(jnp, name))
+  host = jax.tree.map(np.asarray, params)
+  leaves = {
+    jax.tree_util.keystr(path): _leaf_cast(x, info.dtype, info.smallest_normal)
+    for path, x in jax.tree_util.tree_flatten_with_path(host)[0]
+    if jnp.issubdtype(x.dtype, jnp.floating)
+  }
+  leaves = dict(sorted(leaves.items(), key=lambda kv: (-kv[1][1], -kv[1][4])))
+  overflowing = tuple(p for p, c in leaves.items() if c.to_inf)
+  return CastReport(name, float(info.max), leaves, overflowing, top)
