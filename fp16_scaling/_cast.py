@@ -21,9 +21,13 @@ class LeafCast(NamedTuple):
 
   Attributes:
     size: the leaf's number of elements.
-    to_inf: finite values the cast makes non-finite: past the dtype's range
-      (inf in float16, bfloat16 and float8_e5m2; NaN in the float8 types
-      without an inf, which have no saturation in a plain cast).
+    to_inf: finite values the cast makes non-finite: those past the
+      largest finite value by half its last step or more (65520 for
+      float16; values between round to the largest finite). They become
+      inf in float16, bfloat16 and float8_e5m2, and NaN in the float8 types
+      without an inf (``e4m3fn``, the ``fnuz`` ones): a plain cast does not
+      saturate. A saturating float8 cast would clamp them to the largest
+      finite value instead; they are counted either way, as lost.
     to_subnormal: values the cast makes subnormal (nonzero, below the
       dtype's smallest normal): they keep fewer significant bits.
     to_zero: nonzero values the cast flushes to zero.
@@ -58,7 +62,7 @@ class CastReport(NamedTuple):
   top: int = 10
 
   def __str__(self) -> str:
-    inf, sub, zero = (
+    inf, sub, zero = (  # to_inf, to_subnormal, to_zero
       sum(c[i] for c in self.leaves.values()) for i in (1, 2, 3)
     )
     lines = [
@@ -135,6 +139,7 @@ def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
     for path, x in jax.tree_util.tree_flatten_with_path(host)[0]
     if jnp.issubdtype(x.dtype, jnp.floating)
   }
+  # Most values past the range (to_inf) first, then the largest max_abs.
   leaves = dict(sorted(leaves.items(), key=lambda kv: (-kv[1][1], -kv[1][4])))
   overflowing = tuple(p for p, c in leaves.items() if c.to_inf)
   return CastReport(name, float(info.max), leaves, overflowing, top)
