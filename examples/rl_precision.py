@@ -44,7 +44,7 @@ RL runs that the paper traces to the mismatch; a model this small, trained
 this briefly, does not collapse in any dtype.
 
     pip install -e ".[examples]"   # from the repository root
-    python examples/rl_precision.py                 # ~2.5 min on 2 cores
+    python examples/rl_precision.py                 # 90 s of CPU time
     python examples/rl_precision.py --plot docs/images/rl_precision.png
     python examples/rl_precision.py --quick         # the test's size
 """
