@@ -12,6 +12,7 @@ read of the gradients, a materialized intermediate.
   python benchmarks/hlo_traffic.py /tmp/hlo/fp16_20M_200.hlo.txt --params 20e6
   python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --params 20e6  # side by
   side
+  python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --per-leaf 500  # ops
 """
 
 import argparse
@@ -142,6 +143,54 @@ def breakdown(hlo):
   return walk(entry, "", collections.OrderedDict())
 
 
+def fused_ops(hlo):
+  """``(fusions, {opcode: count})`` of the entry computation: its fusions,
+  and the array instructions inside them (not parameters, constants,
+  broadcasts or bitcasts; a scalar instruction counted as ``op(scalar)``)."""
+  comps, entry = computations(hlo)
+  fusions, ops = 0, collections.Counter()
+  for line in comps.get(entry, []):
+    m = _INSTR.match(line)
+    if not m or m.group(3) != "fusion":
+      continue
+    fusions += 1
+    called = re.search(r"calls=%([\w.\-]+)", m.group(4)).group(1)
+    for inner in comps.get(called, []):
+      i = _INSTR.match(inner)
+      if i and i.group(3) not in ("parameter", "constant", "broadcast"):
+        if i.group(3) != "bitcast":
+          scalar = "[]" in i.group(2).split("{")[0]
+          ops[i.group(3) + ("(scalar)" if scalar else "")] += 1
+  return fusions, ops
+
+
+def per_leaf(files, leaves):
+  """Prints each file's fusions and fused array ops per leaf, by opcode."""
+  counts = [fused_ops(open(f).read()) for f in files]
+  kinds = sorted({k for _, ops in counts for k in ops})
+  kinds = [k for k in kinds if not k.endswith("(scalar)")]
+  names = [f.split("/")[-1] for f in files]
+  if len(set(names)) < len(names):  # same file name: add the folder
+    names = ["/".join(f.split("/")[-2:]) for f in files]
+  print(f"| per leaf ({leaves} leaves) | " + " | ".join(names) + " |")
+  print("|---|" + "---:|" * len(files))
+  print(
+    "| fusions | " + " | ".join(f"{n / leaves:.2f}" for n, _ in counts) + " |"
+  )
+  total = [sum(v for k, v in ops.items() if k in kinds) for _, ops in counts]
+  print(
+    "| array ops in fusions | "
+    + " | ".join(f"{t / leaves:.1f}" for t in total)
+    + " |"
+  )
+  for k in kinds:
+    print(
+      f"| {k} | "
+      + " | ".join(f"{ops[k] / leaves:.2f}" for _, ops in counts)
+      + " |"
+    )
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,7 +208,15 @@ def main(argv=None):
     default=0.05,
     help="hide groups below this many B/param (default 0.05)",
   )
+  p.add_argument(
+    "--per-leaf",
+    type=int,
+    metavar="LEAVES",
+    help="instead: fusions and the array ops inside them, per leaf",
+  )
   args = p.parse_args(argv)
+  if args.per_leaf:
+    return per_leaf(args.hlo, args.per_leaf)
   tables = [breakdown(open(f).read()) for f in args.hlo]
   keys = []
   for t in tables:

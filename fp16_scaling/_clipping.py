@@ -113,7 +113,8 @@ def clip_by_unscaled_norm(
     groups = _expert_groups(expert_mask, updates)
     what = "clip_by_unscaled_norm"
     _sharding.leaf_axes_from_specs(partition_specs, updates, what)
-    if isinstance(state, Handed):
+    handed = isinstance(state, Handed)
+    if handed:
       # Right after fp16_loss_scale: ``updates`` are the measured gradients,
       # unscaled; the one pass has their sums.
       state, measurement = state.state, state.measurement
@@ -125,7 +126,12 @@ def clip_by_unscaled_norm(
     factor = jnp.minimum(
       jnp.float32(1), jnp.float32(max_norm) / (norms.norm + jnp.float32(eps))
     )
-    clipped = [x * factor.astype(x.dtype) for x in leaves]
+    if handed:
+      # ``updates`` are the measured gradients unscaled: unscale and clip
+      # them in one multiply, by the scale's inverse times the factor.
+      clipped = measurement.unscaled(measurement.grads, factor)
+    else:
+      clipped = [x * factor.astype(x.dtype) for x in leaves]
     new_state = ClipState(
       grad_norm=norms.norm,
       expert_grad_norm=norms.group_norms[EXPERT],

@@ -31,10 +31,11 @@ class Measurement(NamedTuple):
   def inv_scale(self) -> jax.Array:
     return 1.0 / self.scale
 
-  def unscaled(self, leaves: Sequence[jax.Array]) -> tuple:
-    """``leaves`` over the scale, in float32 or wider; zeros on overflow."""
+  def unscaled(self, leaves: Sequence[jax.Array], factor=None) -> tuple:
+    """``leaves`` over the scale, times ``factor`` if given (one multiply per
+    element), in float32 or wider; zeros on overflow."""
     wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves]
-    inv = self.inv_scale
+    inv = self.inv_scale if factor is None else self.inv_scale * factor
     return tuple(x * inv for x in _norm.discard_if(self.overflow, wide))
 
   def grouped(self, leaf_groups, num_groups: int) -> _norm.Norms:

@@ -167,6 +167,44 @@ def test_hlo_traffic_counts_the_bytes_xla_counts(targets_run, bench, capsys):
     assert float(total) == pytest.approx(xla, rel=0.01), key
 
 
+def test_hlo_traffic_per_leaf_counts_the_fusions(targets_run, capsys):
+  _, shape, out = targets_run
+  traffic = helpers.load_script(TRAFFIC)
+  files = [str(out / "hlo" / f"{k}_tiny.hlo.txt") for k in ("floor", "fp16")]
+  leaves = shape["leaves"]
+  capsys.readouterr()
+  traffic.main(files + ["--per-leaf", str(leaves)])
+  text = capsys.readouterr().out
+  (row,) = re.findall(r"^\| fusions \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+  for f, got in zip(files, row):
+    comps, entry = traffic.computations(open(f).read())
+    fusions = sum(" fusion(" in line for line in comps[entry])
+    assert float(got) == pytest.approx(fusions / leaves, abs=0.005), f
+  assert re.search(
+    r"^\| array ops in fusions \| [\d.]+ \| [\d.]+ \|$", text, re.M
+  )
+
+
+def test_stacked_cost_stacking_cuts_the_fusions(capsys):
+  script = helpers.load_script(ROOT / "benchmarks" / "stacked_cost.py")
+  assert (
+    script.main(
+      ["--layers", "4", "--width", "8", "--rounds", "1", "--inner", "1"]
+    )
+    == 0
+  )
+  rows = re.findall(
+    r"^\| (floor|fp16) \| (unstacked|stacked) \| (\d+) \| ([\d,]+) \|",
+    capsys.readouterr().out,
+    re.M,
+  )
+  found = {(k, lay): (int(n), int(f.replace(",", ""))) for k, lay, n, f in rows}
+  assert len(found) == 4
+  for key in ("floor", "fp16"):
+    assert found[key, "unstacked"][0] == 8 and found[key, "stacked"][0] == 2
+    assert found[key, "stacked"][1] < found[key, "unstacked"][1], key
+
+
 def test_the_timer_alone_prints_ratios_and_no_verdicts(options_run, bench):
   stdout, shape = options_run
   assert "target" not in stdout and "MISS" not in stdout

@@ -136,6 +136,20 @@ def test_the_clip_is_a_plain_clip_of_what_it_receives(
   )
 
 
+@pytest.mark.parametrize("max_norm", MAX_NORMS)
+def test_one_multiply_by_inverse_times_factor_keeps_the_bits(
+  max_norm, clip_updates
+):
+  # Right after fp16_loss_scale the clip multiplies the measured gradients
+  # once, by the scale's inverse times its factor; with an identity between,
+  # it multiplies the unscaled gradients by its factor. For a power-of-two
+  # scale the norms agree exactly, and so do the updates, bit for bit.
+  direct, _ = clip_updates["none", max_norm]
+  two_multiplies, _ = clip_updates["identity", max_norm]
+  for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(two_multiplies)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("between", sorted(BETWEEN))
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_the_gradients_are_read_once_exactly_when_the_clip_follows(
