@@ -17,6 +17,7 @@ and b's options, priced against b on clean steps:
 
   f  b with ``fp16_loss_scale(..., grad_range=True)``.
   g  b with ``fp16_loss_scale(..., log_overflows=True)``.
+  h  b with ``headroom_scaler()``, whose rule measures max |g|.
   i  ``accumulate_gradients(b, 1)``: every call is a window's last, so it
      prices the wrapper on an optimizer step.
   j  ``accumulate_gradients(b, 4)``: the mean call over whole windows
@@ -59,6 +60,7 @@ RECIPES = (
 OPTIONS = (
   Recipe("grad_range", "f. b + grad_range=True", ""),
   Recipe("log_overflows", "g. b + log_overflows=True", ""),
+  Recipe("headroom", "h. b with headroom_scaler()", ""),
   Recipe("accumulate1", "i. accumulate_gradients(b, 1)", ""),
   Recipe(
     "accumulate4",
@@ -91,17 +93,16 @@ def leaf_sizes(n, leaves, distinct=False):
   return sizes
 
 
-def _fp16_tx(num_leaves, expert=False, **scale_kwargs):
+def _fp16_tx(num_leaves, expert=False, headroom=False, **scale_kwargs):
   import optax
 
   import fp16_scaling as fs
 
   mask = [i % 2 == 1 for i in range(num_leaves)] if expert else None
+  preset = fs.headroom_scaler if headroom else fs.deepspeed_scaler
   return fs.skip_on_overflow(
     optax.chain(
-      fs.fp16_loss_scale(
-        fs.deepspeed_scaler(init_scale=LOSS_SCALE), **scale_kwargs
-      ),
+      fs.fp16_loss_scale(preset(init_scale=LOSS_SCALE), **scale_kwargs),
       fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
       optax.adamw(LR, weight_decay=WEIGHT_DECAY),
     )
@@ -139,11 +140,8 @@ def build(key, num_leaves):
   if key in ("fp16", "fp16_expert"):
     return plain(_fp16_tx(num_leaves, expert=key == "fp16_expert"))
 
-  if key == "grad_range":
-    return plain(_fp16_tx(num_leaves, grad_range=True))
-
-  if key == "log_overflows":
-    return plain(_fp16_tx(num_leaves, log_overflows=True))
+  if key in ("grad_range", "log_overflows", "headroom"):
+    return plain(_fp16_tx(num_leaves, **{key: True}))
 
   if key in ("accumulate1", "accumulate4"):
     import fp16_scaling as fs
@@ -160,10 +158,8 @@ def build(key, num_leaves):
     # validates its leaves on unflatten and so cannot be an argument of
     # ``jit(...).lower`` in current JAX; it is rebuilt inside the step.
     def init(params):
-      return tx.init(params), (
-        jnp.asarray(LOSS_SCALE, f32),
-        jnp.zeros([], jnp.int32),
-      )
+      scale = jnp.asarray(LOSS_SCALE, f32)
+      return tx.init(params), (scale, jnp.zeros([], jnp.int32))
 
     def step(params, state, grads):
       opt_state, (scale, counter) = state
