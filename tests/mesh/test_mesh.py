@@ -18,6 +18,7 @@ scale rule, and optax's clip_by_global_norm + adam on the clean steps only.
 
 from typing import Any, NamedTuple
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -189,20 +190,16 @@ def scaled_grads(layout, step, scale):
 
 def make_tx(layout, partition_specs="layout"):
   specs = layout.specs if partition_specs == "layout" else partition_specs
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(
-        fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
-        partition_specs=specs,
-      ),
-      fs.clip_by_unscaled_norm(
-        MAX_NORM,
-        expert_mask=expert_mask(layout),
-        eps=0.0,
-        partition_specs=specs,
-      ),
-      optax.adam(LR),
-    )
+  return guarded(
+    fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
+    fs.clip_by_unscaled_norm(
+      MAX_NORM,
+      expert_mask=expert_mask(layout),
+      eps=0.0,
+      partition_specs=specs,
+    ),
+    optax.adam(LR),
+    partition_specs=specs,
   )
 
 
