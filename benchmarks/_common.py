@@ -21,25 +21,18 @@ SLACK = 5e-4  # the rounding of a printed ratio
 
 
 def interleaved(units, rounds, warmup=0):
-  """Interleaved rounds: the timer of every benchmark here.
+  """Interleaved rounds, the timer of every benchmark here: each of
+  ``warmup`` untimed and ``rounds`` timed rounds calls every sample once.
 
-  Args:
-    units: a list of units, each a list of ``(name, sample)`` pairs, where
-      ``sample()`` takes one measurement and returns it.
-    rounds: timed rounds.
-    warmup: untimed rounds first.
-
-  Each round calls every sample once. The order of the units rotates by one
-  per round, so that no unit always runs first or after the same neighbour,
-  and the samples of one unit run back to back, in alternating order, so
-  that their per-round ratio compares like with like (an A/B test).
-
-  Returns:
-    ``{name: [the measurement of each timed round]}``: item i of every list
-    comes from round i.
+  ``units`` is a list of units, each a list of ``(name, sample)`` pairs
+  (``sample()`` measures once). The units' order rotates by one per round,
+  so no unit always runs first or after the same neighbour; a unit's
+  samples run back to back in alternating order, so their per-round ratio
+  compares like with like (an A/B test). Returns ``{name: [measurement of
+  each timed round]}``: item i of every list comes from round i.
   """
   out = {name: [] for unit in units for name, _ in unit}
-  for rnd in range(warmup + rounds):
+  for rnd in range(warmup + rounds if units else 0):
     shift = rnd % len(units)
     for unit in units[shift:] + units[:shift]:
       for name, sample in unit if rnd % 2 == 0 else unit[::-1]:
@@ -51,13 +44,10 @@ def interleaved(units, rounds, warmup=0):
 
 def stepper(fn, box, grads, calls=1, prepare=None):
   """A ``sample`` for :func:`interleaved`: ``calls`` donated steps
-  ``fn(params, state, grads) -> (params, state)``, blocked on the result.
-
-  ``box`` is the list ``[params, state]``, which each sample replaces with
-  the step's outputs (samples given one box share the training state).
-  ``prepare(state)``, when given, makes the state of each call (such as the
-  accumulation counter). The sample returns ``(wall, cpu)``: seconds per
-  call of wall time and of the process's CPU time (all its threads)."""
+  ``fn(params, state, grads) -> (params, state)`` from the list ``box =
+  [params, state]``, which it updates (samples of one box share it), each
+  state made by ``prepare(state)`` if given; blocked on. It returns
+  ``(wall, cpu)`` seconds per call (CPU: the process's, all threads)."""
 
   def sample():
     import jax

@@ -1,28 +1,14 @@
 #!/usr/bin/env python
 """Cost of an accumulating step: fp16_scaling against ``optax.MultiSteps``.
 
-Both accumulate K microbatches of the same float16 gradients into a float32
-accumulator over float32 parameters, clip at a global norm of 1.0 and run
-AdamW once per window, with parameters and state donated:
-
-  base  ``optax.MultiSteps(optax.chain(clip_by_global_norm(1.0), adamw), K)``
-        on the gradients cast to float32 (no loss scaling);
-  ours  ``accumulate_gradients(skip_on_overflow(chain(fp16_loss_scale(
-        deepspeed_scaler()), clip_by_unscaled_norm(1.0), adamw)), K)``.
-
-Each is measured on a window's last microbatch (the optimizer step) and on
-the others (accumulation only), with the state's microbatch counter set
-before every call; the two recipes run back to back in alternating order
-(``_common.interleaved``) and the verdict is on per-round paired ratios
-(ours / base). Bytes are ``hlo_traffic.total_bytes`` on the branch a call
-takes: optax 0.2.8's MultiSteps has no branch (it runs the optimizer on every
-microbatch and selects); ours runs one branch of a ``lax.cond``, and a
-conditional nested in it (the float32 rescue of ``_norm``) is counted by
-its cheaper branch. XLA's own ``bytes accessed`` (every conditional by its
-costliest branch) is printed too.
+``accumulate_gradients(skip_on_overflow(chain(fp16_loss_scale, clip,
+adamw)), K)`` against ``MultiSteps(chain(clip_by_global_norm, adamw), K)``
+on the same float16 gradients, donated, timed on a window's last
+microbatch and on the others (the counter set before every call), back to
+back in alternating order; bytes counted on the branch each call takes
+(``hlo_traffic.total_bytes``). benchmarks/README.md has the details.
 
   python benchmarks/accumulate_cost.py                 # 4M/100, K=4
-  python benchmarks/accumulate_cost.py --shape 20M/200 --repeats 40
   python benchmarks/accumulate_cost.py --tiny          # seconds; smoke test
 """
 
@@ -46,36 +32,19 @@ def build(k):
   """``{"base": (init, step), "ours": (init, step)}``, the steps jitted with
   parameters and state donated."""
   import jax
-  import jax.numpy as jnp
   import optax
 
   import fp16_scaling as fs
 
-  adamw = lambda: optax.adamw(recipes.LR, weight_decay=recipes.WEIGHT_DECAY)
-  clip = recipes.MAX_NORM
-  base = optax.MultiSteps(
-    optax.chain(optax.clip_by_global_norm(clip), adamw()), k
+  base = optax.MultiSteps(recipes.clip_adamw(), k)
+  ours = fs.accumulate_gradients(recipes.fp16_tx(0), k)
+  steps = dict(
+    base=recipes.stepping(base, recipes.to_f32), ours=recipes.stepping(ours)
   )
-  ours = fs.accumulate_gradients(
-    fs.skip_on_overflow(
-      optax.chain(
-        fs.fp16_loss_scale(fs.deepspeed_scaler()),
-        fs.clip_by_unscaled_norm(clip),
-        adamw(),
-      )
-    ),
-    k,
-  )
-
-  def stepping(tx, prepare):
-    def step(params, state, grads):
-      updates, state = tx.update(prepare(grads), state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, jax.jit(step, donate_argnums=(0, 1))
-
-  to_f32 = lambda g: jax.tree.map(lambda x: x.astype(jnp.float32), g)
-  return {"base": stepping(base, to_f32), "ours": stepping(ours, lambda g: g)}
+  return {
+    name: (init, jax.jit(step, donate_argnums=(0, 1)))
+    for name, (init, step) in steps.items()
+  }
 
 
 def with_counter(value):

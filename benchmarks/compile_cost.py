@@ -1,24 +1,15 @@
 #!/usr/bin/env python
 """Cold compile time of fp16_scaling's step next to plain optax's.
 
-Each of ``--rounds`` rounds compiles the floor (a, plain optax),
-fp16_scaling's step (b) and any other ``--recipes`` of ``recipes.py``, the
-order rotating each round (``_common.interleaved``), each in a fresh
-``step_cost.py`` worker with an empty compilation cache: every compile is
-cold. Trace + lower and XLA's compile are timed apart, in process CPU time
-(all threads) and wall time. A shape ``lm:SIZE`` compiles the whole jitted,
-donated train step of ``examples/train_lm.py --size SIZE`` instead, built by
-``train_step_cost.py`` (``fp16`` with fp16_scaling, ``floor`` with plain
-optax); only those two recipes have one. Printed per shape: the medians,
-their ratios to the floor's, and the median [min, max] of the per-round
-paired ratios of the totals.
+Each round compiles the floor, fp16_scaling's step and any other
+``--recipes``, the order rotating (``_common.interleaved``), each cold in a
+fresh ``step_cost.py`` worker; trace + lower and compile timed apart, in
+CPU and wall time. ``lm:SIZE`` compiles examples/train_lm.py's whole train
+step instead (``train_step_cost.py``'s). benchmarks/README.md has the rest.
 
   python benchmarks/compile_cost.py        # 10M/200, 2M/1000 and lm:medium
   python benchmarks/compile_cost.py --shape lm:medium --rounds 4
   python benchmarks/compile_cost.py --recipes floor,fp16,apply_if_finite
-  python benchmarks/compile_cost.py --shape 10M/200:distinct  # leaf sizes
-  python benchmarks/compile_cost.py --compiler-option \
-      xla_cpu_copy_insertion_use_region_analysis=true
 """
 
 import argparse
@@ -68,7 +59,9 @@ def lm_worker(args):
   state = tx.init(params)
   jax.block_until_ready((params, state, x, y))
   options = dict(args.compiler_option or ())
-  step_cost.compile_and_report(step, (params, state, x, y), options)
+  step_cost.compile_and_report(
+    step, (params, state, x, y), options, budget=args.budget
+  )
 
 
 def compile_once(key, shape, budget, compiler_options=None):
@@ -110,20 +103,15 @@ def summary(shape, times):
   """Markdown rows and the per-round ratio lines for one shape; the first
   recipe of ``times`` is the floor. Also returns the median per-round ratio
   of the second recipe to the floor."""
-  med = {
-    key: [statistics.median(part) for part in zip(*rows)]
-    for key, rows in times.items()
-  }
+  median = statistics.median
   a, *others = times
   totals = {key: [lo + co for lo, co, _ in rows] for key, rows in times.items()}
   walls = {key: [w for _, _, w in rows] for key, rows in times.items()}
   lines = []
-  for key in times:
-    lower, comp, _ = med[key]
-    total = statistics.median(totals[key])
-    ratio = total / statistics.median(totals[a])
-    wall = statistics.median(walls[key])
-    wall_ratio = wall / statistics.median(walls[a])
+  for key, rows in times.items():
+    lower, comp, _ = (median(part) for part in zip(*rows))
+    total, wall = median(totals[key]), median(walls[key])
+    ratio, wall_ratio = total / median(totals[a]), wall / median(walls[a])
     lines.append(
       f"| {shape} | {key} | {lower:.2f} | {comp:.2f} | {total:.2f} | "
       f"{ratio:.3f}x | {wall:.2f} | {wall_ratio:.3f}x |"
@@ -167,20 +155,15 @@ def main(argv=None):
   if unknown:
     parser.error(f"--recipes: unknown {', '.join(unknown)}")
   shapes = args.shape or list(DEFAULT_SHAPES)
-  sizes = None
   for shape in shapes:
     if lm_size(shape) is None:
       step_cost.parse_shape(shape)
       continue
-    if sizes is None:
-      import train_step_cost
+    import train_step_cost
 
-      sizes = sorted(train_step_cost.train_lm.SIZES)
-    if lm_size(shape) not in sizes:
-      parser.error(
-        f"--shape {shape}: train_lm.py's sizes are "
-        + ", ".join(LM + s for s in sizes)
-      )
+    sizes = ", ".join(LM + s for s in sorted(train_step_cost.train_lm.SIZES))
+    if lm_size(shape) not in train_step_cost.train_lm.SIZES:
+      parser.error(f"--shape {shape}: train_lm.py's sizes are {sizes}")
   options = step_cost.compiler_options(parser, args.compiler_option)
   header = (
     "| shape | recipe | trace + lower CPU s | compile CPU s | total CPU s "

@@ -4,23 +4,13 @@ folder of results (benchmarks/README.md describes every part).
 
   python3 benchmarks/gpu_check.py OUTDIR
 
-It needs Python's standard library, jax (with its CUDA backend), optax, flax
-and this repository (jmp optional); no network. Each part of ``PARTS`` runs
-in its own process session with its own time limit and is killed with its
-children when that runs out, so a slow compile or a hung test costs only its
-row: env (versions, devices), tests (the suite less peers, mesh and
-multihost), bandwidth (a donated ``a * 1.0001`` on 2 GiB of float32),
-step_cost at 500M/500 and 20M/1000 with XLA's command buffers on and off
-(``XLA_FLAGS=--xla_gpu_enable_command_buffer=``, a process each), and
-train_step (``train_step_cost.py``). ``--total`` (default 480 s) caps the run.
-
-OUTDIR gets ``gpu_check.json`` (every part with its status: ok, failed,
-timed out, skipped or not selected; rewritten after each part), a
-``gpu_check.md`` table and ``logs/``. The exit status is 0 when every
-selected part is ok, 1 otherwise.
+Needs the standard library, jax (CUDA), optax, flax and this checkout (jmp
+optional); no network. Each part of ``PARTS`` runs in a process session of
+its own, killed with its children at its limit; ``--total`` (480 s) caps
+the run. OUTDIR gets ``gpu_check.json`` (rewritten after each part),
+``gpu_check.md`` and ``logs/``; exit status 0 when every part is ok.
 
   python3 benchmarks/gpu_check.py /tmp/gpu --parts bandwidth,step_cost
-  python3 benchmarks/gpu_check.py /tmp/gpu --limit tests=600 --total 900
   python3 benchmarks/gpu_check.py /tmp/smoke --tiny            # CPU, seconds
 """
 
@@ -60,13 +50,9 @@ class Part:
   command_buffers: bool = True
 
 
-# In priority order: at the default --total a part that finds no time left
-# is recorded as timed out, and the parts before it keep their results. The
-# tests come first (whether the suite passes on the GPU matters more than
-# any ratio). On an H200 one 500M/500 compile takes 22 s (floor, fp16) to
-# 36 s (jmp); a 20M/1000 compile over 40 s. Every recipe at both shapes with
-# command buffers on and off does not fit 8 minutes: the four recipes run at
-# 500M/500 with command buffers on, the other settings time floor and fp16.
+# In priority order, the tests first. On an H200 a 500M/500 compile takes
+# 22-36 s, a 20M/1000 one over 40 s: the four recipes run at 500M/500 with
+# command buffers on, the other settings time floor and fp16.
 # fmt: off
 PARTS = (
   Part("env", 15, "versions and devices"),
@@ -85,11 +71,6 @@ PARTS = (
 # fmt: on
 BY_NAME = {p.name: p for p in PARTS}
 TOTAL_S = 480.0  # the whole run: 8 minutes; the limits add up to 540
-
-
-# --------------------------------------------------------------------------
-# Workers: the parts that are not another script, run in a subprocess of
-# this file (``--worker NAME --result FILE``).
 
 
 def worker_env(args):
@@ -151,7 +132,6 @@ def worker_train_step(args):
   return dict(
     wall_ratios=ratios, cpu_ratios=cpu, wall_ratio_median=med,
     cpu_ratio_median=cpu_med, times=out["times"],
-    optimizer_parts=out["optimizer_parts"],
     summary=f"fp16_scaling / plain optax, per round: wall {med:.3f}x, "
     f"process CPU {cpu_med:.3f}x ({len(ratios)} rounds)",
   )  # fmt: skip
@@ -162,6 +142,8 @@ WORKERS.update(train_step=worker_train_step)
 
 
 def run_worker(argv):
+  """``--worker NAME --result FILE [--bytes N] [--calls N] [-- ARGV]``:
+  runs the worker NAME and writes what it returns to FILE as JSON."""
   p = argparse.ArgumentParser()
   p.add_argument("--worker", choices=sorted(WORKERS))
   p.add_argument("--result")
@@ -169,18 +151,9 @@ def run_worker(argv):
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("argv", nargs="*")
   args = p.parse_args(argv)
-  result = WORKERS[args.worker](args)
   with open(args.result, "w") as f:
-    json.dump(result, f, indent=1)
+    json.dump(WORKERS[args.worker](args), f, indent=1)
   return 0
-
-
-# --------------------------------------------------------------------------
-# The parts, as commands.
-
-
-def has_jmp():
-  return importlib.util.find_spec("jmp") is not None
 
 
 def command(part, args, outdir):
@@ -207,7 +180,8 @@ def command(part, args, outdir):
   if part.shape:
     all_four = part.name == "step_cost_500M_500_cb_on" and not args.tiny
     recipes = STEP_RECIPES if all_four else TINY_STEP_RECIPES
-    recipes = [r for r in recipes if r != "jmp" or has_jmp()]
+    jmp = importlib.util.find_spec("jmp") is not None
+    recipes = [r for r in recipes if r != "jmp" or jmp]
     timing = (
       "2 --warmup 0 --inner 2" if args.tiny else "10 --warmup 2 --inner 10"
     )
@@ -339,10 +313,6 @@ def read_part(part, status, log_path, result_path):
   return result
 
 
-# --------------------------------------------------------------------------
-# The report.
-
-
 def markdown(report):
   lines = [
     "# gpu_check",
@@ -355,11 +325,8 @@ def markdown(report):
   env = report["parts"]["env"].get("result", {})
   if env.get("summary"):
     lines.append(f"Machine: {env['summary']}.")
-  lines += [
-    "",
-    "| part | status | seconds (limit) | result |",
-    "|---|---|---:|---|",
-  ]
+  lines += ["", "| part | status | seconds (limit) | result |"]
+  lines.append("|---|---|---:|---|")
   for name, r in report["parts"].items():
     secs = "–"
     if r.get("seconds") is not None:
@@ -442,14 +409,14 @@ def main(argv=None):
   os.makedirs(os.path.join(outdir, "logs"), exist_ok=True)
   os.makedirs(os.path.join(outdir, "parts"), exist_ok=True)
 
+  # fmt: off
   report = dict(
     command="python3 benchmarks/gpu_check.py " + " ".join(argv),
     started=datetime.datetime.now().isoformat(timespec="seconds"),
-    tiny=args.tiny,
-    total_limit_s=args.total,
-    python=sys.version.split()[0],
+    tiny=args.tiny, total_limit_s=args.total, python=sys.version.split()[0],
     xla_flags=os.environ.get("XLA_FLAGS", ""),
   )
+  # fmt: on
   report["parts"] = {
     p.name: dict(status="not selected", what=p.what, limit_s=limits[p.name])
     for p in PARTS

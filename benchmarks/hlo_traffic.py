@@ -1,15 +1,10 @@
 #!/usr/bin/env python
 """Where the bytes of a compiled step go: a per-instruction breakdown.
 
-Reads the optimized HLO that ``step_cost.py --dump-hlo DIR`` writes and, for
-every instruction of the entry computation that touches memory (fusions,
-copies, reductions, ...), counts the bytes of its operands and of its result,
-as XLA's ``bytes accessed`` roughly does. Instructions are grouped by name
-stem (``copy``, ``add_select_fusion``, ``wrapped_reduce-window``, ...), which
-shows each extra pass over memory: a ``copy`` of an optimizer moment, a second
-read of the gradients, a materialized intermediate.
+Reads ``step_cost.py --dump-hlo`` output and counts, for every instruction
+of the entry computation that touches memory, the bytes of its operands and
+result (as XLA's ``bytes accessed`` roughly does), grouped by name stem.
 
-  python benchmarks/hlo_traffic.py /tmp/hlo/fp16_20M_200.hlo.txt --params 20e6
   python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --params 20e6
 """
 
@@ -68,20 +63,13 @@ _CALLED = re.compile(
 
 
 def breakdown(hlo, branch=None):
-  """{group: [count, bytes]} over the entry computation.
+  """{group: [count, bytes]} over the entry computation of ``hlo``.
 
-  Args:
-    hlo: optimized HLO text.
-    branch: None to count each ``conditional`` by its costliest branch, as
-      XLA's ``bytes accessed`` does; an index (0 = the false or first
-      branch, in the HLO's order) to count that branch of each top-level
-      conditional and the cheapest branch of any nested one: the bytes of a
-      call that takes that branch.
-
-  A ``while`` counts its body once, each under ``<instruction stem>/``;
-  fused computations are not entered (a fusion is counted by its operands
-  and result, as XLA does).
-  """
+  ``branch`` None counts each ``conditional`` by its costliest branch, as
+  XLA's ``bytes accessed`` does; an index (0: the false or first branch)
+  counts that branch of each top-level conditional and the cheapest of any
+  nested one. A ``while`` counts its body once, called computations under
+  ``<instruction stem>/``; a fusion counts its operands and result."""
   comps, entry = computations(hlo)
 
   def walk(comp, prefix, out, branch):

@@ -1,35 +1,19 @@
 #!/usr/bin/env python
 """Cost of one jitted optimizer step with float16 loss scaling, side by side.
 
-Every recipe of ``recipes.py`` gets the same float16 gradients (already
-multiplied by the loss scale where the recipe has one) and float32
-parameters, clips at a global norm of 1.0, runs AdamW and applies the
-updates, with parameters and optimizer state donated: a the floor (plain
-optax), b fp16_scaling (and its expert mask, and b's executable on an
-overflowing step), c jmp, d ``optax.apply_if_finite``, e Flax's
-``DynamicScale``; with ``--recipes options`` b's options on clean steps
-(f ``grad_range``, g ``log_overflows``, h ``headroom_scaler``, i and j
-``accumulate_gradients``), each also as a ratio to b.
-
-For each it reports the compile time (trace + lower + XLA compile, cold, in a
-fresh worker process that is killed past ``--budget``), the median wall and
-process CPU time per step (rounds interleaved by ``_common.interleaved``), XLA's
-``bytes accessed`` of the compiled step, each also as a ratio to (a), and the
-median [quartiles] of each recipe's per-round paired ratio to (a).
-``targets.py`` judges the same measurement against the project's targets.
+Times ``recipes.py``'s steps (a the floor, plain optax; b fp16_scaling, its
+expert mask and its overflow step; c jmp; d ``optax.apply_if_finite``; e
+Flax; with ``--recipes options`` b's options f to j) in one process, rounds
+interleaved (``_common.interleaved``), each compiled cold in a worker killed
+past ``--budget``. Reports compile time, wall and CPU time per step, XLA's
+bytes accessed and the per-round ratios to (a); benchmarks/README.md tells
+what each means. ``targets.py`` judges the same measurement.
 
   python benchmarks/step_cost.py                   # 20M/200 and 2M/1000
-  python benchmarks/step_cost.py --shape 20M/200 --repeats 40
-  python benchmarks/step_cost.py --shape 500x16 --shape 2000x16 \\
-      --recipes floor,fp16 --repeats 20 --inner 20   # per-leaf host cost
   python benchmarks/step_cost.py --shape 500x16 --recipes options
   python benchmarks/step_cost.py --tiny            # seconds; the smoke test
-  python benchmarks/step_cost.py --recipes floor,fp16,jmp \\
+  python benchmarks/step_cost.py --recipes floor,fp16,jmp \
       --compiler-option xla_cpu_copy_insertion_use_region_analysis=true
-
-``--compiler-option KEY=VALUE`` (repeatable) compiles every recipe's step
-with those XLA options (``jax.jit(..., compiler_options=...)``): the timed
-executable and the one whose bytes accessed and copy count are printed.
 """
 
 import argparse
@@ -37,8 +21,8 @@ import atexit
 import json
 import os
 import re
-import select
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,11 +39,8 @@ BY_KEY, OPTIONS, RECIPES = recipes.BY_KEY, recipes.OPTIONS, recipes.RECIPES
 OVERFLOW_ROW, copy_tree = recipes.OVERFLOW_ROW, recipes.copy_tree
 jitted, make_inputs = recipes.jitted, recipes.make_inputs
 
-SHAPES = {
-  "20M/200": (20_000_000, 200),
-  "2M/1000": (2_000_000, 1000),
-  "tiny": (4_096, 8),
-}
+SHAPES = {"20M/200": (20_000_000, 200), "2M/1000": (2_000_000, 1000)}
+SHAPES["tiny"] = (4_096, 8)
 DEFAULT_SHAPES = ("20M/200", "2M/1000")
 # ``--recipes options``: b's options next to b (and the floor).
 OPTION_SET = ("floor", "fp16") + tuple(r.key for r in OPTIONS)
@@ -100,10 +81,6 @@ def parse_shape(text):
       f"{DISTINCT} needs more params a leaf than leaves: {text!r}"
     )
   return text, (n, leaves)
-
-
-# --------------------------------------------------------------------------
-# XLA compiler options: KEY=VALUE on the command line, a dict for jax.jit.
 
 
 def parse_compiler_option(text):
@@ -191,12 +168,6 @@ def configure_cache(cache_dir):
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-# --------------------------------------------------------------------------
-# Compile worker: a fresh process per recipe, so a compile that runs past the
-# budget is killed, not waited for. It writes the executable to a persistent
-# compilation cache that the timing process then loads.
-
-
 def worker(args):
   """``--worker KEY``: compile recipe KEY at ``--shape`` into the cache."""
   configure_cache(args.cache_dir)
@@ -210,29 +181,31 @@ def worker(args):
   )
   state = init(params)
   jax.block_until_ready((params, state, grads))
-  dump = None
-  if args.dump_hlo:
-    name = f"{args.worker}_{args.shape.replace('/', '_')}.hlo.txt"
-    dump = os.path.join(args.dump_hlo, name)
+  name = f"{args.worker}_{args.shape.replace('/', '_')}.hlo.txt"
+  dump = os.path.join(args.dump_hlo, name) if args.dump_hlo else None
   # The options are the jit's own, so that the timing process's jit, built
   # with the same ones, finds this executable in the cache.
-  compile_and_report(step, (params, state, grads), dump_path=dump)
+  compile_and_report(
+    step, (params, state, grads), None, dump_path=dump, budget=args.budget
+  )
 
 
-def compile_and_report(step, call_args, compiler_options=None, dump_path=None):
-  """What a compile worker does once its inputs exist: prints READY, traces
-  and lowers ``step`` on ``call_args``, compiles it (with
-  ``compiler_options`` on top of the jit's own), each timed, and prints
-  RESULT and the figures as JSON: ``lower_s``, ``compile_s`` (wall),
-  ``lower_cpu_s``, ``compile_cpu_s`` (process CPU), ``bytes_accessed``,
-  ``flops`` and ``copies`` (:func:`count_copies`)."""
-  print("READY", flush=True)
+def compile_and_report(step, call_args, compiler_options=None, **kwargs):
+  """What a compile worker does once its inputs exist: starts the timer
+  that kills it (SIGALRM) ``budget`` seconds on, if given; traces, lowers
+  and compiles ``step`` on ``call_args`` (with ``compiler_options`` on top
+  of the jit's own), each timed; prints RESULT and the figures as JSON:
+  ``lower_s``, ``compile_s`` (wall), ``lower_cpu_s``, ``compile_cpu_s``
+  (CPU), ``flops``, ``bytes_accessed`` and ``copies``."""
+  if kwargs.get("budget"):
+    signal.setitimer(signal.ITIMER_REAL, kwargs["budget"])
   t0, c0 = time.perf_counter(), time.process_time()
   lowered = step.lower(*call_args)
   t1, c1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile(compiler_options or None)
   t2, c2 = time.perf_counter(), time.process_time()
-  text = compiled.as_text()
+  signal.setitimer(signal.ITIMER_REAL, 0)
+  text, dump_path = compiled.as_text(), kwargs.get("dump_path")
   if dump_path:
     os.makedirs(os.path.dirname(dump_path), exist_ok=True)
     with open(dump_path, "w") as f:
@@ -245,69 +218,26 @@ def compile_and_report(step, call_args, compiler_options=None, dump_path=None):
 def compile_in_worker(key, shape, cache_dir, budget, dump_hlo, **kwargs):
   """Cold compile of recipe ``key`` at ``shape`` in a subprocess (of
   ``script``, default this one), into the cache in ``cache_dir``:
-  ``compile_and_report``'s figures, or None when the compile ran past
-  ``budget`` seconds from READY. RuntimeError (with the tail of its stderr)
-  when the worker died, hung before READY or failed."""
+  ``compile_and_report``'s figures, or None when the worker's own timer
+  killed it ``budget`` seconds into the compile (after its imports and inputs).
+  RuntimeError (with the tail of its stderr) when the worker failed or
+  took over ``startup_s`` more."""
   script = kwargs.get("script") or os.path.abspath(__file__)
-  startup_s = kwargs.get("startup_s", 300)
-  cmd = [sys.executable, script, "--worker", key]
-  cmd += ["--shape", shape, "--cache-dir", cache_dir]
+  cmd = [sys.executable, script, "--worker", key, "--shape", shape]
+  cmd += ["--cache-dir", cache_dir, "--budget", str(budget)]
   cmd += ["--dump-hlo", dump_hlo] if dump_hlo else []
   cmd += option_args(kwargs.get("compiler_options"))
-  with tempfile.TemporaryFile() as err:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, bufsize=0)
-    lines = _Lines(proc.stdout)
-
-    def failure(what):
-      err.seek(0)
-      tail = err.read().decode(errors="replace")[-3000:]
-      return RuntimeError(f"worker {key} {what}:\n{tail}")
-
-    try:
-      if lines.wait_for("READY", time.monotonic() + startup_s) is None:
-        raise failure("died or hung before compiling")
-      line = lines.wait_for("RESULT ", time.monotonic() + budget)
-      if line == "TIMEOUT":
-        return None
-      if line is None:
-        raise failure("failed")
-      return json.loads(line[len("RESULT ") :])
-    finally:
-      if proc.poll() is None:
-        proc.kill()
-      proc.wait()
-      proc.stdout.close()
-
-
-class _Lines:
-  """Lines of an unbuffered pipe, with a deadline that really does not wait."""
-
-  def __init__(self, pipe):
-    self._fd = pipe.fileno()
-    self._buf = b""
-
-  def wait_for(self, prefix, deadline):
-    """The first line starting with ``prefix``; "TIMEOUT"; None at EOF."""
-    while True:
-      while b"\n" not in self._buf:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-          return "TIMEOUT"
-        ready, _, _ = select.select([self._fd], [], [], remaining)
-        if not ready:
-          return "TIMEOUT"
-        chunk = os.read(self._fd, 65536)
-        if not chunk:
-          return None
-        self._buf += chunk
-      line, self._buf = self._buf.split(b"\n", 1)
-      line = line.decode(errors="replace")
-      if line.startswith(prefix):
-        return line
-
-
-# --------------------------------------------------------------------------
-# One shape: compile every recipe in workers, then time them here.
+  limit = budget + kwargs.get("startup_s", 300)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"worker {key} hung past {limit:g} s") from e
+  if proc.returncode == -signal.SIGALRM:
+    return None
+  found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+  if proc.returncode or not found:
+    raise RuntimeError(f"worker {key} failed:\n{proc.stderr[-3000:]}")
+  return json.loads(found[-1][len("RESULT ") :])
 
 
 def compile_recipe(key, shape_arg, cache_dir, args):
@@ -323,19 +253,11 @@ def compile_recipe(key, shape_arg, cache_dir, args):
   for i in range(args.compile_repeats):
     # Every attempt is cold, in its own empty cache. The first one's cache
     # is the one this process then loads the executable from.
-    scratch = cache_dir if i == 0 else tempfile.mkdtemp(prefix="step_cost_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="step_cost_") as scratch:
+      cache, dump = (cache_dir, args.dump_hlo) if i == 0 else (scratch, None)
       res = compile_in_worker(
-        key,
-        shape_arg,
-        scratch,
-        args.budget,
-        args.dump_hlo if i == 0 else None,
-        compiler_options=args.options,
+        key, shape_arg, cache, args.budget, dump, compiler_options=args.options
       )
-    finally:
-      if i:
-        shutil.rmtree(scratch, ignore_errors=True)
     if res is None:
       log(f"[{shape_arg}]   {key}: compile > {args.budget:g} s, killed")
       return dict(status=f"> budget ({args.budget:g} s)")
@@ -415,13 +337,9 @@ _CACHE = []
 
 
 def _process_cache():
-  """One compilation cache directory for the whole process, removed at exit.
-
-  JAX opens its persistent cache once, at the first compile, and keeps that
-  directory: a second shape given a directory of its own found no
-  executable there and compiled every recipe again in this process.
-  Executables of different shapes have different keys, so they share it.
-  """
+  """One compilation cache directory for the whole process, removed at
+  exit: JAX opens its persistent cache once, at the first compile, so every
+  shape's executables (different keys) share it."""
   if not _CACHE:
     _CACHE.append(tempfile.mkdtemp(prefix="step_cost_cache_"))
     configure_cache(_CACHE[0])
@@ -527,29 +445,25 @@ def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
   return "\n".join(lines + [""] + [f"- {x}" for x in notes]), record
 
 
+# fmt: off
 FLAG = {  # flags that compile_cost.py takes too
   "--compiler-option": dict(
-    action="append",
-    type=parse_compiler_option,
-    metavar="KEY=VALUE",
+    action="append", type=parse_compiler_option, metavar="KEY=VALUE",
     help="an XLA option for every step's compile, e.g. "
-    "xla_cpu_copy_insertion_use_region_analysis=true (repeatable)",
-  ),
+    "xla_cpu_copy_insertion_use_region_analysis=true (repeatable)"),
   "--json": dict(metavar="PATH", help="write results as JSON"),
   "--worker": dict(help=argparse.SUPPRESS),
   "--cache-dir": dict(help=argparse.SUPPRESS),
 }
+# fmt: on
 
 
 def parser_for(description, prog):
   """The command line of ``step_cost.py`` (and ``targets.py``)."""
-  parser = argparse.ArgumentParser(
-    prog=prog,
-    description=description,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  add, recipes = parser.add_argument, ",".join(r.key for r in RECIPES)
   # fmt: off
+  parser = argparse.ArgumentParser(prog=prog, description=description,
+    formatter_class=argparse.RawDescriptionHelpFormatter)
+  add, recipes = parser.add_argument, ",".join(r.key for r in RECIPES)
   add("--shape", action="append", type=parse_shape,
       help=SHAPE_HELP + " (repeatable; default 20M/200 and 2M/1000)")
   add("--tiny", action="store_true", help=f"the tiny shape {SHAPES['tiny']}")
@@ -600,17 +514,14 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   print(f"Machine: {common.machine()}")
   print(f"Command: python benchmarks/{prog or 'step_cost.py'} {' '.join(argv)}")
-  print(
-    f"repeats={args.repeats} inner={args.inner} warmup={args.warmup} "
-    f"budget={args.budget:g}s compile_repeats={args.compile_repeats}"
-  )
+  settings = ("repeats", "inner", "warmup", "budget", "compile_repeats")
+  print(" ".join(f"{k}={getattr(args, k):g}" for k in settings))
   print(options_line(args.options))
   records = []
   for shape_name, (n, num_leaves) in shapes:
     results, wall, cpu = run_shape(shape_name, n, num_leaves, keys, args)
-    text, record = table(
-      shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn
-    )
+    shape = (shape_name, n, num_leaves)
+    text, record = table(*shape, keys, results, wall, cpu, notes_fn)
     print(f"\n{text}", flush=True)
     records.append(record)
   if args.json:

@@ -1,19 +1,13 @@
 #!/usr/bin/env python
 """Cost of fp16_scaling in a whole train step, against plain optax.
 
-The model is examples/train_lm.py's transformer (float32 masters, float16
-forward and backward); both steps are jitted with parameters and optimizer
-state donated and take the same batch. fp16_scaling: train_lm.py's own step
-(``skip_on_overflow(chain(fp16_loss_scale(deepspeed_scaler(init_scale=
-2**16)), clip_by_unscaled_norm(1.0), adamw))`` and the scale metrics, minus
-its zero-gradient count); plain optax: float16 grads cast to float32, then
-``chain(clip_by_global_norm(1.0), adamw)``. Rounds alternate the order
-(``_common.interleaved``), ``--inner`` steps each; it prints the median
-[quartiles] of the per-round ratios, of wall and process CPU time, with a
-95% bootstrap interval of the median, and XLA's flops and bytes accessed.
+examples/train_lm.py's own step with fp16_scaling against the same model's
+step with plain optax (float16 grads cast to float32, clip, adamw), donated,
+on one batch, rounds alternating (``_common.interleaved``): the per-round
+ratios of wall and CPU time with a 95% bootstrap interval of the median,
+XLA's flops and bytes (``step_cost.py`` times the optimizer step alone).
 
   python benchmarks/train_step_cost.py                 # train_lm's default size
-  python benchmarks/train_step_cost.py --size medium --rounds 20
   python benchmarks/train_step_cost.py --size tiny --rounds 3   # smoke
 """
 
@@ -21,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,45 +25,27 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import train_lm  # noqa: E402
 
+import fp16_scaling as fs  # noqa: E402
 
-def plain_update(cfg):
-  """Plain optax's optimizer part: the float16 gradients cast to float32,
-  then ``chain(clip_by_global_norm, adamw)``. Returns (tx, update)."""
+
+def plain_step(cfg):
+  """The same model's step with plain optax and no loss scaling: float16
+  gradients cast to float32, then ``chain(clip_by_global_norm, adamw)``.
+  Returns ``(tx, step)``, the step jitted with params and state donated."""
+  model = train_lm.make_model(cfg)
   tx = optax.chain(
     optax.clip_by_global_norm(cfg.max_norm),
     optax.adamw(cfg.lr, weight_decay=1e-4),
   )
-
-  def update(params, opt_state, grads):
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return tx, update
-
-
-def scaled_update(cfg):
-  """fp16_scaling's optimizer part, as train_lm.py builds it."""
-  tx = train_lm.make_optimizer(cfg)
-
-  def update(params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return tx, update
-
-
-def plain_step(cfg):
-  """The same model's step with plain optax and no loss scaling."""
-  model = train_lm.make_model(cfg)
-  tx, update = plain_update(cfg)
 
   def step(params, opt_state, x, y):
     half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
     loss, grads = jax.value_and_grad(
       lambda p: train_lm.loss_fn(model, p, x, y)
     )(half)
-    return *update(params, opt_state, grads), {"loss": loss}
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
   return tx, jax.jit(step, donate_argnums=(0, 1))
 
@@ -85,12 +60,8 @@ def scaled_step(cfg):
 def make_config(size):
   """train_lm's Config of ``size`` as this benchmark runs it: float16,
   DeepSpeed's scaler from 2**16."""
-  return train_lm.Config(
-    **train_lm.SIZES[size],
-    precision="fp16",
-    scaler="deepspeed",
-    init_scale=2.0**16,
-  )
+  fp16 = dict(precision="fp16", scaler="deepspeed", init_scale=2.0**16)
+  return train_lm.Config(**train_lm.SIZES[size], **fp16)
 
 
 def make_batch(cfg):
@@ -101,37 +72,15 @@ def make_batch(cfg):
   return jax.device_put(x), jax.device_put(y)
 
 
-def optimizer_parts(cfg, params, grads, rounds, inner=50):
-  """Median seconds of the optimizer part alone (update and apply, jitted,
-  donated, on fixed float16 gradients), fp16_scaling's against plain
-  optax's, interleaved.
-  """
-  unit = []
-  for name, build in (
-    ("fp16_scaling", scaled_update),
-    ("plain optax", plain_update),
-  ):
-    tx, update = build(cfg)
-    update = jax.jit(update, donate_argnums=(0, 1))
-    p = jax.tree.map(jnp.copy, params)
-    unit.append((name, common.stepper(update, [p, tx.init(p)], grads, inner)))
-  wall, _ = common.split(common.interleaved([unit], rounds, warmup=2))
-  return {name: float(np.median(t)) for name, t in wall.items()}
-
-
-def median_interval(xs, n=10_000, seed=0):
-  """95% bootstrap interval of the median of ``xs`` (paired-round ratios)."""
-  xs = np.asarray(xs)
+def ratio_summary(ratios, n=10_000, seed=0) -> str:
+  """Median [quartiles] of per-round ratios, and a 95% bootstrap interval
+  of the median (``n`` resamples)."""
+  xs = np.asarray(ratios)
   idx = np.random.default_rng(seed).integers(0, len(xs), (n, len(xs)))
-  return tuple(np.percentile(np.median(xs[idx], axis=1), [2.5, 97.5]))
-
-
-def ratio_summary(ratios) -> str:
-  """Median [quartiles] of per-round ratios, and the median's 95% interval."""
-  ci = median_interval(ratios)
+  lo, hi = np.percentile(np.median(xs[idx], axis=1), [2.5, 97.5])
   return (
     f"{common.spread(ratios)} (median [quartiles]), 95% interval "
-    f"of the median [{ci[0]:.3f}x, {ci[1]:.3f}x]"
+    f"of the median [{lo:.3f}x, {hi:.3f}x]"
   )
 
 
@@ -141,12 +90,8 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=30)
   p.add_argument("--inner", type=int, default=5, help="steps per sample")
   p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
-  p.add_argument(
-    "--control",
-    action="store_true",
-    help="also time a second"
-    " plain optax step: what the method reads for no difference",
-  )
+  no_difference = "a second plain optax step: what reads as no difference"
+  p.add_argument("--control", action="store_true", help=no_difference)
   args = p.parse_args(argv)
   if min(args.rounds, args.inner) < 1 or args.warmup < 0:
     p.error("--rounds and --inner must be >= 1, --warmup >= 0")
@@ -158,25 +103,16 @@ def main(argv=None):
   if args.control:
     builds["plain, again"] = plain_step
 
-  def sampler(run, step, state):
-    def sample():
-      t0, c0 = time.perf_counter(), time.process_time()
-      for _ in range(args.inner):
-        *run["state"], run["last"] = step(*run["state"], x, y)
-      jax.block_until_ready(run["state"])
-      wall = (time.perf_counter() - t0) / args.inner
-      return wall, (time.process_time() - c0) / args.inner
-
-    return sample
-
   runs, unit = {}, []
   for name, build in builds.items():
     tx, step = build(cfg)
     params = train_lm.init_params(cfg)
-    state = [params, tx.init(params)]
-    cost = common.costs(step.lower(*state, x, y).compile())
-    runs[name] = run = dict(state=state, cost=cost)
-    unit.append((name, sampler(run, step, state)))
+    box = [params, tx.init(params)]  # the training state, stepped in place
+    runs[name] = dict(
+      box=box, cost=common.costs(step.lower(*box, x, y).compile())
+    )
+    two = lambda p, s, batch, step=step: step(p, s, *batch)[:2]
+    unit.append((name, common.stepper(two, box, (x, y), args.inner)))
   wall, cpu = common.split(common.interleaved([unit], args.rounds, args.warmup))
 
   ratios = common.paired(wall["fp16_scaling"], wall["plain optax"])
@@ -188,7 +124,8 @@ def main(argv=None):
   params = train_lm.init_params(cfg)
   n_params = sum(v.size for v in jax.tree.leaves(params))
   n_leaves = len(jax.tree.leaves(params))
-  skipped = int(runs["fp16_scaling"]["last"]["skipped_steps"])
+  state = runs["fp16_scaling"]["box"][1]
+  skipped = int(fs.scale_metrics(state)["skipped_steps"])
   print(
     f"train step of examples/train_lm.py --size {args.size}: "
     f"{cfg.layers} layers, d_model {cfg.d_model}, {cfg.batch}x{cfg.seq_len} "
@@ -200,10 +137,7 @@ def main(argv=None):
     f"{common.machine()}"
   )
   for name, run in runs.items():
-    t, (f, b) = (
-      wall[name],
-      (run["cost"][k] for k in ("flops", "bytes_accessed")),
-    )
+    t, (f, b) = wall[name], run["cost"].values()
     lo, hi = (1e3 * common.quantile(t, q) for q in (0.25, 0.75))
     print(
       f"  {name:<13} {1e3 * np.median(t):9.2f} ms/step [{lo:.2f}, {hi:.2f}]; "
@@ -227,26 +161,13 @@ def main(argv=None):
     f"process CPU time, per round: {ratio_summary(cpu_ratios)} (less moved "
     f"by other load on the machine than wall time)"
   )
-  half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
-  grads = jax.grad(
-    lambda p: train_lm.loss_fn(train_lm.make_model(cfg), p, x, y)
-  )(half)
-  parts = optimizer_parts(cfg, params, grads, args.rounds)
-  whole = np.median(wall["plain optax"])
-  diff = parts["fp16_scaling"] - parts["plain optax"]
-  print(
-    f"optimizer part alone (update and apply on the same float16 gradients, "
-    f"interleaved): fp16_scaling {1e3 * parts['fp16_scaling']:.3f} ms, plain "
-    f"optax {1e3 * parts['plain optax']:.3f} ms; the difference, "
-    f"{1e3 * diff:+.3f} ms, is {diff / whole:+.2%} of plain optax's whole step"
-  )
   if control:
     print(
       f"control, plain optax again / plain optax, per round: "
       f"{ratio_summary(control)}"
     )
   costs = {k: v["cost"] for k, v in runs.items()}
-  out = dict(control=control, optimizer_parts=parts, ratios=ratios)
+  out = dict(control=control, ratios=ratios)
   return out | dict(cpu_ratios=cpu_ratios, times=wall, cost=costs)
 
 
