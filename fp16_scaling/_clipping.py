@@ -118,8 +118,9 @@ def clip_by_unscaled_norm(
     what = "clip_by_unscaled_norm"
     if isinstance(state, Handed):
       # Right after fp16_loss_scale: ``updates`` are the measured gradients,
-      # unscaled; the one pass has their sums, reduced over the mesh axes of
-      # the partition specs it checked (init checked this clip's own).
+      # unscaled; the one pass has their sums. This clip's own specs are
+      # checked here (the measurement checked fp16_loss_scale's).
+      _sharding.leaf_axes_from_specs(partition_specs, updates, what)
       state, measurement = state.state, state.measurement
       norms = measurement.grouped(groups, 2)
     else:
