@@ -1,40 +1,15 @@
 #!/usr/bin/env python
 """Cold compile time of fp16_scaling's step next to plain optax's.
 
-For each shape, ``--rounds`` rounds; each round compiles the floor (``a``,
-``optax.chain(clip_by_global_norm, adamw)``) and fp16_scaling's step (``b``,
-``skip_on_overflow(chain(fp16_loss_scale, clip_by_unscaled_norm, adamw))``),
-and any other recipe of ``step_cost.py`` named with ``--recipes`` (such as
-``apply_if_finite``), in an order that rotates each round (a, b, c; then
-b, c, a; ...), each in a fresh worker process with an empty compilation
-cache, so that every compile is cold and drift falls on all alike. Trace +
-lower and XLA's compile are timed apart, in process CPU time (all threads;
-on a shared machine other load moves it far less than wall time, which is
-printed beside it). The steps are ``recipes.py``'s; the worker is
-``step_cost.py``'s.
-
-A shape ``lm:SIZE`` (``lm:medium``, ``lm:tiny``) compiles the whole jitted,
-donated train step of ``examples/train_lm.py --size SIZE`` instead, as
-``train_step_cost.py`` builds it: ``fp16`` is train_lm's step with
-fp16_scaling, ``floor`` the same model's step with plain optax (float16
-gradients cast to float32, ``chain(clip_by_global_norm, adamw)``, no
-scaling). Other recipes are not compiled at such a shape.
-
-Printed per shape: the median of each part for each recipe, the ratio of
-the medians to the floor's, and for each recipe the median [min, max] of
-its per-round paired ratios to the floor of the total (trace + lower +
-compile).
+Each round compiles the floor, fp16_scaling's step and any other
+``--recipes``, the order rotating (``_common.interleaved``), each cold in a
+fresh ``step_cost.py`` worker; trace + lower and compile timed apart, in
+CPU and wall time. ``lm:SIZE`` compiles examples/train_lm.py's whole train
+step instead (``train_step_cost.py``'s). benchmarks/README.md has the rest.
 
   python benchmarks/compile_cost.py        # 10M/200, 2M/1000 and lm:medium
   python benchmarks/compile_cost.py --shape lm:medium --rounds 4
-  python benchmarks/compile_cost.py --shape 2M/1000 --rounds 2
   python benchmarks/compile_cost.py --recipes floor,fp16,apply_if_finite
-  python benchmarks/compile_cost.py --shape 10M/200:distinct  # leaf sizes
-  python benchmarks/compile_cost.py --compiler-option \
-      xla_cpu_copy_insertion_use_region_analysis=true
-
-``--compiler-option KEY=VALUE`` (repeatable, as ``step_cost.py`` takes it)
-compiles every step with those XLA options.
 """
 
 import argparse
@@ -45,6 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common  # noqa: E402
 import recipes  # noqa: E402
 import step_cost  # noqa: E402
 
@@ -62,10 +38,9 @@ def lm_steps():
   """{recipe: train_step_cost.py's builder of that train step}."""
   import train_step_cost
 
-  return {
-    "floor": train_step_cost.plain_step,
-    "fp16": train_step_cost.scaled_step,
-  }
+  return dict(
+    floor=train_step_cost.plain_step, fp16=train_step_cost.scaled_step
+  )
 
 
 def lm_worker(args):
@@ -83,10 +58,9 @@ def lm_worker(args):
   params = train_step_cost.train_lm.init_params(cfg)
   state = tx.init(params)
   jax.block_until_ready((params, state, x, y))
+  options = dict(args.compiler_option or ())
   step_cost.compile_and_report(
-    step,
-    (params, state, x, y),
-    compiler_options=dict(args.compiler_option or ()),
+    step, (params, state, x, y), options, budget=args.budget
   )
 
 
@@ -97,14 +71,9 @@ def compile_once(key, shape, budget, compiler_options=None):
   script = os.path.abspath(__file__) if lm_size(shape) else None
   with tempfile.TemporaryDirectory() as cache_dir:
     res = step_cost.compile_in_worker(
-      key,
-      shape,
-      cache_dir,
-      budget,
-      None,
-      compiler_options=compiler_options,
-      script=script,
-    )
+      key, shape, cache_dir, budget, None,
+      compiler_options=compiler_options, script=script,
+    )  # fmt: skip
   if res is None:
     raise RuntimeError(f"{key} at {shape}: compile past {budget:g} s")
   wall = res["lower_s"] + res["compile_s"]
@@ -113,45 +82,43 @@ def compile_once(key, shape, budget, compiler_options=None):
 
 def measure(shape, rounds, budget, keys=PAIR, log=print, compiler_options=None):
   """Per recipe the list of (lower CPU s, compile CPU s, wall s), one entry
-  a round."""
-  times = {key: [] for key in keys}
-  for r in range(rounds):
-    shift = r % len(keys)
-    for key in keys[shift:] + keys[:shift]:
+  a round, the order of the recipes rotating by one each round
+  (``_common.interleaved``)."""
+
+  def sample(key):
+    def compile_it():
       lower, comp, wall = compile_once(key, shape, budget, compiler_options)
-      times[key].append((lower, comp, wall))
       log(
-        f"[{shape}] round {r + 1} {key}: CPU s lower {lower:.2f}, compile "
-        f"{comp:.2f}; wall {wall:.2f} s"
+        f"[{shape}] {key}: CPU s lower {lower:.2f}, compile {comp:.2f}; "
+        f"wall {wall:.2f} s"
       )
-  return times
+      return lower, comp, wall
+
+    return compile_it
+
+  return _common.interleaved([[(k, sample(k))] for k in keys], rounds)
 
 
 def summary(shape, times):
   """Markdown rows and the per-round ratio lines for one shape; the first
   recipe of ``times`` is the floor. Also returns the median per-round ratio
   of the second recipe to the floor."""
-  med = {
-    key: [statistics.median(part) for part in zip(*rows)]
-    for key, rows in times.items()
-  }
+  median = statistics.median
   a, *others = times
   totals = {key: [lo + co for lo, co, _ in rows] for key, rows in times.items()}
   walls = {key: [w for _, _, w in rows] for key, rows in times.items()}
   lines = []
-  for key in times:
-    lower, comp, _ = med[key]
-    total = statistics.median(totals[key])
-    ratio = total / statistics.median(totals[a])
-    wall = statistics.median(walls[key])
-    wall_ratio = wall / statistics.median(walls[a])
+  for key, rows in times.items():
+    lower, comp, _ = (median(part) for part in zip(*rows))
+    total, wall = median(totals[key]), median(walls[key])
+    ratio, wall_ratio = total / median(totals[a]), wall / median(walls[a])
     lines.append(
       f"| {shape} | {key} | {lower:.2f} | {comp:.2f} | {total:.2f} | "
       f"{ratio:.3f}x | {wall:.2f} | {wall_ratio:.3f}x |"
     )
   notes, medians = [], []
   for key in others:
-    paired = sorted(tb / ta for ta, tb in zip(totals[a], totals[key]))
+    paired = sorted(_common.paired(totals[key], totals[a]))
     medians.append(statistics.median(paired))
     notes.append(
       f"{shape}: per-round {key}/{a} of total CPU time, median "
@@ -163,31 +130,18 @@ def summary(shape, times):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    "--shape",
-    action="append",
-    help="params/leaves, e.g. 10M/200 (step_cost.py's spellings), or "
-    "lm:SIZE, train_lm.py's whole train step at --size SIZE (lm:medium, "
-    f"lm:tiny); repeatable (default: {', '.join(DEFAULT_SHAPES)})",
-  )
-  parser.add_argument(
-    "--recipes",
-    default=",".join(PAIR),
-    help="comma-separated step_cost.py recipes, the floor first (default: "
-    f"{','.join(PAIR)})",
-  )
-  parser.add_argument("--rounds", type=int, default=4)
-  parser.add_argument("--budget", type=float, default=600.0)
-  parser.add_argument(
-    "--compiler-option",
-    action="append",
-    type=step_cost.parse_compiler_option,
-    metavar="KEY=VALUE",
-    help="an XLA compiler option every step is compiled with, as "
-    "step_cost.py takes it (repeatable; default none: XLA's defaults)",
-  )
-  parser.add_argument("--worker", help=argparse.SUPPRESS)
-  parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+  add = parser.add_argument
+  # fmt: off
+  add("--shape", action="append", help="step_cost.py's spellings (10M/200) "
+      "or lm:SIZE, train_lm.py's whole train step at --size SIZE; "
+      f"repeatable (default: {', '.join(DEFAULT_SHAPES)})")
+  add("--recipes", default=",".join(PAIR), help="comma-separated step_cost.py"
+      f" recipes, the floor first (default: {','.join(PAIR)})")
+  add("--rounds", type=int, default=4)
+  add("--budget", type=float, default=600.0)
+  for flag in ("--compiler-option", "--worker", "--cache-dir"):
+    add(flag, **step_cost.FLAG[flag])
+  # fmt: on
   args = parser.parse_args(argv)
   if args.worker:  # a shape lm:SIZE's compile, in a process of its own
     args.shape = args.shape[0]
@@ -201,22 +155,16 @@ def main(argv=None):
   if unknown:
     parser.error(f"--recipes: unknown {', '.join(unknown)}")
   shapes = args.shape or list(DEFAULT_SHAPES)
-  sizes = None
   for shape in shapes:
     if lm_size(shape) is None:
       step_cost.parse_shape(shape)
       continue
-    if sizes is None:
-      import train_step_cost
+    import train_step_cost
 
-      sizes = sorted(train_step_cost.train_lm.SIZES)
-    if lm_size(shape) not in sizes:
-      parser.error(
-        f"--shape {shape}: train_lm.py's sizes are "
-        + ", ".join(LM + s for s in sizes)
-      )
+    sizes = ", ".join(LM + s for s in sorted(train_step_cost.train_lm.SIZES))
+    if lm_size(shape) not in train_step_cost.train_lm.SIZES:
+      parser.error(f"--shape {shape}: train_lm.py's sizes are {sizes}")
   options = step_cost.compiler_options(parser, args.compiler_option)
-  step_cost.check_compiler_options(parser, options)
   header = (
     "| shape | recipe | trace + lower CPU s | compile CPU s | total CPU s "
     "| vs floor | wall s | vs floor |\n"
@@ -233,21 +181,13 @@ def main(argv=None):
           f"{shape}: only floor (plain optax) and fp16 (fp16_scaling) have a "
           f"train step; {', '.join(left_out)} not compiled"
         )
-    lines, per_round, _ = summary(
-      shape,
-      measure(
-        shape, args.rounds, args.budget, shape_keys, compiler_options=options
-      ),
-    )
+    times = measure(shape, args.rounds, args.budget, shape_keys, print, options)
+    lines, per_round, _ = summary(shape, times)
     rows += lines
     notes.append(per_round)
-  print()
-  print(f"Cold compiles, median of {args.rounds}, alternating order:")
+  print(f"\nCold compiles, median of {args.rounds}, alternating order:")
   print(step_cost.options_line(options))
-  print(header)
-  print("\n".join(rows))
-  print()
-  print("\n".join(notes))
+  print("\n".join([header] + rows + [""] + notes))
 
 
 if __name__ == "__main__":

@@ -1,47 +1,21 @@
 #!/usr/bin/env python3
 """One unattended check of fp16_scaling on a GPU machine: one command, one
-folder of results.
+folder of results (benchmarks/README.md describes every part).
 
   python3 benchmarks/gpu_check.py OUTDIR
 
-It needs Python's standard library, jax (with its CUDA backend), optax, flax
-and this repository; jmp is optional (its rows are skipped when it is not
-installed); no network. Each part runs in its own subprocess with its own
-time limit (killed with its children when the limit runs out), so a slow
-compile or a hung test costs only its own row:
+Needs the standard library, jax (CUDA), optax, flax and this checkout (jmp
+optional); no network. Each part of ``PARTS`` runs in a process session of
+its own, killed with its children at its limit; ``--total`` (480 s) caps
+the run. OUTDIR gets ``gpu_check.json`` (rewritten after each part),
+``gpu_check.md`` and ``logs/``; exit status 0 when every part is ok.
 
-  env          jax, jaxlib, optax, flax and jmp versions; the devices.
-  bandwidth    copy bandwidth: ``a * 1.0001`` on a 2 GiB float32 array
-               (read + write, donated), median and best of 20 calls.
-  step_cost_*  benchmarks/step_cost.py at 500M/500 and 20M/1000, each with
-               XLA's command buffers on (the default) and off
-               (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``; XLA reads
-               XLA_FLAGS when the backend starts, so each setting is its own
-               process). Recipes floor, fp16, apply_if_finite and jmp at
-               500M/500 with command buffers on; floor and fp16 elsewhere.
-  train_step   benchmarks/train_step_cost.py: the whole train step of
-               examples/train_lm.py, fp16_scaling against plain optax.
-  tests        the test suite, less tests/peers, tests/mesh and
-               tests/multihost, as ``python -m pytest``: pass and fail counts
-               and the failing test ids. ``--tests PATH`` (repeatable) runs
-               those paths or test ids instead.
-
-OUTDIR gets ``gpu_check.json`` (every part with its status: ok, failed,
-timed out, skipped or not selected; rewritten after each part, so a run
-that is itself killed keeps what it finished), ``gpu_check.md`` (a table
-with a row per part, then the step_cost tables) and ``logs/`` (each part's
-output). The parts run in priority order (tests first); ``--total``
-(default 480 s) caps the whole run: a part never gets more than what is
-left of it, and one that finds nothing left is recorded as timed out. The exit
-status is 0 when every selected part is ok, 1 otherwise.
-
-  python3 benchmarks/gpu_check.py /tmp/gpu                     # the check
   python3 benchmarks/gpu_check.py /tmp/gpu --parts bandwidth,step_cost
-  python3 benchmarks/gpu_check.py /tmp/gpu --limit tests=600 --total 900
   python3 benchmarks/gpu_check.py /tmp/smoke --tiny            # CPU, seconds
 """
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import importlib.util
@@ -57,6 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
 
 CB_OFF = "--xla_gpu_enable_command_buffer="
 STEP_RECIPES = ("floor", "fp16", "apply_if_finite", "jmp")
@@ -75,89 +50,55 @@ class Part:
   command_buffers: bool = True
 
 
-# In priority order: at the default --total a part that finds no time left
-# is recorded as timed out, and the parts before it keep their results. The
-# tests come first (whether the suite passes on the GPU matters more than
-# any ratio). On an H200 one 500M/500 compile takes 22 s (floor, fp16) to
-# 36 s (jmp); a 20M/1000 compile over 40 s. Every recipe at both shapes with
-# command buffers on and off does not fit 8 minutes: the four recipes run at
-# 500M/500 with command buffers on, the other settings time floor and fp16.
+# In priority order, the tests first. On an H200 a 500M/500 compile takes
+# 22-36 s, a 20M/1000 one over 40 s: the four recipes run at 500M/500 with
+# command buffers on, the other settings time floor and fp16.
+# fmt: off
 PARTS = (
   Part("env", 15, "versions and devices"),
   Part("tests", 180, "test suite less peers, mesh and multihost"),
   Part("bandwidth", 15, "copy bandwidth, a * 1.0001 on 2 GiB float32"),
-  Part(
-    "step_cost_500M_500_cb_on",
-    120,
-    "step_cost 500M/500, command buffers on",
-    "500M/500",
-    "16K/16",
-  ),
-  Part(
-    "step_cost_500M_500_cb_off",
-    60,
-    "step_cost 500M/500, command buffers off",
-    "500M/500",
-    "16K/16",
-    False,
-  ),
+  Part("step_cost_500M_500_cb_on", 120,
+       "step_cost 500M/500, command buffers on", "500M/500", "16K/16"),
+  Part("step_cost_500M_500_cb_off", 60,
+       "step_cost 500M/500, command buffers off", "500M/500", "16K/16", False),
   Part("train_step", 30, "whole train step, fp16_scaling / plain optax"),
-  Part(
-    "step_cost_20M_1000_cb_on",
-    60,
-    "step_cost 20M/1000, command buffers on",
-    "20M/1000",
-    "4K/32",
-  ),
-  Part(
-    "step_cost_20M_1000_cb_off",
-    60,
-    "step_cost 20M/1000, command buffers off",
-    "20M/1000",
-    "4K/32",
-    False,
-  ),
+  Part("step_cost_20M_1000_cb_on", 60,
+       "step_cost 20M/1000, command buffers on", "20M/1000", "4K/32"),
+  Part("step_cost_20M_1000_cb_off", 60,
+       "step_cost 20M/1000, command buffers off", "20M/1000", "4K/32", False),
 )
+# fmt: on
 BY_NAME = {p.name: p for p in PARTS}
 TOTAL_S = 480.0  # the whole run: 8 minutes; the limits add up to 540
 
 
-# --------------------------------------------------------------------------
-# Workers: the parts that are not another script, run in a subprocess of
-# this file (``--worker NAME --result FILE``).
-
-
 def worker_env(args):
+  """Versions (None: not installed), the backend and the devices."""
   import jax
 
   def version(name):
     try:
-      module = __import__(name)
+      return getattr(__import__(name), "__version__", "?")
     except ImportError:
       return None
-    return getattr(module, "__version__", "?")
 
-  devices = jax.devices()
-  return dict(
-    jax=jax.__version__,
-    jaxlib=version("jaxlib"),
-    optax=version("optax"),
-    flax=version("flax"),
-    jmp=version("jmp"),
-    backend=jax.default_backend(),
-    devices=[f"{d.platform}:{d.id} {d.device_kind}" for d in devices],
-    python=platform.python_version(),
-    machine=platform.machine(),
-    cpus=os.cpu_count(),
-    summary=(
-      f"jax {jax.__version__} on {jax.default_backend()}, "
-      f"{len(devices)} x {devices[0].device_kind}; jmp "
-      f"{version('jmp') or 'not installed'}"
-    ),
+  out = {name: version(name) for name in ("jax", "jaxlib", "optax", "flax")}
+  devices, out["jmp"] = jax.devices(), version("jmp")
+  out.update(backend=jax.default_backend(), cpus=os.cpu_count())
+  out.update(python=platform.python_version(), machine=platform.machine())
+  out["devices"] = [f"{d.platform}:{d.id} {d.device_kind}" for d in devices]
+  out["summary"] = (
+    f"jax {jax.__version__} on {jax.default_backend()}, "
+    f"{len(devices)} x {devices[0].device_kind}; jmp "
+    f"{out['jmp'] or 'not installed'}"
   )
+  return out
 
 
 def worker_bandwidth(args):
+  """GB/s of a donated ``a * 1.0001`` over ``args.bytes`` of float32 (read
+  and write), median and best of ``args.calls`` calls."""
   import jax
   import jax.numpy as jnp
 
@@ -168,55 +109,41 @@ def worker_bandwidth(args):
   times = []
   for _ in range(args.calls):
     t0 = time.perf_counter()
-    a = scale(a)
-    a.block_until_ready()
+    a = scale(a).block_until_ready()
     times.append(time.perf_counter() - t0)
-  moved = 2 * n * 4  # read and write
-  med, best = statistics.median(times), min(times)
-  return dict(
-    bytes=n * 4,
-    calls=args.calls,
-    seconds=times,
-    median_gb_s=moved / med / 1e9,
-    best_gb_s=moved / best / 1e9,
-    device=jax.devices()[0].device_kind,
-    summary=(
-      f"{moved / med / 1e9:,.1f} GB/s median, {moved / best / 1e9:,.1f} GB/s "
-      f"best ({n * 4 / 2**30:.3g} GiB float32, read + write, {args.calls} "
-      "calls)"
-    ),
+  med, best = (
+    2 * n * 4 / t / 1e9 for t in (statistics.median(times), min(times))
   )
+  return dict(
+    bytes=n * 4, calls=args.calls, seconds=times, median_gb_s=med,
+    best_gb_s=best, device=jax.devices()[0].device_kind,
+    summary=f"{med:,.1f} GB/s median, {best:,.1f} GB/s best "
+    f"({n * 4 / 2**30:.3g} GiB float32, read + write, {args.calls} calls)",
+  )  # fmt: skip
 
 
 def worker_train_step(args):
-  sys.path.insert(0, HERE)
+  """``train_step_cost.py`` with ``args.argv``: its per-round ratios."""
   import train_step_cost
 
   out = train_step_cost.main(args.argv)
   ratios, cpu = out["ratios"], out["cpu_ratios"]
   med, cpu_med = statistics.median(ratios), statistics.median(cpu)
   return dict(
-    wall_ratios=ratios,
-    cpu_ratios=cpu,
-    wall_ratio_median=med,
-    cpu_ratio_median=cpu_med,
-    times=out["times"],
-    optimizer_parts=out["optimizer_parts"],
-    summary=(
-      f"fp16_scaling / plain optax, per round: wall {med:.3f}x, process CPU "
-      f"{cpu_med:.3f}x ({len(ratios)} rounds)"
-    ),
-  )
+    wall_ratios=ratios, cpu_ratios=cpu, wall_ratio_median=med,
+    cpu_ratio_median=cpu_med, times=out["times"],
+    summary=f"fp16_scaling / plain optax, per round: wall {med:.3f}x, "
+    f"process CPU {cpu_med:.3f}x ({len(ratios)} rounds)",
+  )  # fmt: skip
 
 
-WORKERS = {
-  "env": worker_env,
-  "bandwidth": worker_bandwidth,
-  "train_step": worker_train_step,
-}
+WORKERS = dict(env=worker_env, bandwidth=worker_bandwidth)
+WORKERS.update(train_step=worker_train_step)
 
 
 def run_worker(argv):
+  """``--worker NAME --result FILE [--bytes N] [--calls N] [-- ARGV]``:
+  runs the worker NAME and writes what it returns to FILE as JSON."""
   p = argparse.ArgumentParser()
   p.add_argument("--worker", choices=sorted(WORKERS))
   p.add_argument("--result")
@@ -224,88 +151,45 @@ def run_worker(argv):
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("argv", nargs="*")
   args = p.parse_args(argv)
-  result = WORKERS[args.worker](args)
   with open(args.result, "w") as f:
-    json.dump(result, f, indent=1)
+    json.dump(WORKERS[args.worker](args), f, indent=1)
   return 0
-
-
-# --------------------------------------------------------------------------
-# The parts, as commands.
-
-
-def has_jmp():
-  return importlib.util.find_spec("jmp") is not None
 
 
 def command(part, args, outdir):
   """(argv, the file its result lands in, or None)."""
-  me = os.path.abspath(__file__)
   result = os.path.join(outdir, "parts", f"{part.name}.json")
+  me = [sys.executable, os.path.abspath(__file__), "--worker", part.name]
+  me += ["--result", result]
   if part.name == "env":
-    return [sys.executable, me, "--worker", "env", "--result", result], result
+    return me, result
   if part.name == "bandwidth":
-    size = 8 * 2**20 if args.tiny else 2**31
-    calls = 5 if args.tiny else 20
-    return [
-      sys.executable,
-      me,
-      "--worker",
-      "bandwidth",
-      "--result",
-      result,
-      "--bytes",
-      str(size),
-      "--calls",
-      str(calls),
-    ], result
+    size, calls = (8 * 2**20, 5) if args.tiny else (2**31, 20)
+    return me + ["--bytes", str(size), "--calls", str(calls)], result
   if part.name == "train_step":
-    sizes = (
-      ["--size", "tiny", "--rounds", "2", "--inner", "1", "--warmup", "0"]
-      if args.tiny
-      else ["--size", "medium", "--rounds", "10", "--inner", "5"]
-    )
-    return [
-      sys.executable,
-      me,
-      "--worker",
-      "train_step",
-      "--result",
-      result,
-      "--",
-      *sizes,
-    ], result
+    sizes = "tiny --rounds 2 --inner 1 --warmup 0" if args.tiny else "medium"
+    sizes += "" if args.tiny else " --rounds 10 --inner 5"
+    return me + ["--", "--size", *sizes.split()], result
   if part.name == "tests":
     paths = args.tests or (
       list(TINY_TESTS) if args.tiny else ["tests", "fp16_scaling"]
     )
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "not peers"]
     cmd += ["-p", "no:cacheprovider", *paths]
-    cmd += [f"--ignore={p}" for p in TEST_IGNORES]
-    return cmd, None
+    return cmd + [f"--ignore={p}" for p in TEST_IGNORES], None
   if part.shape:
-    all_four = part.name == "step_cost_500M_500_cb_on"
-    recipes = STEP_RECIPES if all_four and not args.tiny else TINY_STEP_RECIPES
-    if not has_jmp():
-      recipes = tuple(r for r in recipes if r != "jmp")
+    all_four = part.name == "step_cost_500M_500_cb_on" and not args.tiny
+    recipes = STEP_RECIPES if all_four else TINY_STEP_RECIPES
+    jmp = importlib.util.find_spec("jmp") is not None
+    recipes = [r for r in recipes if r != "jmp" or jmp]
     timing = (
-      ["--repeats", "2", "--warmup", "0", "--inner", "2"]
-      if args.tiny
-      else ["--repeats", "10", "--warmup", "2", "--inner", "10"]
+      "2 --warmup 0 --inner 2" if args.tiny else "10 --warmup 2 --inner 10"
     )
-    return [
-      sys.executable,
-      os.path.join(HERE, "step_cost.py"),
-      "--shape",
-      part.tiny_shape if args.tiny else part.shape,
-      "--recipes",
-      ",".join(recipes),
-      "--budget",
-      "60",  # seconds a compile may take before its row is given up
-      *timing,
-      "--json",
-      result,
-    ], result
+    cmd = [sys.executable, os.path.join(HERE, "step_cost.py"), "--shape"]
+    cmd += [part.tiny_shape if args.tiny else part.shape]
+    cmd += ["--recipes", ",".join(recipes), "--repeats", *timing.split()]
+    # --budget: seconds a compile may take before its row is given up.
+    return cmd + ["--budget", "60", "--json", result], result
   raise KeyError(part.name)
 
 
@@ -327,15 +211,12 @@ def run_part(part, cmd, env, limit, log_path):
   with open(log_path, "w") as log:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
+    # fmt: off
     proc = subprocess.Popen(
-      cmd,
-      stdout=log,
-      stderr=subprocess.STDOUT,
-      stdin=subprocess.DEVNULL,
-      cwd=ROOT,
-      env=env,
-      start_new_session=True,
+      cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+      cwd=ROOT, env=env, start_new_session=True,
     )
+    # fmt: on
     try:
       rc = proc.wait(timeout=max(limit, 0.01))
       status = "ok" if rc == 0 else "failed"
@@ -352,9 +233,8 @@ def run_part(part, cmd, env, limit, log_path):
 # --------------------------------------------------------------------------
 # Reading what a part left.
 
-_TEST_LINE = re.compile(
-  r"^(\S+::\S.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b"
-)
+_OUTCOME = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_TEST_LINE = re.compile(rf"^(\S+::\S.*?) ({_OUTCOME})\b")
 _TEST_ERROR = re.compile(r"^ERROR (\S+)")
 
 
@@ -370,22 +250,18 @@ def read_tests(log_text):
     m = _TEST_ERROR.match(line)  # collection errors, in the -rE summary
     if m and "::" not in m.group(1):
       outcomes[m.group(1)] = "ERROR"
-  counts = {}
-  for outcome in outcomes.values():
-    counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+  counts = dict(collections.Counter(v.lower() for v in outcomes.values()))
   failing = sorted(k for k, v in outcomes.items() if v in ("FAILED", "ERROR"))
   closing = [
     x.strip("= ")
     for x in log_text.splitlines()
     if re.match(r"^=+ .*\b(passed|failed|error|skipped)\b.* in ", x)
   ]
+  summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
   return dict(
-    counts=counts,
-    failing=failing,
+    counts=counts, failing=failing, summary=summary or "no test finished",
     pytest_summary=closing[-1] if closing else None,
-    summary=", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-    or "no test finished",
-  )
+  )  # fmt: skip
 
 
 def read_step_cost(result):
@@ -400,10 +276,9 @@ def read_step_cost(result):
       step = row["step_s_median"]
       wall = row.get("wall_vs_floor_per_round")
       cpu = row.get("cpu_vs_floor_per_round")
+      # fmt: off
       rows[label] = dict(
-        status="ok",
-        shape=shape["shape"],
-        step_ms=step * 1e3,
+        status="ok", shape=shape["shape"], step_ms=step * 1e3,
         cpu_ms=(row.get("cpu_s_median") or 0.0) * 1e3,
         wall_vs_floor=statistics.median(wall) if wall else None,
         cpu_vs_floor=statistics.median(cpu) if cpu else None,
@@ -411,13 +286,14 @@ def read_step_cost(result):
         gb_s=row["bytes_accessed"] / step / 1e9 if step else None,
         compile_s=row["lower_s"] + row["compile_s"],
       )
+      # fmt: on
   short = []
   for label, r in rows.items():
     name = label.split(" ", 1)[0].rstrip(".")
     if r["status"] != "ok":
       short.append(f"{name} {r['status']}")
-    elif r["wall_vs_floor"] is not None and not label.startswith("a."):
-      short.append(f"{name} {r['wall_vs_floor']:.3f}x")
+    elif r["wall_vs_floor"] is not None:
+      short.append(f"{name} {r['wall_vs_floor']:.3f}x, {r['gb_s']:,.1f} GB/s")
   return dict(rows=rows, summary="wall / floor, per round: " + ", ".join(short))
 
 
@@ -432,12 +308,9 @@ def read_part(part, status, log_path, result_path):
   with open(result_path) as f:
     result = json.load(f)
   if part.shape:
-    return read_step_cost(result)
+    table = [x for x in log_text.splitlines() if x.startswith(("| ", "- "))]
+    return read_step_cost(result) | dict(table="\n".join(table))
   return result
-
-
-# --------------------------------------------------------------------------
-# The report.
 
 
 def markdown(report):
@@ -452,47 +325,19 @@ def markdown(report):
   env = report["parts"]["env"].get("result", {})
   if env.get("summary"):
     lines.append(f"Machine: {env['summary']}.")
-  lines += [
-    "",
-    "| part | status | seconds (limit) | result |",
-    "|---|---|---:|---|",
-  ]
+  lines += ["", "| part | status | seconds (limit) | result |"]
+  lines.append("|---|---|---:|---|")
   for name, r in report["parts"].items():
-    secs = (
-      f"{r['seconds']:.1f} ({r['limit_s']:g})"
-      if r.get("seconds") is not None
-      else "–"
-    )
+    secs = "–"
+    if r.get("seconds") is not None:
+      secs = f"{r['seconds']:.1f} ({r['limit_s']:g})"
     summary = r.get("result", {}).get("summary", "")
     summary = summary.replace("|", "/").replace("\n", " ")
     lines.append(f"| {name} | {r['status']} | {secs} | {summary} |")
   for name, r in report["parts"].items():
-    rows = r.get("result", {}).get("rows")
-    if not rows:
-      continue
-    lines += [
-      "",
-      f"## {name}" + (f" ({r['xla_flags']})" if r.get("xla_flags") else ""),
-      "",
-      "| recipe | compile s | step ms | wall / floor | CPU ms | CPU / floor "
-      "| bytes accessed | GB/s |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for label, row in rows.items():
-      if row["status"] != "ok":
-        lines.append(f"| {label} | {row['status']} |" + " – |" * 6)
-        continue
-
-      def x(v):
-        return "–" if v is None else f"{v:.3f}x"
-
-      gb_s = "–" if row["gb_s"] is None else f"{row['gb_s']:,.1f}"
-      lines.append(
-        f"| {label} | {row['compile_s']:.1f} | {row['step_ms']:.3f} | "
-        f"{x(row['wall_vs_floor'])} | {row['cpu_ms']:.3f} | "
-        f"{x(row['cpu_vs_floor'])} | {row['bytes_accessed']:,.0f} | "
-        f"{gb_s} |"
-      )
+    if r.get("result", {}).get("table"):  # step_cost's own, from its log
+      flags = f" ({r['xla_flags']})" if r.get("xla_flags") else ""
+      lines += ["", f"## {name}{flags}", "", r["result"]["table"]]
   failing = report["parts"]["tests"].get("result", {}).get("failing")
   if failing:
     lines += ["", "## Failing tests", ""] + [f"- `{t}`" for t in failing]
@@ -539,45 +384,23 @@ def main(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument("outdir", help="folder for the results (created)")
-  parser.add_argument(
-    "--tiny",
-    action="store_true",
-    help="shrink every part to seconds on a CPU (the smoke test): 8 MiB "
-    "copy, step_cost at 16K/16 and 4K/32 with floor and fp16, the tiny "
-    f"train step, the tests in {', '.join(TINY_TESTS)}",
-  )
-  parser.add_argument(
-    "--parts",
-    default=",".join(p.name for p in PARTS),
-    help="comma-separated parts to run, in this order: "
-    + ", ".join(BY_NAME)
-    + " ('step_cost' is all four step_cost parts). Default: all",
-  )
-  parser.add_argument(
-    "--limit",
-    action="append",
-    type=parse_limit,
-    default=[],
-    metavar="PART=SECONDS",
-    help="a part's time limit (repeatable). Defaults: "
-    + ", ".join(f"{p.name} {p.limit_s:g}" for p in PARTS),
-  )
-  parser.add_argument(
-    "--tests",
-    action="append",
-    metavar="PATH",
-    help="a pytest path or node id for the tests part, instead of the "
-    "suite (or, with --tiny, instead of "
-    f"{', '.join(TINY_TESTS)}); repeatable",
-  )
-  parser.add_argument(
-    "--total",
-    type=float,
-    default=TOTAL_S,
-    help=f"seconds for the whole run (default {TOTAL_S:g}); a part gets "
-    "at most what is left, and none starts with under 2 s left",
-  )
+  add = parser.add_argument
+  # fmt: off
+  add("outdir", help="folder for the results (created)")
+  add("--tiny", action="store_true", help="shrink every part to seconds on a "
+      "CPU (the smoke test): 8 MiB copy, step_cost at 16K/16 and 4K/32 with "
+      f"floor and fp16, the tiny train step, {', '.join(TINY_TESTS)}")
+  add("--parts", default=",".join(BY_NAME), help="comma-separated parts, run "
+      f"in this order: {', '.join(BY_NAME)} ('step_cost': all four). Default:"
+      " all")
+  add("--limit", action="append", type=parse_limit, default=[],
+      metavar="PART=SECONDS", help="a part's time limit (repeatable). "
+      "Defaults: " + ", ".join(f"{p.name} {p.limit_s:g}" for p in PARTS))
+  add("--tests", action="append", metavar="PATH", help="a pytest path or "
+      "node id for the tests part, instead of the suite (repeatable)")
+  add("--total", type=float, default=TOTAL_S, help="seconds for the whole "
+      f"run (default {TOTAL_S:g}); a part gets at most what is left")
+  # fmt: on
   args = parser.parse_args(argv)
   chosen = select_parts(args.parts, parser)
   limits = {p.name: p.limit_s for p in PARTS}
@@ -586,18 +409,18 @@ def main(argv=None):
   os.makedirs(os.path.join(outdir, "logs"), exist_ok=True)
   os.makedirs(os.path.join(outdir, "parts"), exist_ok=True)
 
+  # fmt: off
   report = dict(
     command="python3 benchmarks/gpu_check.py " + " ".join(argv),
     started=datetime.datetime.now().isoformat(timespec="seconds"),
-    tiny=args.tiny,
-    total_limit_s=args.total,
-    python=sys.version.split()[0],
+    tiny=args.tiny, total_limit_s=args.total, python=sys.version.split()[0],
     xla_flags=os.environ.get("XLA_FLAGS", ""),
-    parts={
-      p.name: dict(status="not selected", what=p.what, limit_s=limits[p.name])
-      for p in PARTS
-    },
   )
+  # fmt: on
+  report["parts"] = {
+    p.name: dict(status="not selected", what=p.what, limit_s=limits[p.name])
+    for p in PARTS
+  }
   write(report, outdir)
   start = time.monotonic()
   for part in (p for p in PARTS if p.name in chosen):
@@ -613,14 +436,8 @@ def main(argv=None):
     log = os.path.join(outdir, "logs", f"{part.name}.log")
     print(f"gpu_check: {part.name} (limit {limit:g} s) ...", flush=True)
     status, secs, rc = run_part(part, cmd, env, limit, log)
-    entry.update(
-      status=status,
-      seconds=secs,
-      limit_s=limit,
-      returncode=rc,
-      log=os.path.relpath(log, outdir),
-      command=cmd,
-    )
+    entry.update(status=status, seconds=secs, limit_s=limit, returncode=rc)
+    entry.update(log=os.path.relpath(log, outdir), command=cmd)
     if part.shape:
       entry["xla_flags"] = env.get("XLA_FLAGS", "")
     entry["result"] = read_part(part, status, log, result_path)

@@ -44,25 +44,16 @@ def main(argv=None):
   for preset in ("deepspeed", "headroom"):
     runs = []
     for seed in args.seeds:
-      with contextlib.redirect_stdout(io.StringIO()):
-        with contextlib.redirect_stderr(io.StringIO()):
-          r = train(
-            [
-              "--preset", preset, "--steps", str(args.steps), "--seed",
-              str(seed), "--window", str(args.window), "--plot", os.devnull,
-            ]
-          )  # fmt: skip
+      argv = f"--preset {preset} --steps {args.steps} --seed {seed} "
+      argv += f"--window {args.window} --plot {os.devnull}"
+      quiet = io.StringIO()
+      with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        r = train(argv.split())
       scales = np.asarray(r["scale_history"])
-      runs.append(
-        (
-          r["skipped_steps"],
-          steps_until_stable(scales),
-          r["accuracy"],
-          int(np.sum(scales[1:] != scales[:-1])),
-          _pow2(scales[len(scales) // 2 :].min()),
-          _pow2(scales[len(scales) // 2 :].max()),
-        )
-      )
+      late = scales[len(scales) // 2 :]
+      changes = int(np.sum(scales[1:] != scales[:-1]))
+      run = (r["skipped_steps"], steps_until_stable(scales), r["accuracy"])
+      runs.append(run + (changes, _pow2(late.min()), _pow2(late.max())))
       print(preset, seed, runs[-1], flush=True)
     rows.append((preset, runs))
   print()

@@ -1,17 +1,11 @@
 #!/usr/bin/env python
 """Where the bytes of a compiled step go: a per-instruction breakdown.
 
-Reads the optimized HLO that ``step_cost.py --dump-hlo DIR`` writes and, for
-every instruction of the entry computation that touches memory (fusions,
-copies, reductions, ...), counts the bytes of its operands and of its result,
-as XLA's ``bytes accessed`` roughly does. Instructions are grouped by name
-stem (``copy``, ``add_select_fusion``, ``wrapped_reduce-window``, ...), which
-shows each extra pass over memory: a ``copy`` of an optimizer moment, a second
-read of the gradients, a materialized intermediate.
+Reads ``step_cost.py --dump-hlo`` output and counts, for every instruction
+of the entry computation that touches memory, the bytes of its operands and
+result (as XLA's ``bytes accessed`` roughly does), grouped by name stem.
 
-  python benchmarks/hlo_traffic.py /tmp/hlo/fp16_20M_200.hlo.txt --params 20e6
-  python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --params 20e6  # side by
-  side
+  python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --params 20e6
   python benchmarks/hlo_traffic.py A.hlo.txt B.hlo.txt --per-leaf 500  # ops
 """
 
@@ -20,36 +14,16 @@ import collections
 import re
 import sys
 
-_DTYPE_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-}
+_DTYPE_BYTES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, f16=2, bf16=2, s32=4)
+_DTYPE_BYTES.update(u32=4, f32=4, s64=8, u64=8, f64=8)
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _INSTR = re.compile(
   r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$"
 )
-_FREE = {
-  "parameter",
-  "constant",
-  "tuple",
-  "get-tuple-element",
-  "bitcast",
-  "opt-barrier",
-  "after-all",
-  "partition-id",
-  "replica-id",
-}
+_FREE = set(
+  "parameter constant tuple get-tuple-element bitcast opt-barrier after-all "
+  "partition-id replica-id".split()
+)
 
 
 def shape_bytes(text):
@@ -90,16 +64,17 @@ _CALLED = re.compile(
 )
 
 
-def breakdown(hlo):
-  """{group: [count, bytes]} over the entry computation.
+def breakdown(hlo, branch=None):
+  """{group: [count, bytes]} over the entry computation of ``hlo``.
 
-  A ``conditional`` counts its costliest branch, a ``while`` its body once,
-  each under ``<instruction stem>/``; fused computations are not entered (a
-  fusion is counted by its operands and result, as XLA does).
-  """
+  ``branch`` None counts each ``conditional`` by its costliest branch, as
+  XLA's ``bytes accessed`` does; an index (0: the false or first branch)
+  counts that branch of each top-level conditional and the cheapest of any
+  nested one. A ``while`` counts its body once, called computations under
+  ``<instruction stem>/``; a fusion counts its operands and result."""
   comps, entry = computations(hlo)
 
-  def walk(comp, prefix, out):
+  def walk(comp, prefix, out, branch):
     sizes = {}
     for line in comps.get(comp, []):
       m = _INSTR.match(line)
@@ -110,22 +85,20 @@ def breakdown(hlo):
       if op in _FREE:
         continue
       if op in ("conditional", "while", "call"):
-        called = [
-          n
-          for g in _CALLED.findall(rest)
-          for part in g
-          if part
-          for n in re.findall(r"[\w.\-]+", part)
-        ]
         if op == "call":
           called = re.findall(r"to_apply=%([\w.\-]+)", rest)
-        subs = []
-        for c in called:
-          sub = collections.OrderedDict()
-          walk(c, f"{prefix}{stem(name)}/", sub)
-          subs.append(sub)
+        else:
+          found = _CALLED.findall(rest)
+          if op == "conditional" and found and not found[0][0]:
+            found = [found[1], found[0]]  # pred: false first, as branch 0
+          called = [n for g in found for part in g if part
+                    for n in re.findall(r"[\w.\-]+", part)]  # fmt: skip
+        inner = None if branch is None else "cheapest"
+        subs = [walk(c, f"{prefix}{stem(name)}/", {}, inner) for c in called]
         if op == "conditional" and subs:
-          subs = [max(subs, key=lambda t: sum(b for _, b in t.values()))]
+          cost = [sum(b for _, b in t.values()) for t in subs]
+          pick = cost.index(max(cost) if branch is None else min(cost))
+          subs = [subs[branch if isinstance(branch, int) else pick]]
         for sub in subs:
           for k, (n, b) in sub.items():
             e = out.setdefault(k, [0, 0])
@@ -134,13 +107,19 @@ def breakdown(hlo):
         continue
       operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0])
       b = sizes[name] + sum(sizes.get(o, 0) for o in operands)
-      key = prefix + ("copy" if op == "copy" else stem(name))
-      e = out.setdefault(key, [0, 0])
+      e = out.setdefault(
+        prefix + ("copy" if op == "copy" else stem(name)), [0, 0]
+      )
       e[0] += 1
       e[1] += b
     return out
 
-  return walk(entry, "", collections.OrderedDict())
+  return walk(entry, "", {}, branch)
+
+
+def total_bytes(hlo, branch=None):
+  """The bytes of :func:`breakdown`, summed over its groups."""
+  return sum(b for _, b in breakdown(hlo, branch).values())
 
 
 def fused_ops(hlo):
@@ -196,31 +175,17 @@ def main(argv=None):
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
   p.add_argument("hlo", nargs="+", help="optimized HLO text files")
-  p.add_argument(
-    "--params",
-    type=float,
-    default=1.0,
-    help="divide bytes by this (the parameter count) for B/param",
-  )
-  p.add_argument(
-    "--min",
-    type=float,
-    default=0.05,
-    help="hide groups below this many B/param (default 0.05)",
-  )
-  p.add_argument(
-    "--per-leaf",
-    type=int,
-    metavar="LEAVES",
-    help="instead: fusions and the array ops inside them, per leaf",
+  add = p.add_argument
+  add("--params", type=float, default=1.0, help="the parameter count: B/param")
+  add("--min", type=float, default=0.05, help="hide groups below this B/param")
+  add(
+    "--per-leaf", type=int, metavar="LEAVES", help="fusions, fused ops per leaf"
   )
   args = p.parse_args(argv)
   if args.per_leaf:
     return per_leaf(args.hlo, args.per_leaf)
   tables = [breakdown(open(f).read()) for f in args.hlo]
-  keys = []
-  for t in tables:
-    keys += [k for k in t if k not in keys]
+  keys = list(dict.fromkeys(k for t in tables for k in t))
   unit = "B/param" if args.params != 1.0 else "bytes"
   names = [f.split("/")[-1] for f in args.hlo]
   if len(set(names)) < len(names):  # same file name: add the folder
@@ -231,14 +196,10 @@ def main(argv=None):
   print("|---|" + "---:|" * len(args.hlo))
   totals = [0.0] * len(tables)
   for k in keys:
-    cells = []
-    show = False
-    for i, t in enumerate(tables):
-      n, b = t.get(k, (0, 0))
-      totals[i] += b / args.params
-      show |= b / args.params >= args.min
-      cells.append(f"{n}, {b / args.params:.2f}" if n else "–")
-    if show:
+    cells = [t.get(k, (0, 0)) for t in tables]
+    totals = [s + b / args.params for s, (_, b) in zip(totals, cells)]
+    if max(b for _, b in cells) / args.params >= args.min:
+      cells = [f"{n}, {b / args.params:.2f}" if n else "–" for n, b in cells]
       print(f"| {k} | " + " | ".join(cells) + " |")
   print("| **total** | " + " | ".join(f"{t:.2f}" for t in totals) + " |")
   return 0

@@ -1,32 +1,11 @@
 """The optimizer steps that the benchmarks compare, and their inputs.
 
 Every recipe takes the same float16 gradients (already multiplied by the
-loss scale where the recipe has one) and float32 parameters, clips at a
-global norm of 1.0, runs AdamW and applies the updates:
-
-  a  ``optax.chain(clip_by_global_norm(1.0), adamw)``, no scaling: the floor.
-  b  ``fp16_scaling``: ``skip_on_overflow(chain(fp16_loss_scale(dynamic
-     preset), clip_by_unscaled_norm(1.0), adamw))``, with and without an
-     expert mask.
-  c  jmp's ``DynamicLossScale``: ``unscale``, ``all_finite``, ``adjust``,
-     ``select_tree`` of params and optimizer state.
-  d  ``optax.apply_if_finite`` around clip + AdamW, static loss scale.
-  e  Flax's ``DynamicScale`` with the ``jnp.where`` skip of its examples.
-
-and b's options, priced against b on clean steps:
-
-  f  b with ``fp16_loss_scale(..., grad_range=True)``.
-  g  b with ``fp16_loss_scale(..., log_overflows=True)``.
-  i  ``accumulate_gradients(b, 1)``: every call is a window's last, so it
-     prices the wrapper on an optimizer step.
-  j  ``accumulate_gradients(b, 4)``: the mean call over whole windows
-     (three accumulating calls and one optimizer step).
-
-This module holds no timer: ``step_cost.py`` times these steps and
-``targets.py`` judges them. ``build(key, num_leaves)`` returns ``(init,
-step)``; ``jitted`` the same with the step jitted and its parameters and
-state donated, as a training step is (and, given ``compiler_options``,
-compiled with those XLA options).
+loss scale where it has one) and float32 parameters, clips at a global norm
+of 1.0, runs AdamW and applies the updates (``RECIPES``, a to e, and b's
+options ``OPTIONS``, f to j; benchmarks/README.md lists them). No timer
+here: ``build(key, num_leaves)`` returns ``(init, step)``, ``jitted`` the
+same with the step jitted, its parameters and state donated.
 """
 
 import dataclasses
@@ -59,6 +38,7 @@ RECIPES = (
 OPTIONS = (
   Recipe("grad_range", "f. b + grad_range=True", ""),
   Recipe("log_overflows", "g. b + log_overflows=True", ""),
+  Recipe("headroom", "h. b with headroom_scaler()", ""),
   Recipe("accumulate1", "i. accumulate_gradients(b, 1)", ""),
   Recipe(
     "accumulate4",
@@ -91,21 +71,50 @@ def leaf_sizes(n, leaves, distinct=False):
   return sizes
 
 
-def _fp16_tx(num_leaves, expert=False, **scale_kwargs):
+def fp16_tx(num_leaves, expert=False, headroom=False, **scale_kwargs):
   import optax
 
   import fp16_scaling as fs
 
   mask = [i % 2 == 1 for i in range(num_leaves)] if expert else None
+  preset = fs.headroom_scaler if headroom else fs.deepspeed_scaler
   return fs.skip_on_overflow(
     optax.chain(
-      fs.fp16_loss_scale(
-        fs.deepspeed_scaler(init_scale=LOSS_SCALE), **scale_kwargs
-      ),
+      fs.fp16_loss_scale(preset(init_scale=LOSS_SCALE), **scale_kwargs),
       fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
       optax.adamw(LR, weight_decay=WEIGHT_DECAY),
     )
   )
+
+
+def clip_adamw():
+  """The optimizer of every recipe: ``chain(clip_by_global_norm, adamw)``."""
+  import optax
+
+  return optax.chain(
+    optax.clip_by_global_norm(MAX_NORM),
+    optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+  )
+
+
+def to_f32(grads):
+  """``grads`` cast to float32, as plain optax's recipes take them."""
+  import jax
+  import jax.numpy as jnp
+
+  return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+
+def stepping(tx, prepare=lambda g: g):
+  """``(tx.init, step)``: the step runs ``tx`` on ``prepare(grads)`` and
+  applies the updates."""
+  import optax
+
+  def step(params, state, grads):
+    updates, state = tx.update(prepare(grads), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
 
 
 def build(key, num_leaves):
@@ -116,40 +125,22 @@ def build(key, num_leaves):
   import optax
 
   f32 = jnp.float32
-
-  def clip_adamw():
-    return optax.chain(
-      optax.clip_by_global_norm(MAX_NORM),
-      optax.adamw(LR, weight_decay=WEIGHT_DECAY),
-    )
-
-  def to_f32(grads):
-    return jax.tree.map(lambda g: g.astype(f32), grads)
-
-  def plain(tx, prepare=lambda g: g):
-    def step(params, state, grads):
-      updates, state = tx.update(prepare(grads), state, params)
-      return optax.apply_updates(params, updates), state
-
-    return tx.init, step
+  plain = stepping
 
   if key == "floor":
     return plain(clip_adamw(), to_f32)
 
   if key in ("fp16", "fp16_expert"):
-    return plain(_fp16_tx(num_leaves, expert=key == "fp16_expert"))
+    return plain(fp16_tx(num_leaves, expert=key == "fp16_expert"))
 
-  if key == "grad_range":
-    return plain(_fp16_tx(num_leaves, grad_range=True))
-
-  if key == "log_overflows":
-    return plain(_fp16_tx(num_leaves, log_overflows=True))
+  if key in ("grad_range", "log_overflows", "headroom"):
+    return plain(fp16_tx(num_leaves, **{key: True}))
 
   if key in ("accumulate1", "accumulate4"):
     import fp16_scaling as fs
 
     k = 1 if key == "accumulate1" else ACCUMULATE_K
-    return plain(fs.accumulate_gradients(_fp16_tx(num_leaves), k))
+    return plain(fs.accumulate_gradients(fp16_tx(num_leaves), k))
 
   if key == "jmp":
     import jmp
@@ -160,10 +151,8 @@ def build(key, num_leaves):
     # validates its leaves on unflatten and so cannot be an argument of
     # ``jit(...).lower`` in current JAX; it is rebuilt inside the step.
     def init(params):
-      return tx.init(params), (
-        jnp.asarray(LOSS_SCALE, f32),
-        jnp.zeros([], jnp.int32),
-      )
+      scale = jnp.asarray(LOSS_SCALE, f32)
+      return tx.init(params), (scale, jnp.zeros([], jnp.int32))
 
     def step(params, state, grads):
       opt_state, (scale, counter) = state

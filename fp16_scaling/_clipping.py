@@ -21,24 +21,33 @@ from fp16_scaling._states import SHARED
 from fp16_scaling._states import ClipState
 
 
+def _mask_leaves(mask) -> list:
+  """The leaves of an expert mask, each checked to be a Python (or numpy)
+  bool, known before tracing; TypeError naming the type otherwise."""
+  leaves = jax.tree.leaves(mask)
+  for m in leaves:
+    if not isinstance(m, (bool, np.bool_)):
+      raise TypeError(
+        "expert_mask must be a pytree of Python bools known before tracing, "
+        f"or a callable returning one; got a leaf of type {type(m).__name__}"
+      )
+  return leaves
+
+
 def _expert_groups(expert_mask, tree) -> tuple:
-  """Static 0/1 group per leaf of ``tree`` from ``expert_mask``."""
+  """Static 0/1 group per leaf of ``tree`` (1 for an expert leaf) from
+  ``expert_mask``: a bool pytree with ``tree``'s structure or a prefix of
+  it (as in ``optax.masked``), or a callable that maps ``tree`` to one;
+  None marks no leaf."""
   n = len(jax.tree.leaves(tree))
   if expert_mask is None or n == 0:
     # No leaves (optax.tree_map_params calls init with such a placeholder).
     return (SHARED,) * n
   mask = expert_mask(tree) if callable(expert_mask) else expert_mask
-  for m in jax.tree.leaves(mask):
-    if not isinstance(m, (bool, np.bool_)):
-      raise TypeError(
-        "expert_mask leaves must be Python bools known before tracing, got "
-        f"{type(m).__name__}"
-      )
+  leaves = _mask_leaves(mask)
   try:
     return _sharding.broadcast_prefix(
-      [EXPERT if bool(m) else SHARED for m in jax.tree.leaves(mask)],
-      mask,
-      tree,
+      [EXPERT if bool(m) else SHARED for m in leaves], mask, tree
     )
   except (ValueError, TypeError) as e:
     raise ValueError(
@@ -88,12 +97,7 @@ def clip_by_unscaled_norm(
   max_norm = _validate.positive("max_norm", max_norm)
   eps = _validate.non_negative("eps", eps)
   if expert_mask is not None and not callable(expert_mask):
-    leaves = jax.tree.leaves(expert_mask)
-    if not all(isinstance(m, (bool, np.bool_)) for m in leaves):
-      raise TypeError(
-        "expert_mask must be a pytree of Python bools or a "
-        "callable returning one"
-      )
+    _mask_leaves(expert_mask)
 
   def init_fn(params):
     _norm.check_float_leaves(
@@ -112,11 +116,12 @@ def clip_by_unscaled_norm(
     leaves, treedef = jax.tree.flatten(updates)
     groups = _expert_groups(expert_mask, updates)
     what = "clip_by_unscaled_norm"
-    _sharding.leaf_axes_from_specs(partition_specs, updates, what)
     handed = isinstance(state, Handed)
     if handed:
       # Right after fp16_loss_scale: ``updates`` are the measured gradients,
-      # unscaled; the one pass has their sums.
+      # unscaled; the one pass has their sums. This clip's own specs are
+      # checked here (the measurement checked fp16_loss_scale's).
+      _sharding.leaf_axes_from_specs(partition_specs, updates, what)
       state, measurement = state.state, state.measurement
       norms = measurement.grouped(groups, 2)
     else:

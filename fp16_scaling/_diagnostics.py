@@ -75,9 +75,15 @@ class OverflowReport:
 
   Attributes:
     step_overflowed: whether the last step overflowed (and was skipped).
-    nonfinite_leaves: paths of the leaves that held an inf or NaN.
-    counts: path -> steps on which that leaf held an inf or NaN (if any).
-    kind: the last step's overflow kind, one of ``OVERFLOW_KINDS``.
+    nonfinite_leaves: paths (``jax.tree_util.keystr``) of the gradient
+      leaves that held an inf or NaN on the last step, in tree order.
+    counts: path -> number of steps on which that leaf held an inf or NaN,
+      for every leaf with a nonzero count, in tree order.
+    kind: the last step's overflow kind, one of ``OVERFLOW_KINDS``: "none",
+      "unknown" (no ``value=`` given), "forward" (the loss itself was not
+      finite), "backward" (a finite loss, non-finite gradients) or
+      "persistent" (the scale sat at its floor and the gradients still
+      overflowed, with a loss that was finite or not given).
     scale: the loss scale the last step's gradients were made with.
     next_scale: the scale for the next step.
     skipped_steps: overflowing (skipped) steps so far.

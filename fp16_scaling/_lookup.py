@@ -65,8 +65,20 @@ _MULTISTEPS = (
 
 
 def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
-  """The one :class:`LossScaleState` in ``opt_state``; raises ValueError
-  for none (or an untyped one), several, or one inside ``MultiSteps``."""
+  """The one :class:`LossScaleState` in ``opt_state``.
+
+  Args:
+    opt_state: an optax state, at any depth, nnx ``Variable`` s included.
+    what: how error messages name ``opt_state``.
+
+  Returns:
+    The state, its arrays unwrapped from any nnx ``Variable``.
+
+  Raises:
+    ValueError: none (or one restored as plain dicts and lists, which the
+      message says how to restore), several, or one inside
+      ``optax.MultiSteps`` (use ``accumulate_gradients``).
+  """
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
     for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
@@ -131,7 +143,8 @@ def clip_state(opt_state: Any) -> Optional[ClipState]:
 
 
 def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
-  """The one :class:`AccumulationState` in ``opt_state``, or None."""
+  """The one :class:`AccumulationState` in ``opt_state`` (plain arrays), or
+  None; raises ValueError for more than one."""
   found = all_with_path(opt_state, AccumulationState)
   if len(found) > 1:
     paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
@@ -143,7 +156,9 @@ def accumulation_state(opt_state: Any) -> Optional[AccumulationState]:
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
-  """``opt_state`` with ``new``'s arrays in its :class:`LossScaleState`."""
+  """``opt_state`` with its one :class:`LossScaleState` replaced by ``new``,
+  whose arrays go into the old state's containers (nnx ``Variable`` s);
+  ValueError as :func:`loss_scale_state` when there is not exactly one."""
   loss_scale_state(opt_state)
 
   def rewrap(old: LossScaleState) -> LossScaleState:

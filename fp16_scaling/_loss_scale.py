@@ -19,12 +19,14 @@ from fp16_scaling import _validate
 from fp16_scaling._measure import Handed
 from fp16_scaling._measure import Measurement
 from fp16_scaling._scaler import Scaler
+from fp16_scaling._scaler import check_scaler
 from fp16_scaling._shared import SharedLossScale
 from fp16_scaling._states import BACKWARD
 from fp16_scaling._states import FORWARD
 from fp16_scaling._states import KINDS
 from fp16_scaling._states import NONE
 from fp16_scaling._states import PERSISTENT
+from fp16_scaling._states import RECIPE
 from fp16_scaling._states import UNKNOWN
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LeafPaths
@@ -35,8 +37,7 @@ _UNGUARDED = (
   "fp16_loss_scale ran outside skip_on_overflow (nothing measured the "
   "gradients and handed it the measurement). In a bare optax.chain the "
   "optimizer after it still runs on an overflow step and its momentum moves "
-  "the parameters. Wrap the whole chain: skip_on_overflow(optax.chain("
-  "fp16_loss_scale(...), clip_by_unscaled_norm(...), optimizer))."
+  f"the parameters. Wrap the whole chain: {RECIPE}."
 )
 _SHARED = (
   "fp16_loss_scale(shared) has no scale of its own: pass the shared scale's "
@@ -129,7 +130,19 @@ def _scalar_value(value) -> jax.Array:
 
 
 def _overflow_kind(overflow, value, at_floor) -> jax.Array:
-  """The step's kind code (``_states.KINDS``)."""
+  """The step's kind code, an index into ``_states.KINDS``.
+
+  Args:
+    overflow: bool scalar, whether the step's gradients overflowed.
+    value: the loss passed as ``value=``, or None.
+    at_floor: bool scalar, whether the scale that made the gradients sat at
+      its floor (``Scaler.at_floor``).
+
+  Returns:
+    int32: NONE on a clean step; else FORWARD for a non-finite loss (at any
+    scale: no scale fixes it), PERSISTENT at the floor, and otherwise
+    BACKWARD (a finite loss) or UNKNOWN (no loss given).
+  """
   if value is None:
     cause = jnp.int32(UNKNOWN)
   else:
@@ -212,11 +225,7 @@ def fp16_loss_scale(
   """
   shared = isinstance(scaler, SharedLossScale)
   scaler = scaler.scaler if shared else scaler
-  if not isinstance(scaler, Scaler):
-    raise TypeError(
-      f"scaler must be a Scaler from a preset such as deepspeed_scaler(), "
-      f"or a shared_loss_scale(...), got {type(scaler).__name__}"
-    )
+  check_scaler(scaler, also=", or a shared_loss_scale(...)")
   grad_range = _validate.flag("grad_range", grad_range)
   log_overflows = _validate.flag("log_overflows", log_overflows)
   # A shared headroom scale reads each optimizer's range in shared.update.
@@ -239,8 +248,8 @@ def fp16_loss_scale(
     state, measurement, loss_scale = state
     if shared != (loss_scale is not None):
       raise ValueError(_SHARED if shared else _OWNED)
-    # The state must be this transformation's own.
-    _sharding.leaf_axes_from_specs(partition_specs, updates, "fp16_loss_scale")
+    # The state must be this transformation's own; then the measurement,
+    # made with the state's partition specs, checked them on ``updates``.
     _check_built_here(state.leaf_paths, scaler, partition_specs, shared)
     value = extra.get("value")
     if value is not None:

@@ -13,8 +13,20 @@ from fp16_scaling import _sharding
 
 
 class Measurement(NamedTuple):
-  """One pass over a step's scaled gradient leaves ``grads``, made at
-  ``scale``: their local ``sums`` of squares and global ``norms``."""
+  """One pass over a step's scaled gradients, made once per step.
+
+  Attributes:
+    grads: the scaled gradient leaves measured, in tree order.
+    sums: per-leaf local sums of squares (``_norm.leaf_sums``).
+    norms: the global :class:`~fp16_scaling._norm.Norms` of ``grads``
+      (``norm`` still multiplied by ``scale``).
+    scale: float32, the loss scale the gradients were made with.
+    leaf_axes: static, the mesh axes each leaf's sum is reduced over.
+    in_float16_range: static, every leaf holds float16-range values (the
+      gradients are float16, or a mean of float16 microbatches), so no
+      finite square can overflow float32 and the norm's float32 rescue is
+      left out of the trace.
+  """
 
   grads: tuple
   sums: tuple
@@ -25,10 +37,12 @@ class Measurement(NamedTuple):
 
   @property
   def overflow(self) -> jax.Array:
+    """bool scalar: whether any measured element was inf or NaN."""
     return self.norms.overflow
 
   @property
   def inv_scale(self) -> jax.Array:
+    """float32 ``1 / scale``, the factor that unscales the gradients."""
     return 1.0 / self.scale
 
   def unscaled(self, leaves: Sequence[jax.Array], factor=None) -> tuple:
@@ -39,7 +53,17 @@ class Measurement(NamedTuple):
     return tuple(x * inv for x in _norm.discard_if(self.overflow, wide))
 
   def grouped(self, leaf_groups, num_groups: int) -> _norm.Norms:
-    """The norms of :meth:`unscaled` gradients, per group of leaves."""
+    """The norms of :meth:`unscaled` gradients, per group of leaves.
+
+    Args:
+      leaf_groups: static group index of each leaf, in tree order.
+      num_groups: number of groups.
+
+    Returns:
+      :class:`~fp16_scaling._norm.Norms` reduced from this measurement's
+      sums (the gradients are not read again), ``norm`` and
+      ``group_norms`` divided by the scale.
+    """
     norms = _norm.reduce_norms(
       self.sums,
       self.grads,
@@ -56,8 +80,16 @@ class Measurement(NamedTuple):
 
 
 class Handed(NamedTuple):
-  """An element's ``state`` with the step's ``measurement`` (and a shared
-  ``loss_scale``), as ``skip_on_overflow`` passes it to its own elements."""
+  """An element's state with the step's measurement, as
+  ``skip_on_overflow`` passes it to its own elements (``fp16_loss_scale``,
+  and a clip right after it); each returns its plain state.
+
+  Attributes:
+    state: the element's own state.
+    measurement: the step's :class:`Measurement`.
+    loss_scale: a shared scale's ``ScalerState`` (to ``fp16_loss_scale``
+      only), else None.
+  """
 
   state: Any
   measurement: Measurement
@@ -72,7 +104,24 @@ def measure(
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
 ) -> Measurement:
-  """The one pass over ``grads``, made at loss scale ``scale``."""
+  """The one pass over ``grads``, made at loss scale ``scale``.
+
+  Args:
+    grads: the scaled gradients, any pytree of floating arrays.
+    scale: the loss scale they were made with.
+    partition_specs: ``PartitionSpec``s of ``grads`` under ``shard_map``
+      (a prefix tree), or None: each leaf's sum is ``psum``-med over the
+      mesh axes its spec splits it over.
+    in_float16_range: see :class:`Measurement`.
+    what: the transformation named in error messages.
+
+  Returns:
+    The :class:`Measurement`.
+
+  Raises:
+    TypeError: a leaf is not floating (integer or bool gradients).
+    ValueError: ``partition_specs`` does not fit ``grads``.
+  """
   leaves = jax.tree.leaves(grads)
   _norm.check_float_leaves(leaves, f"{what} gradients")
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
@@ -97,8 +146,23 @@ def measure_step(
   *,
   in_float16_range: bool = False,
 ) -> Measurement:
-  """:func:`measure` of ``grads`` at the scale and with the partition specs
-  of ``opt_state`` (the scale of a shared ``loss_scale`` when given)."""
+  """:func:`measure` of ``grads`` as ``opt_state`` made them.
+
+  Args:
+    grads: the scaled gradients of the step.
+    opt_state: the guarded chain's state; its one ``LossScaleState`` gives
+      the scale and the partition specs its ``fp16_loss_scale`` was built
+      with.
+    loss_scale: a shared scale's ``ScalerState``, whose scale is used
+      instead, or None.
+    in_float16_range: see :class:`Measurement`.
+
+  Returns:
+    The :class:`Measurement`.
+
+  Raises:
+    ValueError: ``opt_state`` holds no loss-scale state, or more than one.
+  """
   ls = _lookup.loss_scale_state(opt_state)
   scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
   specs = ls.leaf_paths.partition_specs

@@ -22,8 +22,18 @@ FLOAT16_INF_FROM = 65520.0
 
 
 class Norms(NamedTuple):
-  """Norms of a gradient tree (0.0 where not finite), ``overflow``, and per
-  leaf ``leaf_nonfinite`` and the global ``leaf_sums``."""
+  """Norms of a gradient tree, as computed from its per-leaf sums.
+
+  Attributes:
+    norm: float32 global 2-norm; 0.0 when ``overflow`` (no norm exists).
+    group_norms: float32 vector, the 2-norm of each group of leaves; 0.0 for
+      a group that holds a non-finite leaf.
+    overflow: bool, whether any element was inf or NaN.
+    leaf_nonfinite: bool vector, one entry per leaf in tree order, whether
+      that leaf held an inf or NaN (on any device, under ``shard_map``).
+    leaf_sums: float32 vector, per leaf the global sum of squares (``-inf``
+      for a leaf that held an inf or NaN), from which the rest was reduced.
+  """
 
   norm: jax.Array
   group_norms: jax.Array
@@ -142,8 +152,25 @@ def reduce_norms(
   per_leaf: Optional[jax.Array] = None,
   in_float16_range: bool = False,
 ) -> Norms:
-  """:class:`Norms` from the :func:`leaf_sums` of ``leaves`` (read again only
-  for finite squares too large for float32), reusing ``per_leaf`` if given."""
+  """Global and per-group norms, and per-leaf overflow, from leaf sums.
+
+  Args:
+    sums: per-leaf local sums of squares, from :func:`leaf_sums`.
+    leaves: the leaves they were computed from (read again only when finite
+      squares were too large for float32: the total reached ``CAP``).
+    leaf_groups: static group index of each leaf (default: all in group 0).
+    num_groups: number of groups.
+    leaf_axes: static mesh axes to ``psum`` each leaf's sum over, from
+      ``_sharding.leaf_axes_from_specs`` (default: none).
+    per_leaf: ``Norms.leaf_sums`` of an earlier reduction of the same
+      ``sums`` over the same ``leaf_axes``: the vector is not built again.
+    in_float16_range: static; every leaf holds values within float16's
+      range, so no finite square can pass ``CAP`` and the float32 rescue
+      (a ``lax.cond``) is not traced.
+
+  Returns:
+    :class:`Norms`; with no leaves, zeros and no overflow.
+  """
   n = len(leaves)
   leaf_groups = tuple(leaf_groups) if leaf_groups is not None else (0,) * n
   leaf_axes = tuple(leaf_axes) if leaf_axes is not None else ((),) * n

@@ -3,7 +3,7 @@ peer's scaler (docs/peers.md; docs/design.md, "The state machine").
 """
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,16 @@ class ScalerState(NamedTuple):
     growth_tracker: int32 clean steps counted towards the next growth.
     hysteresis_left: int32 overflows still absorbed before a back-off
       (``hysteresis - 1`` when full).
-    min_scale_errors: int32 overflows at ``min_scale`` where DeepSpeed raises.
-    floor_overflows: int32 overflows at ``min_scale``, for every preset.
+    min_scale_errors: int32 overflows that found the scale at its floor and
+      could not back off (no hysteresis left, ``scale <= min_scale``, a
+      scale that backs off), counted only when ``raise_at_min_scale``
+      (DeepSpeed's ``raise_error_at_min_scale``, where DeepSpeed raises):
+      :func:`raise_if_min_scale_reached` raises once it is above 0.
+    floor_overflows: int32 the same overflows, counted for every preset
+      whatever ``raise_at_min_scale`` says: a run that keeps overflowing at
+      its floor has a problem scaling cannot fix. An overflow that
+      hysteresis absorbs, or one that backs the scale off onto the floor,
+      counts in neither.
   """
 
   loss_scale: jax.Array
@@ -88,12 +96,23 @@ class Scaler:
     return self.headroom_bits is not None
 
   def at_floor(self, scale: jax.Array) -> jax.Array:
-    """Whether ``scale`` sits at the floor of a scale that backs off."""
+    """Whether ``scale`` sits at the floor of a scale that backs off.
+
+    Args:
+      scale: float32 scalar, a loss scale of this machine.
+
+    Returns:
+      A bool scalar: ``scale <= min_scale``; always False when
+      ``backoff_factor`` is 1.0 (a scale that never backs off has no floor
+      to hit).
+    """
     if self.backoff_factor == 1.0:
       return jnp.bool_(False)
     return scale <= jnp.float32(self.min_scale)
 
   def init(self) -> ScalerState:
+    """The state before the first step: ``init_scale``, the growth counter
+    at ``-growth_delay``, hysteresis full, both floor counters at 0."""
     return ScalerState(
       loss_scale=jnp.asarray(self.init_scale, jnp.float32),
       growth_tracker=jnp.asarray(-self.growth_delay, jnp.int32),
@@ -191,6 +210,30 @@ class Scaler:
     return jnp.maximum(
       jnp.where(move, capped, scale), jnp.float32(self.min_scale)
     )
+
+
+def check_scaler(scaler: Any, also: str = "") -> Scaler:
+  """``scaler``, checked to be a :class:`Scaler`: the one check of every
+  function that takes one.
+
+  Args:
+    scaler: the value given as a ``scaler`` argument.
+    also: what else that argument may be, for the message (such as
+      ``" or a shared_loss_scale(...)"``).
+
+  Returns:
+    ``scaler``.
+
+  Raises:
+    TypeError: ``scaler`` is not a :class:`Scaler`; the message names the
+      presets and the type given.
+  """
+  if not isinstance(scaler, Scaler):
+    raise TypeError(
+      "scaler must be a Scaler from a preset such as fs.torch_scaler()"
+      f"{also}, got {type(scaler).__name__}"
+    )
+  return scaler
 
 
 def static_scaler(scale: float) -> Scaler:

@@ -3,7 +3,6 @@
 """
 
 from typing import Any
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,16 +10,14 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling import _measure
+from fp16_scaling._states import RECIPE
 from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import LossScaleState
 
 _BOOKKEEPING = (LossScaleState, ClipState)
 
-FIX = (
-  "The order is skip_on_overflow(optax.chain(fp16_loss_scale(...), "
-  "clip_by_unscaled_norm(...), optimizer))."
-)
+FIX = f"The order is {RECIPE}."
 _NOT_ONE = (
   "skip_on_overflow must wrap a chain with exactly one fp16_loss_scale (it "
   "decides the overflow); found {found}. A second one would unscale "
@@ -42,8 +39,7 @@ _INSIDE = (
   "accumulate_gradients runs inside skip_on_overflow: the guarded chain "
   "would see each microbatch, not the window's mean, and its skip would "
   "not cover the accumulator. Nest them the other way round: "
-  "accumulate_gradients(skip_on_overflow(optax.chain(fp16_loss_scale(...), "
-  "clip_by_unscaled_norm(...), optimizer)), every_k_schedule)."
+  f"accumulate_gradients({RECIPE}, every_k_schedule)."
 )
 
 
@@ -53,13 +49,14 @@ def _is_bookkeeping(x) -> bool:
 
 
 def skip_on_overflow(
-  inner: optax.GradientTransformation, *, early_select: Any = None
+  inner: optax.GradientTransformation, **removed: Any
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and discards the step exactly when its gradients overflowed.
 
   Args:
     inner: a chain whose first element is :func:`fp16_loss_scale`.
-    early_select: deprecated and ignored (docs/design.md, "In place").
+    **removed: nothing is accepted; ``early_select=`` (removed) is a
+      TypeError that says what replaced it.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
@@ -68,6 +65,7 @@ def skip_on_overflow(
     unchanged but for :class:`LossScaleState` and :class:`ClipState`.
 
   Raises:
+    TypeError: at construction, for ``early_select=`` or any other keyword.
     ValueError: at ``init`` and ``update``, unless ``inner``'s first element,
       and only it, is an ``fp16_loss_scale`` (docs/design.md).
 
@@ -86,14 +84,13 @@ def skip_on_overflow(
     >>> print(bool(m["overflow"]), float(m["loss_scale"]))
     True 512.0
   """
-  if early_select is not None:
-    warnings.warn(
-      "skip_on_overflow's early_select is deprecated and ignored: the "
-      "selects follow the inner update, with public JAX only. On XLA:CPU, "
-      "compile the step with compiler_options={'xla_cpu_copy_insertion_"
-      "use_region_analysis': True} to keep it in place (docs/design.md).",
-      DeprecationWarning,
-      stacklevel=2,
+  if removed:
+    raise TypeError(
+      f"skip_on_overflow got {', '.join(removed)}: it takes the chain alone. "
+      "early_select= was removed: the skip always selects after the inner "
+      "update. On XLA:CPU, compile the step with compiler_options="
+      "{'xla_cpu_copy_insertion_use_region_analysis': True} to keep it in "
+      'place (docs/design.md, "In place").'
     )
   inner = optax.with_extra_args_support(inner)
 

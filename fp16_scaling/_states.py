@@ -14,12 +14,29 @@ from fp16_scaling._sharding import is_spec
 # LossScaleState.overflow_kind codes, indexes into KINDS.
 NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
 KINDS = ("none", "unknown", "forward", "backward", "persistent")
+# The guarded chain, as every message that names the right order quotes it.
+RECIPE = (
+  "skip_on_overflow(optax.chain(fp16_loss_scale(...), "
+  "clip_by_unscaled_norm(...), optimizer))"
+)
 
 
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
-  """Static facts of a :class:`LossScaleState`, in its treedef: the leaves'
-  ``paths`` and ``sizes``, and (alone in equality) the configuration."""
+  """Static facts of a :class:`LossScaleState`, held in its treedef.
+
+  Attributes:
+    paths: the gradient leaves' paths (``jax.tree_util.keystr``), in tree
+      order.
+    sizes: the leaves' element counts, in the same order.
+    scaler: the :class:`Scaler` its ``fp16_loss_scale`` was built with.
+    shared: whether that ``fp16_loss_scale`` shares its scale.
+    partition_specs: the ``PartitionSpec`` pytree it was built with.
+
+  Equality (and the hash) is that of ``scaler``, ``shared`` and
+  ``partition_specs`` only, so that ``optax.tree_map_params``' leafless
+  placeholder matches a state built from the real tree.
+  """
 
   def __init__(self, paths, sizes, scaler=None, shared=False, specs=None):
     self.paths = tuple(paths)

@@ -68,21 +68,24 @@ def open_unit(name: str, value) -> float:
 
 
 def positive(name: str, value) -> float:
-  v = real(name, value)
-  if not (math.isfinite(v) and 0.0 < v <= F32_MAX):
-    raise ValueError(
-      f"{name} must be positive and at most float32's maximum "
-      f"({F32_MAX:.6g}), got {value!r}"
-    )
-  return v
+  """A real number in (0, float32's maximum]."""
+  return _up_to_f32_max(name, value, zero=False)
 
 
 def non_negative(name: str, value) -> float:
+  """A real number in [0, float32's maximum]."""
+  return _up_to_f32_max(name, value, zero=True)
+
+
+def _up_to_f32_max(name: str, value, *, zero: bool) -> float:
+  """A finite real number at most float32's maximum, above 0 (at least 0
+  with ``zero``); ValueError naming that range otherwise."""
   v = real(name, value)
-  if not (math.isfinite(v) and 0.0 <= v <= F32_MAX):
+  low = v >= 0.0 if zero else v > 0.0
+  if not (math.isfinite(v) and low and v <= F32_MAX):
     raise ValueError(
-      f"{name} must be >= 0 and at most float32's maximum "
-      f"({F32_MAX:.6g}), got {value!r}"
+      f"{name} must be {'>= 0' if zero else 'positive'} and at most "
+      f"float32's maximum ({F32_MAX:.6g}), got {value!r}"
     )
   return v
 

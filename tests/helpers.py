@@ -99,6 +99,22 @@ def guarded(scaler, *tail, **loss_scale_kwargs):
   )
 
 
+def nested_params() -> dict:
+  """A small nested float32 parameter tree (a ``-0.0`` included), the same
+  on every call: the skip and accumulation tests' parameters."""
+  import jax
+  import jax.numpy as jnp
+
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  return {
+    "dense": {
+      "kernel": jax.random.normal(k1, (4, 3)),
+      "bias": jnp.array([0.0, -0.0, 1.0]),
+    },
+    "out": jax.random.normal(k2, (3,)),
+  }
+
+
 def _is_bookkeeping(x) -> bool:
   import fp16_scaling as fs
 

@@ -4,6 +4,8 @@ scale off once; the next window starts clean."""
 
 import functools
 
+from helpers import guarded
+from helpers import nested_params as _params
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,26 +26,10 @@ def _default_tx():
   return _DEFAULT
 
 
-def _params():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return {
-    "dense": {
-      "kernel": jax.random.normal(k1, (4, 3)),
-      "bias": jnp.array([0.0, -0.0, 1.0]),
-    },
-    "out": jax.random.normal(k2, (3,)),
-  }
-
-
 def _guarded(scaler=None, inner=None):
   scaler = scaler or fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3)
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(scaler),
-      fs.clip_by_unscaled_norm(2.0),
-      inner or optax.adamw(1e-2, weight_decay=0.1),
-    )
-  )
+  inner = inner or optax.adamw(1e-2, weight_decay=0.1)
+  return guarded(scaler, fs.clip_by_unscaled_norm(2.0), inner)
 
 
 def _true_grads(t):

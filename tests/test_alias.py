@@ -10,9 +10,9 @@ the run is plain optax's run on the clean steps' true gradients."""
 import importlib.util
 import pathlib
 import re
-import warnings
 
 from helpers import bits as _bits
+from helpers import guarded
 from helpers import strip_bookkeeping as _inner
 import hlo
 import jax
@@ -59,14 +59,10 @@ _UNIT_GRADS = {
 
 
 def _same_bits_chain(name):
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(
-        fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
-      ),
-      fs.clip_by_unscaled_norm(1.0),
-      _OPTIMIZERS[name](),
-    )
+  return guarded(
+    fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2),
+    fs.clip_by_unscaled_norm(1.0),
+    _OPTIMIZERS[name](),
   )
 
 
@@ -153,20 +149,15 @@ def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
       )
 
 
-def test_early_select_is_deprecated_and_ignored():
-  chain = lambda: optax.chain(
-    fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0)
-  )
-  with pytest.warns(DeprecationWarning, match="early_select.*ignored"):
-    old = fs.skip_on_overflow(chain(), early_select=True)
-  params = jnp.ones(3)
-  grads = jnp.array([4.0, 8.0, 12.0], jnp.float16)
-  new = fs.skip_on_overflow(chain())
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # the option warns when given, only
-    want, _ = new.update(grads, new.init(params), params)
-  got, _ = old.update(grads, old.init(params), params)
-  assert _bits(got) == _bits(want)
+def test_early_select_is_refused_naming_what_replaced_it():
+  chain = optax.chain(fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))
+  for value in (True, False):
+    with pytest.raises(TypeError, match="always selects after the inner") as e:
+      fs.skip_on_overflow(chain, early_select=value)
+    assert "early_select= was removed" in str(e.value)
+    assert "xla_cpu_copy_insertion_use_region_analysis" in str(e.value)
+  with pytest.raises(TypeError, match="got extra: it takes the chain alone"):
+    fs.skip_on_overflow(chain, extra=1)
 
 
 # --------------------------------------------------------------------------
@@ -326,10 +317,10 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
 
 
 def _guarded_with(scaler, *, clip=True, expert_mask=None, **options):
-  parts = [fs.fp16_loss_scale(scaler, **options)]
-  if clip:
-    parts.append(fs.clip_by_unscaled_norm(1.0, expert_mask=expert_mask))
-  return fs.skip_on_overflow(optax.chain(*parts, optax.adamw(1e-3)))
+  clips = (
+    [fs.clip_by_unscaled_norm(1.0, expert_mask=expert_mask)] if clip else []
+  )
+  return guarded(scaler, *clips, optax.adamw(1e-3), **options)
 
 
 _IN_PLACE = {

@@ -87,6 +87,10 @@ def options_run(tmp_path_factory):
   return stdout, shape
 
 
+def _recipes():
+  return helpers.load_script(RECIPES)
+
+
 def _ratio(x):
   return f"{x:.3f}x"
 
@@ -266,11 +270,11 @@ def test_shape_spellings(bench):
 def test_distinct_leaf_sizes(bench, n, leaves):
   # What a ":distinct" shape compiles: every leaf its own size (so XLA can
   # share no kernel between leaves), the same total and about the same mean.
-  sizes = bench.leaf_sizes(n, leaves, distinct=True)
+  sizes = _recipes().leaf_sizes(n, leaves, distinct=True)
   assert sum(sizes) == n and len(sizes) == leaves
   assert len(set(sizes)) == leaves
   assert max(sizes) - min(sizes) < 3 * leaves
-  assert bench.leaf_sizes(n, leaves) == [n // leaves + n % leaves] + [
+  assert _recipes().leaf_sizes(n, leaves) == [n // leaves + n % leaves] + [
     n // leaves
   ] * (leaves - 1)
 
@@ -374,35 +378,41 @@ def test_the_compiler_option_reaches_the_timed_executable(
   assert fp16["copies"] > 0 and fp16["first_call_cache_hit"] is True
 
 
-def test_step_cost_keeps_every_name_it_had(bench):
-  # Other scripts import from step_cost.py. The recipes live in recipes.py
-  # and are re-exported; the verdicts live in targets.py only, which imports
-  # step_cost and not the other way round.
-  for name in (
-    "parse_shape",
-    "leaf_sizes",
-    "build",
-    "make_inputs",
-    "copy_tree",
-    "jitted",
-    "configure_cache",
-    "worker",
-    "compile_in_worker",
-    "time_rows",
-    "run_shape",
-    "table",
-    "fmt_ratio",
-    "machine",
-    "main",
-    "_Lines",
-    "_median_low",
-    "_paired",
-    "_quantile",
-  ):
-    assert callable(getattr(bench, name)), name
-  assert not hasattr(bench, "_verdict") and not hasattr(bench, "__getattr__")
-  assert bench.build.__module__ == "recipes"
-  targets = helpers.load_script(TARGETS)
-  assert targets._verdict([1.0, 1.01, 1.02], 1.03).endswith("ok (<= 1.03x)")
-  assert "MISS" in targets._verdict([1.2, 1.3, 1.4], 1.03)
+def test_verdicts_quantiles_and_the_interleaved_order():
+  """benchmarks/_common.py, the one module of the timer, the ratios and the
+  verdicts every script uses: a verdict is ok when the median is within the
+  limit, MISS when even the lower quartile is above it; the rounds rotate
+  the units and alternate the samples of one unit."""
+  common = helpers.load_script(ROOT / "benchmarks" / "_common.py")
+  assert common.quantile([4.0, 1.0, 3.0, 2.0], 0.25) == 2.0
+  assert common.quantile([], 0.5) is None
+  assert common.paired([2.0, 6.0], [1.0, 3.0]) == [2.0, 2.0]
+  assert common.spread([1.0, 1.01, 1.02]) == "1.010x [1.000x, 1.020x]"
+  assert common.verdict([1.0, 1.01, 1.02], 1.03).endswith("ok (<= 1.03x)")
+  assert "MISS" in common.verdict([1.2, 1.3, 1.4], 1.03)
+  assert "within noise, above" in common.verdict([1.0, 1.05, 1.06], 1.03)
+  assert common.judged(1.0004, 1.0) == "ok"
+  assert common.judged(1.001, 1.0) == "MISS"
+  calls = []
+
+  def sample(name):
+    return lambda: calls.append(name) or len(calls)
+
+  units = [[("a", sample("a"))], [("b", sample("b")), ("o", sample("o"))]]
+  out = common.interleaved(units, rounds=3, warmup=1)
+  # Round 0 (untimed): a, b, o; round 1: o, b, a (rotated, the pair
+  # reversed); round 2: a, b, o; round 3: o, b, a.
+  assert calls == list("aboobaaboob" + "a")
+  assert out == {"a": [6, 7, 12], "b": [5, 8, 11], "o": [4, 9, 10]}
+
+
+def test_the_scripts_share_the_one_timer_and_telemetry_is_an_option():
+  # The verdicts live in _common.py, used by targets.py; recipes.py imports
+  # no script; the diagnostics' costs are step_cost.py --recipes options.
   assert "import step_cost" not in RECIPES.read_text()
+  for script in ("step_cost", "accumulate_cost", "train_step_cost"):
+    text = (ROOT / "benchmarks" / f"{script}.py").read_text()
+    assert "common.interleaved(" in text, script
+  options = [r.key for r in helpers.load_script(RECIPES).OPTIONS]
+  assert options[:3] == ["grad_range", "log_overflows", "headroom"]
+  assert not (ROOT / "benchmarks" / "telemetry_cost.py").exists()

@@ -2,6 +2,7 @@
 gradient range, the report, the host log, and jax_debug_nans."""
 
 import flax.serialization
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,13 +25,8 @@ POISONED = "['params']['encoder']['Dense_1']['kernel']"
 
 
 def _tx(scaler, **kwargs):
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(scaler, **kwargs),
-      fs.clip_by_unscaled_norm(1.0),
-      optax.adamw(1e-3),
-    )
-  )
+  clip = fs.clip_by_unscaled_norm(1.0)
+  return guarded(scaler, clip, optax.adamw(1e-3), **kwargs)
 
 
 def _true_grads(step):

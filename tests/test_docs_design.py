@@ -198,6 +198,97 @@ def test_data_flow_table_names_every_maker_and_real_receivers():
       fn = functions[qualname]
       names = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
       assert arg in names, (type_name, qualname, arg)
+      # And it takes that type: annotated so, or traced to a use of it.
+      why = _takes(type_name, qualname, arg, functions)
+      assert why, f"{qualname}({arg}) shows no use of a {type_name}"
+
+
+def _fields():
+  """``{class name: {field: annotation text}}`` of the package's classes."""
+  found = {}
+  for module in _on_disk("_*.py") + _on_disk("interop/_*.py"):
+    for node in ast.walk(ast.parse((_PACKAGE / f"{module}.py").read_text())):
+      if isinstance(node, ast.ClassDef):
+        found[node.name] = {
+          n.target.id: ast.unparse(n.annotation)
+          for n in node.body
+          if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+        props = [n.name for n in node.body if isinstance(n, ast.FunctionDef)]
+        found[node.name].update(dict.fromkeys(props, ""))
+  return found
+
+
+def _takes(type_name, qualname, arg, functions, depth=3):
+  """Why ``qualname``'s parameter ``arg`` is a ``type_name`` (or holds one,
+  for a lookup), or "" when nothing says so. The evidence, in order: the
+  annotation names the type; the body calls something with ``arg`` and the
+  type itself (``isinstance(state, Handed)``, ``all_with_path(opt_state,
+  LossScaleState)``); the body reads fields of ``arg`` and every one is a
+  field of the type; or ``arg`` is passed to a package function whose
+  parameter takes the type (traced ``depth`` calls deep), or to a class
+  whose field of that place is annotated with the type."""
+  fn = functions[qualname]
+  params = fn.args.args + fn.args.kwonlyargs
+  (param,) = [a for a in params if a.arg == arg]
+  if param.annotation is not None:
+    if type_name in ast.unparse(param.annotation):
+      return "annotation"
+  fields = _fields()
+  reads = set()
+  for node in ast.walk(fn):
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+      if node.value.id == arg:
+        reads.add(node.attr)
+    if not isinstance(node, ast.Call):
+      continue
+    given = [(i, a) for i, a in enumerate(node.args)]
+    given += [(k.arg, k.value) for k in node.keywords]
+    passed = [key for key, a in given if _is_name(a, arg)]
+    if not passed:
+      continue
+    if any(_is_name(a, type_name) for _, a in given):
+      return "called with the type"
+    f = node.func
+    callee = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+    if callee in fields and isinstance(passed[0], int):  # a constructor
+      slots = list(fields[callee])
+      if (
+        passed[0] < len(slots) and type_name in fields[callee][slots[passed[0]]]
+      ):
+        return f"stored as {callee}.{slots[passed[0]]}"
+    for name, target in functions.items():
+      if depth and name.rsplit(".", 1)[-1] == callee and name != qualname:
+        targs = [a.arg for a in target.args.args + target.args.kwonlyargs]
+        key = passed[0]
+        if isinstance(key, int):
+          key = targs[key] if key < len(targs) else None
+        if key in targs and _takes(type_name, name, key, functions, depth - 1):
+          return f"passed to {name}({key})"
+  if reads and reads <= set(fields.get(type_name, ())):
+    return "reads its fields"
+  return ""
+
+
+def _is_name(node, name):
+  """``name``, ``x.name``, or either branch of ``a if c else b`` so."""
+  if isinstance(node, ast.IfExp):
+    return _is_name(node.body, name) or _is_name(node.orelse, name)
+  return (isinstance(node, ast.Name) and node.id == name) or (
+    isinstance(node, ast.Attribute) and node.attr == name
+  )
+
+
+def test_the_receiver_check_sees_a_wrong_type():
+  # The check can fail: a receiver that takes something else is caught.
+  functions = _functions()
+  assert _takes(
+    "Measurement", "_loss_scale._next_state", "measurement", functions
+  )
+  assert not _takes(
+    "ClipState", "_loss_scale._next_state", "measurement", functions
+  )
+  assert not _takes("Handed", "_lookup.clip_state", "opt_state", functions)
 
 
 def test_the_package_has_no_hidden_channels():
@@ -206,3 +297,60 @@ def test_the_package_has_no_hidden_channels():
   pattern = re.compile(r"contextvars|ContextVar|jax\.extend|jaxpr")
   for path in _PACKAGE.rglob("*.py"):
     assert not pattern.search(path.read_text()), path
+
+
+# ---------------------------------------------------------------------------
+# The step as docs/design.md tells it.
+
+
+def test_the_step_searches_the_state_four_times(monkeypatch):
+  """ "The step searches the state tree four times, all at trace time": the
+  order check (the loss-scale state, an accumulation state inside) and the
+  loss-scale lookup (the loss-scale state, a MultiSteps around it)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from fp16_scaling import _lookup
+
+  searched = []
+  search = _lookup.all_with_path
+
+  def counted(tree, cls):
+    searched.append(cls.__name__)
+    return search(tree, cls)
+
+  tx = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.static_scaler(8.0)),
+      fs.clip_by_unscaled_norm(1.0),
+      optax.sgd(0.1),
+    )
+  )
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  monkeypatch.setattr(_lookup, "all_with_path", counted)
+  jax.make_jaxpr(tx.update)(params, state, params)
+  assert sorted(searched) == sorted(
+    ["LossScaleState", "AccumulationState", "LossScaleState", "MultiStepsState"]
+  )
+
+
+def test_optax_apply_if_finite_branches_with_a_cond():
+  """ "optax.apply_if_finite (optax 0.2.8) branches instead": its update is
+  one lax.cond, one branch running the inner update (sgd's multiply by the
+  learning rate) and the other returning zeros, where fp16_scaling's skip
+  runs the inner update and selects after it."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  params = {"w": jnp.ones(3)}
+  tx = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=2)
+  jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+  (cond,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
+  branches = [
+    [e.primitive.name for e in b.jaxpr.eqns] for b in cond.params["branches"]
+  ]
+  assert any("mul" in b for b in branches), branches
+  assert any("mul" not in b for b in branches), branches

@@ -9,6 +9,7 @@ right after fp16_loss_scale, the step reads the gradients once, as plain
 optax's does.
 """
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,11 +39,9 @@ BETWEEN = {
 
 
 def _guarded(between, max_norm, expert_mask=None):
-  parts = [fs.fp16_loss_scale(fs.static_scaler(SCALE))]
-  if between is not None:
-    parts.append(between())
+  parts = [] if between is None else [between()]
   parts.append(fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask))
-  return fs.skip_on_overflow(optax.chain(*parts))
+  return guarded(fs.static_scaler(SCALE), *parts)
 
 
 def _oracle(between, max_norm):
@@ -189,22 +188,21 @@ def test_one_pass_over_the_gradients_like_plain_optax(dtype):
   assert count(ours) == count(floor)
 
 
-def test_an_overflow_in_between_is_caught_by_the_clip_and_skipped():
-  # A transformation in between that makes an inf from finite gradients: the
-  # pass of fp16_loss_scale saw none, the clip's own pass does. The step is
-  # skipped only by fp16_loss_scale's decision, so it is applied; the clip
-  # keeps its output finite (zeros) and reports no norm.
+def test_an_inf_made_in_between_is_applied_and_the_clip_passes_zeros():
+  """docs/design.md, "The hand-off to the clip": a transformation in between
+  that makes an inf from finite gradients. The pass of fp16_loss_scale saw
+  none, so the step is applied (no overflow, the scale does not back off,
+  the optimizer's count moves); the clip's own pass sees the inf and passes
+  zeros, reporting no norm."""
   blow_up = optax.stateless(lambda u, p: jax.tree.map(lambda x: x * 1e38, u))
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(fs.static_scaler(SCALE)),
-      blow_up,
-      fs.clip_by_unscaled_norm(1.0),
-    )
-  )
+  scaler = fs.deepspeed_scaler(init_scale=SCALE)
+  tx = guarded(scaler, blow_up, fs.clip_by_unscaled_norm(1.0), optax.adam(0.1))
   big = jax.tree.map(lambda g: g * 1e3, _scaled())
-  updates, state = jax.jit(tx.update)(big, tx.init(PARAMS), PARAMS)
+  state = tx.init(PARAMS)
+  updates, state = jax.jit(tx.update)(big, state, PARAMS)
   assert not bool(fs.scale_metrics(state)["overflow"])
+  assert float(fs.current_scale(state)) == SCALE
   for u in jax.tree.leaves(updates):
     np.testing.assert_array_equal(u, np.zeros_like(u))
-  assert float(state[-1].grad_norm) == 0.0
+  assert float(state[2].grad_norm) == 0.0  # the clip's own norm
+  assert int(state[3][0].count) == 1  # Adam's step: applied, not skipped

@@ -3,6 +3,7 @@
 import functools
 import warnings
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +23,7 @@ def make_tx(scaler, max_norm=10.0):
   # No optimizer after the clip: the chain's update is the unscaled, clipped
   # gradient itself, so "the applied update equals the true gradient" is an
   # exact equality to check.
-  return fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm))
-  )
+  return guarded(scaler, fs.clip_by_unscaled_norm(max_norm))
 
 
 def run(tx, steps, grads_fn=lambda i: TRUE_GRADS):
@@ -190,9 +189,7 @@ def test_scaler_argument_is_checked():
 
 
 def _guarded(scaler):
-  return fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0))
-  )
+  return guarded(scaler, optax.sgd(1.0))
 
 
 def test_float16_params_warn_that_there_are_no_float32_masters():

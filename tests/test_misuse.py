@@ -88,9 +88,11 @@ def test_a_scale_read_once_outside_the_step_and_closed_over():
   one, so after the first back-off every update is off by the scale's
   ratio. Refused loudly through the helper: ``fs.value_and_grad`` built
   from a state outside the step raises ValueError when the jitted step
-  calls it (but not yet when built in the step and called in a lax.scan
-  body that carries the state: the strict xfail in test_value_and_grad.py).
-  Built inside the step, it follows the scale as it moves."""
+  calls it. (Built in the step but outside a lax.scan body that carries
+  the state, it is not refused: JAX's public API cannot tell the two traces
+  apart, so the docstring says to build it where the state is, as
+  test_value_and_grad.py's scan-body test does.) Built inside the step, it
+  follows the scale as it moves."""
   state = TX.init(PARAMS)
   x, y = _batch(0)
   stale = fs.value_and_grad(loss, state)  # read once, outside the step

@@ -7,6 +7,7 @@ a message naming accumulate_gradients. Wrapped the other way, or with no
 MultiSteps, nothing is refused.
 """
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,13 +20,8 @@ PARAMS = {"w": jnp.zeros(2)}
 
 
 def _guarded():
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=2.0**10)),
-      fs.clip_by_unscaled_norm(1.0),
-      optax.sgd(1.0),
-    )
-  )
+  scaler = fs.deepspeed_scaler(init_scale=2.0**10)
+  return guarded(scaler, fs.clip_by_unscaled_norm(1.0), optax.sgd(1.0))
 
 
 def test_why_multisteps_is_refused():

@@ -5,6 +5,7 @@ the host helpers must give plain arrays back for every key, the accumulation
 keys included, with the values a count by hand gives.
 """
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +22,7 @@ K = 4
 def _optimizer():
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   tx = fs.accumulate_gradients(
-    fs.skip_on_overflow(
-      optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adamw(1e-3))
-    ),
-    every_k_schedule=K,
+    guarded(fs.torch_scaler(), optax.adamw(1e-3)), every_k_schedule=K
   )
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 

@@ -2,6 +2,8 @@
 bit-identical, and the run continues as if the step had never happened."""
 
 from helpers import bits as _bits
+from helpers import guarded
+from helpers import nested_params as _params
 from helpers import strip_bookkeeping as _strip_bookkeeping
 import jax
 import jax.numpy as jnp
@@ -10,17 +12,6 @@ import optax
 import pytest
 
 import fp16_scaling as fs
-
-
-def _params():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  return {
-    "dense": {
-      "kernel": jax.random.normal(k1, (4, 3)),
-      "bias": jnp.array([0.0, -0.0, 1.0]),
-    },
-    "out": jax.random.normal(k2, (3,)),
-  }
 
 
 def _true_grads(i):
@@ -33,16 +24,12 @@ def _true_grads(i):
 
 def _tx():
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20)
-  return fs.skip_on_overflow(
-    optax.chain(
-      # Powers of two only: unscaling is exact, so a run with a different
-      # scale history sees bit-identical unscaled gradients.
-      fs.fp16_loss_scale(
-        fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3)
-      ),
-      fs.clip_by_unscaled_norm(2.0),
-      optax.adamw(schedule, weight_decay=0.1),
-    )
+  return guarded(
+    # Powers of two only: unscaling is exact, so a run with a different
+    # scale history sees bit-identical unscaled gradients.
+    fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3),
+    fs.clip_by_unscaled_norm(2.0),
+    optax.adamw(schedule, weight_decay=0.1),
   )
 
 
@@ -114,10 +101,8 @@ def test_negative_zero_parameters_survive_a_skip():
 
 
 def _guarded(opt, clip):
-  parts = [fs.fp16_loss_scale(fs.static_scaler(4.0))]
-  if clip:
-    parts.append(fs.clip_by_unscaled_norm(1.0))
-  return fs.skip_on_overflow(optax.chain(*parts, opt))
+  clips = [fs.clip_by_unscaled_norm(1.0)] if clip else []
+  return guarded(fs.static_scaler(4.0), *clips, opt)
 
 
 _P0 = jnp.array([1.0, 2.0, 3.0])

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,9 +28,7 @@ _MADE = {}
 def make(scaler):
   """One transformation per scaler, so each jitted step compiles once."""
   if scaler not in _MADE:
-    _MADE[scaler] = fs.skip_on_overflow(
-      optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(0.1))
-    )
+    _MADE[scaler] = guarded(scaler, optax.sgd(0.1))
   return _MADE[scaler]
 
 

@@ -12,10 +12,10 @@ import dataclasses
 import json
 from typing import NamedTuple
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import fp16_scaling as fs
@@ -27,9 +27,7 @@ PARAMS = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
 
 
 def opt_state(grad_range=False, params=PARAMS):
-  tx = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(SCALER, grad_range=grad_range))
-  )
+  tx = guarded(SCALER, grad_range=grad_range)
   return tx.init(params)
 
 

@@ -12,6 +12,7 @@ from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
+from fp16_scaling._scaler import check_scaler
 from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
@@ -145,18 +146,8 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   ls = _lookup.loss_scale_state(opt_state)
   out = {"format": FORMAT, **_own_dict(ls)}
   if scaler is not None:
-    out["config"] = _peers.config(_scaler_arg(scaler))
+    out["config"] = _peers.config(check_scaler(scaler))
   return out
-
-
-def _scaler_arg(scaler: Any) -> Scaler:
-  """``scaler``, checked to be a :class:`Scaler`."""
-  if not isinstance(scaler, Scaler):
-    raise TypeError(
-      "scaler must be the Scaler the optimizer was built with (from a preset "
-      f"such as fs.torch_scaler()), got {type(scaler).__name__}"
-    )
-  return scaler
 
 
 _OWN_FIX = (
@@ -231,7 +222,7 @@ def load_scaler_state_dict(
     ValueError: an unknown state, a scale that is not a normal float32, or
       a configuration that disagrees with ``scaler``.
   """
-  scaler = _scaler_arg(scaler)
+  scaler = check_scaler(scaler)
   shared = isinstance(opt_state, ScalerState)
   old = opt_state if shared else _lookup.loss_scale_state(opt_state)
   peer, d = _recognise(state_dict)
@@ -288,7 +279,7 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
     ValueError: an unknown peer, a batched state, or a configuration the
       peer cannot run.
   """
-  scaler = _scaler_arg(scaler)
+  scaler = check_scaler(scaler)
   if peer not in _peers.EXPORTS:
     raise ValueError(
       f"peer must be one of {tuple(_peers.EXPORTS)}, got {peer!r}"

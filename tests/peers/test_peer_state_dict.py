@@ -7,6 +7,7 @@ the peer's own units). The reverse direction starts from fp16_scaling's state
 and loads ``to_peer_state_dict`` into a fresh peer.
 """
 
+from helpers import guarded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,9 +96,7 @@ _TX = {}
 def ours(scaler):
   """The guarded chain for ``scaler`` and its jitted step (built once)."""
   if scaler not in _TX:
-    tx = fs.skip_on_overflow(
-      optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(0.1))
-    )
+    tx = guarded(scaler, optax.sgd(0.1))
 
     @jax.jit
     def step(state, overflow):
