@@ -55,12 +55,11 @@ class Measurement(NamedTuple):
 
 
 class Handed(NamedTuple):
-  """An element's ``state`` with the step's ``measurement`` (and a shared
-  ``loss_scale``), as ``skip_on_overflow`` passes it to its own elements."""
+  """An element's ``state`` with the step's ``measurement``, as
+  ``skip_on_overflow`` passes it to its own elements."""
 
   state: Any
   measurement: Measurement
-  loss_scale: Any = None
 
 
 def measure(
@@ -90,15 +89,11 @@ def measure(
 
 
 def measure_step(
-  grads: Any,
-  opt_state: Any,
-  loss_scale: Optional[Any] = None,
-  *,
-  in_float16_range: bool = False,
+  grads: Any, opt_state: Any, *, in_float16_range: bool = False
 ) -> Measurement:
   """:func:`measure` of ``grads`` at the scale and with the partition specs
-  of ``opt_state`` (the scale of a shared ``loss_scale`` when given)."""
+  of ``opt_state``."""
   ls = _lookup.loss_scale_state(opt_state)
-  scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
+  scale = ls.scaler.loss_scale
   specs = ls.leaf_paths.partition_specs
   return measure(grads, scale, specs, in_float16_range=in_float16_range)

@@ -22,7 +22,8 @@ class ScalerState(NamedTuple):
     hysteresis_left: int32 overflows still absorbed before a back-off
       (``hysteresis - 1`` when full).
     min_scale_errors: int32 overflows at ``min_scale`` where DeepSpeed raises.
-    floor_overflows: int32 overflows at ``min_scale``, for every preset.
+    floor_overflows: int32 overflows at ``min_scale``, for every preset
+      (every overflow of a scale that cannot back off).
   """
 
   loss_scale: jax.Array
@@ -88,9 +89,10 @@ class Scaler:
     return self.headroom_bits is not None
 
   def at_floor(self, scale: jax.Array) -> jax.Array:
-    """Whether ``scale`` sits at the floor of a scale that backs off."""
+    """Whether ``scale`` sits at its floor: a scale that cannot back off
+    (static, or no scaling) always does."""
     if self.backoff_factor == 1.0:
-      return jnp.bool_(False)
+      return jnp.bool_(True)
     return scale <= jnp.float32(self.min_scale)
 
   def init(self) -> ScalerState:
