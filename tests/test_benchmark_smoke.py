@@ -368,3 +368,11 @@ def test_step_cost_keeps_every_name_it_had(bench):
   assert targets._verdict([1.0, 1.01, 1.02], 1.03).endswith("ok (<= 1.03x)")
   assert "MISS" in targets._verdict([1.2, 1.3, 1.4], 1.03)
   assert "import step_cost" not in RECIPES.read_text()
+
+
+def test_sync_cost_runs(capsys):
+  """benchmarks/sync_cost.py, tiny: one round, both rows timed."""
+  module = helpers.load_script(ROOT / "benchmarks" / "sync_cost.py")
+  module.main(["--rounds", "1", "--leaves", "2", "--size", "8"])
+  out = capsys.readouterr().out
+  assert "without sync" in out and "1 rounds" in out
