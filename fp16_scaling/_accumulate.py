@@ -83,6 +83,7 @@ def accumulate_gradients(
       ``on_microbatch_overflow``; at ``init``, not one ``fp16_loss_scale`` in
       ``tx``, or inside :func:`skip_on_overflow`; at ``update``, gradients
       whose tree or shapes differ from the params.
+    TypeError: at ``update``, a ``value`` that is not a floating scalar.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs

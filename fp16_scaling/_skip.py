@@ -67,6 +67,10 @@ def skip_on_overflow(
     updates`` keeps every bit of ``params``) and the inner state is
     unchanged but for :class:`LossScaleState` and :class:`ClipState`.
 
+    Inside another ``skip_on_overflow`` (a trainer wrapping what the user
+    built), it runs ``inner`` on the state handed on: the outer one
+    measures and skips, and the two are one skip.
+
   Raises:
     ValueError: at ``init`` and ``update``, unless ``inner``'s first element,
       and only it, is an ``fp16_loss_scale`` (docs/design.md).
