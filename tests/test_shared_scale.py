@@ -647,3 +647,18 @@ def test_unequal_states_take_an_overflowed_one_then_the_lowest():
   b = batched(jnp.array([32.0, 32.0]), jnp.array([True, False]))
   scales = fs.sync_loss_scales(a, b)[0][0].scaler.loss_scale
   np.testing.assert_array_equal(scales, [16.0, 8.0])
+
+
+def test_a_synced_deepspeed_scale_at_its_floor_raises_on_every_state():
+  """DeepSpeed raises when any optimizer's overflow hits the floor of the
+  one scale: after the sync every optimizer's state says so."""
+  scaler = fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)
+  tx0, tx1 = _pair(scaler)
+  p = jnp.ones(2)
+  _, s0 = tx0.update(jnp.ones(2), tx0.init(p), p)
+  _, s1 = tx1.update(jnp.array([1.0, jnp.inf]), tx1.init(p), p)
+  fs.raise_if_min_scale_reached(s0)  # before the sync: its own, clean
+  for s in fs.sync_loss_scales(s0, s1):
+    assert int(s[0].scaler.min_scale_errors) == 1
+    with pytest.raises(fs.MinLossScaleError, match="already at minimum"):
+      fs.raise_if_min_scale_reached(s)
