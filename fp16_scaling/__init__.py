@@ -25,8 +25,7 @@ from fp16_scaling._scaler import megatron_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
-from fp16_scaling._shared import SharedLossScale
-from fp16_scaling._shared import shared_loss_scale
+from fp16_scaling._shared import sync_loss_scales
 from fp16_scaling._skip import skip_on_overflow
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState
@@ -54,7 +53,6 @@ __all__ = [
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
-  "SharedLossScale",
   "accumulate_gradients",
   "cast_report",
   "clip_by_unscaled_norm",
@@ -73,9 +71,9 @@ __all__ = [
   "scaler_from_state_dict",
   "scaler_state_dict",
   "set_loss_scale",
-  "shared_loss_scale",
   "skip_on_overflow",
   "static_scaler",
+  "sync_loss_scales",
   "to_peer_state_dict",
   "torch_scaler",
   "value_and_grad",

@@ -16,7 +16,6 @@ from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 from fp16_scaling import _validate
-from fp16_scaling._loss_scale import _scalar_value
 from fp16_scaling._states import AccumulationState
 
 POLICIES = ("skip_step", "drop_microbatch")
@@ -84,6 +83,7 @@ def accumulate_gradients(
       ``on_microbatch_overflow``; at ``init``, not one ``fp16_loss_scale`` in
       ``tx``, or inside :func:`skip_on_overflow`; at ``update``, gradients
       whose tree or shapes differ from the params.
+    TypeError: at ``update``, a ``value`` that is not a floating scalar.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -218,7 +218,7 @@ class _Losses(NamedTuple):
   def of(cls, value, state: AccumulationState, window: _Window, drop: bool):
     if value is None:
       return cls(state.loss_sum, state.loss_nonfinite, None)
-    value = _scalar_value(value).astype(jnp.float32)
+    value = _validate.scalar_loss(value).astype(jnp.float32)
     loss_sum = state.loss_sum + value * window.inv_k
     if drop:
       loss_sum = jnp.where(window.bad, state.loss_sum, loss_sum)
@@ -270,9 +270,7 @@ def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
   def run_inner(acc, inner_state, params):
     mean = mean_of(acc)
     # The one measurement of the mean, handed to the guarded chain.
-    m = _measure.measure_step(
-      mean, inner_state, extra_args.get("loss_scale"), in_float16_range=in_range
-    )
+    m = _measure.measure_step(mean, inner_state, in_float16_range=in_range)
     out = tx.update(mean, inner_state, params, measurement=m, **extra_args)
     return out, m.overflow
 

@@ -12,7 +12,6 @@ import numpy as np
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._metrics import headroom_bits
-from fp16_scaling._scaler import ScalerState
 from fp16_scaling._states import KINDS
 
 _ADVICE = {
@@ -32,9 +31,8 @@ _ADVICE = {
     "The loss was finite and the scaled gradients overflowed float16: the "
     "scale was too high. The scale was not lowered on this step: hysteresis "
     "absorbed the overflow (the scale backs off on the next overflow before "
-    "a growth), or the scale is static and never backs off. Act only if "
-    "skipped steps keep piling up: lower the initial (or static) scale or "
-    "lengthen the growth window."
+    "a growth). Act only if skipped steps keep piling up: lower the initial "
+    "scale or lengthen the growth window."
   ),
   "forward": (
     "The loss itself was not finite: the forward pass overflowed (float16 "
@@ -43,11 +41,13 @@ _ADVICE = {
     "in float32, check the input batch, or lower the learning rate."
   ),
   "persistent": (
-    "The scale sits at its floor and the gradients still overflow: this is "
-    "not a scaling problem. The listed leaves hold inf or NaN at any scale: "
-    "look for a diverged parameter, bad input data or a learning rate too "
-    "high in their layers; pass value=loss to see whether the loss itself "
-    "is finite."
+    "The scale sits at its floor (a static scale, or no scaling, cannot "
+    "back off: it always does) and the gradients still overflow: no "
+    "back-off fixes this. The listed leaves hold inf or NaN: look for a "
+    "diverged parameter, bad input data or a learning rate too high in "
+    "their layers; pass value=loss to see whether the loss itself is "
+    "finite. A static scale may also be too high: lower it, or use a "
+    "dynamic scaler."
   ),
 }
 
@@ -178,9 +178,7 @@ def _fmt_scale(s: float) -> str:
   return f"{s:g}"
 
 
-def overflow_report(
-  opt_state: Any, *, top: int = 10, loss_scale: Any = None
-) -> OverflowReport:
+def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
   """Which gradient leaves overflowed, how often, at what scale, and why.
 
   Reads the state that ``fp16_loss_scale`` keeps; call it on the host.
@@ -188,9 +186,6 @@ def overflow_report(
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`.
     top: how many leaves the printed report lists; an integer >= 1.
-    loss_scale: for an optimizer that shares its scale, the shared scale's
-      state after ``shared.update`` (the next scale and the floor count
-      are its); for any other, None.
 
   Returns:
     An :class:`OverflowReport`; ``print`` it for a readable summary.
@@ -214,11 +209,6 @@ def overflow_report(
   top = _validate.count("top", top)
   _lookup.require_host(opt_state, "overflow_report")
   ls = _lookup.loss_scale_state(opt_state)
-  if loss_scale is not None or ls.leaf_paths.shared:
-    if not ls.leaf_paths.shared:
-      raise ValueError("overflow_report: loss_scale= is for a shared scale")
-    given = opt_state if loss_scale is None else loss_scale  # None: refused
-    ls = ls._replace(scaler=_lookup.scaler_state(given, "loss_scale"))
   host = jax.device_get(ls._replace(leaf_paths=None))
   if np.ndim(host.overflow):
     raise ValueError(
@@ -255,24 +245,33 @@ def overflow_report(
 
 
 def raise_if_min_scale_reached(
-  opt_state: Any, *, max_floor_overflows: Optional[int] = None
+  opt_state: Any,
+  *,
+  max_floor_overflows: Optional[int] = None,
+  max_consecutive_errors: Optional[int] = None,
 ) -> None:
   """Host-side check: raises where DeepSpeed's ``raise_error_at_min_scale``
-  would, or for any preset once its scale keeps overflowing at its floor.
+  would, or for any preset once its scale keeps overflowing at its floor,
+  or once too many steps in a row were skipped.
 
   A jitted step cannot raise, so the state counts those overflows; call this
-  on the host (say when logging).
+  on the host (say when logging). A scale that cannot back off
+  (:func:`static_scaler`, :func:`no_scaler`) is always at its floor.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState`, or a
-      shared scale's :class:`ScalerState`.
+    opt_state: an optax state holding one :class:`LossScaleState`.
     max_floor_overflows: if set (an integer >= 1), also raise once this many
       overflows hit the floor, whatever the preset.
+    max_consecutive_errors: if set (an integer >= 1), also raise once this
+      many steps in a row were skipped (``consecutive_skipped_steps``), as
+      ``optax.apply_if_finite``'s argument of that name stops applying.
+      A dynamic scaler skips some steps in a row while it backs off from a
+      high initial scale (about 16 from DeepSpeed's 2^32): leave room.
 
   Raises:
     TypeError: called inside ``jit`` (``opt_state`` holds tracers).
     MinLossScaleError: an overflow hit the floor with
-      ``raise_error_at_min_scale=True``, or ``max_floor_overflows`` did.
+      ``raise_error_at_min_scale=True``, or a limit was reached.
 
   Examples:
     >>> import jax.numpy as jnp, fp16_scaling as fs
@@ -286,30 +285,47 @@ def raise_if_min_scale_reached(
     fp16_scaling.MinLossScaleError: Current loss scale already at
     minimum (1.0) - cannot decrease scale anymore: 1 overflowing step(s) ...
   """
-  if max_floor_overflows is not None:
-    max_floor_overflows = _validate.count(
-      "max_floor_overflows", max_floor_overflows
-    )
+  limits = {
+    "max_floor_overflows": max_floor_overflows,
+    "max_consecutive_errors": max_consecutive_errors,
+  }
+  limits = {
+    k: _validate.count(k, v) for k, v in limits.items() if v is not None
+  }
   _lookup.require_host(opt_state, "raise_if_min_scale_reached")
-  scaler = jax.device_get(_lookup.scaler_state(opt_state))
+  ls = _lookup.loss_scale_state(opt_state)
+  ls = jax.device_get(ls._replace(leaf_paths=None))
   # Summed, so that a batched (vmapped) state raises if any member would.
-  errors = int(np.sum(scaler.min_scale_errors))
-  at_floor = int(np.max(scaler.floor_overflows))
+  errors = int(np.sum(ls.scaler.min_scale_errors))
+  counts = {
+    "max_floor_overflows": int(np.max(ls.scaler.floor_overflows)),
+    "max_consecutive_errors": int(np.max(ls.consecutive_skipped_steps)),
+  }
+  reached = [k for k in limits if counts[k] >= limits[k]]
+  scale = float(np.min(ls.scaler.loss_scale))
+  at_min = (
+    f"Current loss scale already at minimum ({scale}) - cannot decrease "
+    "scale anymore: "
+  )
   if errors:
     why = (
-      f"{errors} overflowing step(s) hit the floor (DeepSpeed raises here; "
-      "raise_error_at_min_scale=True)"
+      f"{at_min}{errors} overflowing step(s) hit the floor (DeepSpeed "
+      "raises here; raise_error_at_min_scale=True)"
     )
-  elif max_floor_overflows is not None and at_floor >= max_floor_overflows:
+  elif "max_floor_overflows" in reached:
     why = (
-      f"{at_floor} overflowing step(s) hit the floor "
-      f"(max_floor_overflows={max_floor_overflows})"
+      f"{at_min}{counts['max_floor_overflows']} overflowing step(s) hit "
+      f"the floor (max_floor_overflows={limits['max_floor_overflows']})"
+    )
+  elif reached:
+    why = (
+      f"{counts['max_consecutive_errors']} steps in a row were skipped "
+      f"(max_consecutive_errors={limits['max_consecutive_errors']}), the "
+      f"last at loss scale {scale}"
     )
   else:
     return
-  if isinstance(opt_state, ScalerState):  # a shared scale: no leaves
-    detail = " See each optimizer's overflow_report for its leaves."
-  elif np.ndim(scaler.loss_scale) == 0:
+  if np.ndim(ls.scaler.loss_scale) == 0:
     report = overflow_report(opt_state, top=5)
     detail = (
       f" Last overflow: {report.kind}. Leaves that kept overflowing: "
@@ -317,8 +333,4 @@ def raise_if_min_scale_reached(
     )
   else:  # a batched state: the report reads one member's leaves
     detail = " Call overflow_report on one member to see its leaves."
-  raise MinLossScaleError(
-    f"Current loss scale already at minimum "
-    f"({float(np.min(scaler.loss_scale))}) - cannot "
-    f"decrease scale anymore: {why}.{detail}"
-  )
+  raise MinLossScaleError(f"{why}.{detail}")

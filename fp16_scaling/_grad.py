@@ -2,11 +2,13 @@
 state inside the trace, and the unscaled loss.
 """
 
+import sys
 from typing import Any, Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 
+from fp16_scaling import _validate
 from fp16_scaling._metrics import current_scale
 
 _STALE = (
@@ -18,9 +20,53 @@ _STALE = (
 )
 
 
+_FLOAT16_LOSS = (
+  "fs.value_and_grad: fun returned a float16 loss. Its cotangent is the "
+  "loss scale S in float16, which is inf once S > 65504: every step at a "
+  "scale of 2^16 or more overflows, and the scale stays below it. Reduce "
+  "the loss in float32, e.g. jnp.mean(per_example.astype(jnp.float32))."
+)
+
+
 def _is_traced(x) -> bool:
   """Whether ``x`` is a tracer."""
   return isinstance(x, jax.core.Tracer)
+
+
+def _scale_of(state):
+  """The loss scale held by ``state``, an optax state or nnx.Optimizer."""
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
+    raise ValueError(
+      "fs.value_and_grad: the state holds ShapeDtypeStructs (from "
+      "jax.eval_shape(tx.init, params)), shapes without values: pass the "
+      "state tx.init(params) returned, or the one the step receives"
+    )
+  return current_scale(state.opt_state if _is_nnx_optimizer(state) else state)
+
+
+def _is_nnx_optimizer(state) -> bool:
+  """Whether ``state`` is an ``nnx.Optimizer`` (of a loaded flax.nnx)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(state, nnx.Optimizer)
+
+
+def _split_output(out, has_aux: bool) -> tuple:
+  """``(loss, aux)`` of ``fun``'s output, with the mistakes named."""
+  if has_aux != isinstance(out, (tuple, list)) or (has_aux and len(out) != 2):
+    got = "one value"
+    if isinstance(out, (tuple, list)):
+      got = f"a {type(out).__name__} of {len(out)}"
+    raise TypeError(
+      f"fs.value_and_grad: fun returned {got}, with has_aux={has_aux}: "
+      "return the loss alone, or pass has_aux=True and return (loss, aux)"
+    )
+  loss, aux = out if has_aux else (out, None)
+  what = "fs.value_and_grad: fun's " + (
+    "first output (with has_aux=True it returns (loss, aux))"
+    if has_aux
+    else "loss"
+  )
+  return _validate.scalar_loss(loss, what), aux
 
 
 def value_and_grad(
@@ -36,8 +82,10 @@ def value_and_grad(
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
       unscaled and not divided by the number of microbatches.
-    state: what holds the scale: the optimizer state, a shared scale's
-      state, or an ``nnx.Optimizer`` (then ``fun`` takes nnx Modules).
+    state: what holds the scale: the optimizer state (of any of several
+      optimizers that :func:`sync_loss_scales` keeps at one scale), a
+      ``TrainState`` holding it, or an ``nnx.Optimizer`` (then ``fun``
+      takes nnx Modules).
     argnums: as for ``jax.value_and_grad``.
     has_aux: as for ``jax.value_and_grad``.
     **kwargs: passed to ``jax.value_and_grad``.
@@ -51,7 +99,14 @@ def value_and_grad(
     ValueError: called inside ``jit`` with a state from outside any trace.
       Build it where the state is: inside a ``lax.scan`` body that carries
       the state, from the carried state (one built outside the body is not
-      caught).
+      caught). Also for a state that holds no scale (params, ``tx``, a
+      ``jax.eval_shape`` state).
+    TypeError: ``fun``'s output does not fit ``has_aux``, or its loss is not
+      a floating scalar.
+
+  Warns:
+    UserWarning: ``fun``'s loss is float16 (its cotangent, the scale,
+      overflows float16 above 65504).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
@@ -64,18 +119,11 @@ def value_and_grad(
     >>> print(value, grads)  # the loss, and the gradients at scale 8
     5.0 [16. 32.]
   """
-  nnx_optimizer = hasattr(state, "opt_state")
-  scale = current_scale(state.opt_state if nnx_optimizer else state)
+  nnx_optimizer = _is_nnx_optimizer(state)
+  scale = _scale_of(state)
 
   def scaled(*args, **kw):
-    out = fun(*args, **kw)
-    value, aux = out if has_aux else (out, None)
-    value = jnp.asarray(value)
-    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
-      raise TypeError(
-        "fs.value_and_grad: fun must return a floating scalar loss (and an "
-        f"aux value with has_aux=True), got {value.dtype}{list(value.shape)}"
-      )
+    value, aux = _split_output(fun(*args, **kw), has_aux)
     return value.astype(jnp.float32) * scale, (value, aux)
 
   if nnx_optimizer:
@@ -90,6 +138,8 @@ def value_and_grad(
     if traced and not _is_traced(scale):
       raise ValueError(_STALE)
     grads, (value, aux) = grad(*args, **kw)
+    if value.dtype == jnp.float16:
+      _validate.warn(_FLOAT16_LOSS)
     return ((value, aux) if has_aux else value), grads
 
   return value_and_scaled_grad

@@ -64,6 +64,15 @@ _MULTISTEPS = (
 )
 
 
+def _described(x: Any) -> str:
+  """What ``x`` is, for a message."""
+  if isinstance(x, optax.GradientTransformation):
+    return "which is the optimizer (tx) itself, not its state"
+  if isinstance(x, dict):
+    return f"a dict with keys {sorted(map(str, x))[:6]}"
+  return f"a {type(x).__name__}"
+
+
 def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   """The one :class:`LossScaleState` in ``opt_state``.
 
@@ -95,8 +104,9 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
         "flax.serialization.from_state_dict(tx.init(params), restored)."
       )
     raise ValueError(
-      f"no fp16_loss_scale state found in {what}: build the optimizer with "
-      "fp16_loss_scale(...) in its chain"
+      f"no fp16_loss_scale state found in {what}, {_described(opt_state)}. "
+      "Pass the optimizer state that tx.init(params) or tx.update returned, "
+      "of a chain built with fp16_loss_scale(...)"
     )
   paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
   raise ValueError(
@@ -106,20 +116,8 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
 
 
 def scaler_state(state: Any, what: str = "opt_state") -> ScalerState:
-  """The scale machine's state: ``state`` itself when it is a shared
-  scale's :class:`ScalerState`, else that of its one loss-scale state,
-  which must own its scale (a shared optimizer's holds a past copy)."""
-  if isinstance(state, ScalerState):
-    return unwrap(state)
-  ls = loss_scale_state(state, what)
-  if ls.leaf_paths.shared:
-    raise ValueError(
-      f"{what} is that of an optimizer that shares its loss scale "
-      "(fp16_loss_scale(shared)): it holds the scale of its last step, not "
-      "the scale machine's state. Pass the shared scale's state instead, "
-      "as in fs.current_scale(scale_state)."
-    )
-  return ls.scaler
+  """The scale machine's state in ``state``'s one loss-scale state."""
+  return loss_scale_state(state, what).scaler
 
 
 def require_host(opt_state: Any, helper: str) -> None:
@@ -177,8 +175,7 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   Traceable; the growth tracker and hysteresis are left as they are.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState`, or a
-      shared scale's :class:`ScalerState`.
+    opt_state: an optax state holding one :class:`LossScaleState`.
     scale: a positive normal finite float32, or a float32 scalar array.
 
   Returns:
@@ -197,10 +194,6 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   """
   if not hasattr(scale, "dtype"):
     scale = _validate.scale("scale", scale)
-  if isinstance(opt_state, ScalerState):
-    scale = jnp.full_like(opt_state.loss_scale, scale)
-    return opt_state._replace(loss_scale=scale)
-  scaler_state(opt_state)  # refuses a shared optimizer's past copy
   old = loss_scale_state(opt_state)
   loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
   new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))

@@ -4,8 +4,7 @@ step the loss scale for the next step (docs/design.md, "State").
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Union
-import warnings
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,6 @@ from fp16_scaling._measure import Handed
 from fp16_scaling._measure import Measurement
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
-from fp16_scaling._shared import SharedLossScale
 from fp16_scaling._states import BACKWARD
 from fp16_scaling._states import FORWARD
 from fp16_scaling._states import KINDS
@@ -39,15 +37,6 @@ _UNGUARDED = (
   "optimizer after it still runs on an overflow step and its momentum moves "
   f"the parameters. Wrap the whole chain: {RECIPE}."
 )
-_SHARED = (
-  "fp16_loss_scale(shared) has no scale of its own: pass the shared scale's "
-  "state to every update, tx.update(grads, opt_state, params, "
-  "loss_scale=scale_state), and step it once with shared.update(...)"
-)
-_OWNED = (
-  "this fp16_loss_scale owns its scale, and was passed loss_scale=: build "
-  "it as fp16_loss_scale(fs.shared_loss_scale(scaler)) to share one"
-)
 
 
 def _gradient_tree(params):
@@ -61,14 +50,13 @@ def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
   n = len(paths)
   if len(leaves) == n:
     return lambda x: x
-  warnings.warn(
+  _validate.warn(
     f"fp16_loss_scale: the gradients have {len(leaves)} leaves, the params "
     f"its init saw had {n}: a wrapper whose params are not the gradients' "
     "tree. Overflow detection, the scale and the norms are unaffected, but "
     "per-leaf attribution is off (overflow_report names no leaves). Build "
     "the state with tx.init(params) from params of the gradients' tree to "
     "have it.",
-    stacklevel=4,
   )
   return lambda x: jnp.zeros(x.shape[:-1] + (n,), x.dtype)
 
@@ -76,13 +64,12 @@ def _leaf_fitter(paths: LeafPaths, leaves) -> Callable:
 def _warn_float16_params(leaves) -> None:
   """Warns of float16 parameters: they have no float32 master copy."""
   if any(jnp.result_type(x) == jnp.float16 for x in leaves):
-    warnings.warn(
+    _validate.warn(
       "fp16_loss_scale: some params are float16, so the optimizer updates "
       "float16 weights and small updates round away (no float32 master "
       "weights). Keep the params in float32 and compute in float16: Flax "
       "nnx.Linear(..., dtype=jnp.float16, param_dtype=jnp.float32), Linen "
       "nn.Dense(..., dtype=jnp.float16), or cast in the forward pass.",
-      stacklevel=4,
     )
 
 
@@ -90,43 +77,59 @@ def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
   """bfloat16 has float32's exponent range: a loss scale only costs."""
   scaled = scaler.dynamic or scaler.init_scale != 1.0
   if scaled and any(jnp.result_type(x) == jnp.bfloat16 for x in leaves):
-    warnings.warn(
+    _validate.warn(
       "fp16_loss_scale: the gradients are bfloat16, which has float32's "
       "exponent range and needs no loss scaling; a scale other than 1 "
       "only risks overflow. Use fs.no_scaler() (non-finite steps are still "
       "skipped), or from_deepspeed_config with fp16.enabled false.",
-      stacklevel=4,
     )
 
 
-def _leaf_paths(tree, scaler, partition_specs, shared) -> LeafPaths:
+def _names(tree) -> list:
+  """The leaves' names: their paths, an nnx ``Variable``'s without its
+  ``.value``, and ``<root>`` for a bare array."""
+  names = []
+  for path, _ in jax.tree_util.tree_leaves_with_path(tree):
+    last = path[-1] if path else None
+    if len(path) > 1 and getattr(last, "name", None) == "value":
+      path = path[:-1]
+    names.append(jax.tree_util.keystr(path) or "<root>")
+  return names
+
+
+def _leaf_paths(tree, scaler, partition_specs) -> LeafPaths:
   """The leaves' names and sizes, with the configuration built for."""
-  with_paths = jax.tree_util.tree_leaves_with_path(tree)
   return LeafPaths(
-    [jax.tree_util.keystr(path) for path, _ in with_paths],
-    [jnp.size(x) for _, x in with_paths],
+    _names(tree),
+    [jnp.size(x) for x in jax.tree.leaves(tree)],
     scaler=scaler,
-    shared=shared,
     specs=partition_specs,
   )
 
 
-def _scalar_value(value) -> jax.Array:
-  """The loss passed as ``value=``, checked to be one scalar."""
-  try:
-    value = jnp.asarray(value)
-  except TypeError as e:
-    raise TypeError(
-      f"fp16_loss_scale: value (the loss, tx.update(grads, state, params, "
-      f"value=loss)) must be a scalar array: {e}"
-    ) from None
-  if value.shape != ():
+def _listed(names) -> str:
+  """The first names, for a message."""
+  return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _check_gradient_tree(updates, params) -> None:
+  """Raises when ``params`` are given and the gradients are not of their
+  tree (of its fast weights under ``optax.lookahead``)."""
+  if params is None:
+    return
+  params = _gradient_tree(params)
+  if jax.tree.structure(updates) == jax.tree.structure(params):
+    return
+  grads, names = _names(updates), _names(params)
+  if grads != names:
     raise ValueError(
-      "fp16_loss_scale: value (the loss, tx.update(grads, state, params, "
-      f"value=loss)) must be a scalar, got shape {value.shape}; pass the "
-      "mean loss, not per-example losses"
+      f"fp16_loss_scale: the gradients are not of the params' tree: "
+      f"{len(grads)} leaves ({_listed(grads)}) for {len(names)} params "
+      f"({_listed(names)}). A "
+      "gradient with argnums=(0, 1), or of the batch, holds more than the "
+      "params': take the gradient with respect to the params alone "
+      "(argnums=0, or the argnums of the params), and pass that."
     )
-  return value
 
 
 def _overflow_kind(overflow, value, at_floor) -> jax.Array:
@@ -170,7 +173,7 @@ def _log_overflow(paths, skipped, kind, old, new, nonfinite):
 
 
 def fp16_loss_scale(
-  scaler: Union[Scaler, SharedLossScale],
+  scaler: Scaler,
   *,
   partition_specs: Optional[Any] = None,
   grad_range: bool = False,
@@ -184,8 +187,8 @@ def fp16_loss_scale(
   (pass ``value=loss`` to tell forward from backward), and steps ``scaler``.
 
   Args:
-    scaler: a :class:`Scaler` from a preset, or a :func:`shared_loss_scale`
-      (then ``update`` takes its state as ``loss_scale=``).
+    scaler: a :class:`Scaler` from a preset (several optimizers keep one
+      scale with :func:`sync_loss_scales`).
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
       pytree, so that overflow and norm are global.
     grad_range: also record each leaf's :class:`GradRange` (two more
@@ -200,8 +203,9 @@ def fp16_loss_scale(
   Raises:
     TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
     RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
-    ValueError: from ``update``: a state of another scaler, a misplaced or
-      missing ``loss_scale=``, a ``value`` that is not a scalar.
+    ValueError: from ``update``: a state of another scaler, gradients of
+      another tree than the params'.
+    TypeError: from ``update``: a ``value`` that is not a floating scalar.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
@@ -223,13 +227,9 @@ def fp16_loss_scale(
   References:
     Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
-  shared = isinstance(scaler, SharedLossScale)
-  scaler = scaler.scaler if shared else scaler
-  check_scaler(scaler, also=", or a shared_loss_scale(...)")
+  check_scaler(scaler)
   grad_range = _validate.flag("grad_range", grad_range)
   log_overflows = _validate.flag("log_overflows", log_overflows)
-  # A shared headroom scale reads each optimizer's range in shared.update.
-  keep_range = grad_range or (shared and scaler.needs_grad_max)
 
   def init_fn(params):
     register_with_flax()
@@ -238,32 +238,28 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    paths = _leaf_paths(params, scaler, partition_specs, shared)
-    return _initial_state(scaler.init(), paths, keep_range)
+    paths = _leaf_paths(params, scaler, partition_specs)
+    return _initial_state(scaler.init(), paths, grad_range)
 
   def update_fn(updates, state, params=None, **extra):
-    del params
     if not isinstance(state, Handed):
       raise RuntimeError(_UNGUARDED)
-    state, measurement, loss_scale = state
-    if shared != (loss_scale is not None):
-      raise ValueError(_SHARED if shared else _OWNED)
+    state, measurement = state
     # The state must be this transformation's own; then the measurement,
     # made with the state's partition specs, checked them on ``updates``.
-    _check_built_here(state.leaf_paths, scaler, partition_specs, shared)
+    _check_built_here(state.leaf_paths, scaler, partition_specs)
+    _check_gradient_tree(updates, params)
     value = extra.get("value")
     if value is not None:
-      value = _scalar_value(value)
+      value = _validate.scalar_loss(value)
     leaves, treedef = jax.tree.flatten(updates)
     _warn_bfloat16_grads(leaves, scaler)
     grad_range_now = None
     if grad_range or scaler.needs_grad_max:
       grad_range_now = _grad_range(leaves, measurement)
     new_state = _next_state(
-      scaler, state, measurement, value, grad_range_now, keep_range=keep_range
+      scaler, state, measurement, value, grad_range_now, keep_range=grad_range
     )
-    if shared:  # the caller steps the shared scale; record the one given
-      new_state = new_state._replace(scaler=loss_scale)
     if log_overflows:
       _log_if_overflow(state, new_state)
     outputs = jax.tree.unflatten(treedef, measurement.unscaled(leaves))
@@ -273,13 +269,11 @@ def fp16_loss_scale(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_built_here(paths: LeafPaths, scaler, specs, shared) -> None:
+def _check_built_here(paths: LeafPaths, scaler, specs) -> None:
   """Raises when the state was built by another configuration."""
-  if paths == LeafPaths((), (), scaler=scaler, shared=shared, specs=specs):
+  if paths == LeafPaths((), (), scaler=scaler, specs=specs):
     return
   what = "other partition_specs"
-  if paths.shared != shared:
-    what = "a shared scale" if paths.shared else "a scale of its own"
   if paths.scaler != scaler and paths.scaler is not None:
     theirs, mine = dataclasses.asdict(paths.scaler), dataclasses.asdict(scaler)
     diff = [
@@ -306,6 +300,7 @@ def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
     prev_loss_scale=jnp.array(scaler_state.loss_scale, copy=True),
     overflow=jnp.bool_(False),
     skipped_steps=jnp.zeros([], jnp.int32),
+    consecutive_skipped_steps=jnp.zeros([], jnp.int32),
     grad_norm=jnp.zeros([], jnp.float32),
     leaf_nonfinite=jnp.zeros([n], jnp.bool_),
     leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
@@ -336,6 +331,9 @@ def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
     prev_loss_scale=scale,
     overflow=overflow,
     skipped_steps=state.skipped_steps + overflow.astype(jnp.int32),
+    consecutive_skipped_steps=jnp.where(
+      overflow, state.consecutive_skipped_steps + 1, 0
+    ),
     grad_norm=norms.norm * measurement.inv_scale,
     leaf_nonfinite=leaf_nonfinite,
     leaf_nonfinite_steps=state.leaf_nonfinite_steps

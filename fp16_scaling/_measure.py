@@ -87,13 +87,10 @@ class Handed(NamedTuple):
   Attributes:
     state: the element's own state.
     measurement: the step's :class:`Measurement`.
-    loss_scale: a shared scale's ``ScalerState`` (to ``fp16_loss_scale``
-      only), else None.
   """
 
   state: Any
   measurement: Measurement
-  loss_scale: Any = None
 
 
 def measure(
@@ -140,11 +137,7 @@ def measure(
 
 
 def measure_step(
-  grads: Any,
-  opt_state: Any,
-  loss_scale: Optional[Any] = None,
-  *,
-  in_float16_range: bool = False,
+  grads: Any, opt_state: Any, *, in_float16_range: bool = False
 ) -> Measurement:
   """:func:`measure` of ``grads`` as ``opt_state`` made them.
 
@@ -153,8 +146,6 @@ def measure_step(
     opt_state: the guarded chain's state; its one ``LossScaleState`` gives
       the scale and the partition specs its ``fp16_loss_scale`` was built
       with.
-    loss_scale: a shared scale's ``ScalerState``, whose scale is used
-      instead, or None.
     in_float16_range: see :class:`Measurement`.
 
   Returns:
@@ -164,6 +155,6 @@ def measure_step(
     ValueError: ``opt_state`` holds no loss-scale state, or more than one.
   """
   ls = _lookup.loss_scale_state(opt_state)
-  scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
+  scale = ls.scaler.loss_scale
   specs = ls.leaf_paths.partition_specs
   return measure(grads, scale, specs, in_float16_range=in_float16_range)

@@ -20,6 +20,8 @@ class ScaleMetrics(TypedDict, total=False):
     prev_loss_scale: the scale the last step's gradients were made with.
     overflow: bool, whether the last step overflowed (and was skipped).
     skipped_steps: int32 count of overflowing steps so far.
+    consecutive_skipped_steps: int32 overflowing steps in a row, up to the
+      last one (0 after a clean step).
     grad_norm: true (unscaled) global norm before clipping; 0.0 on overflow.
     expert_grad_norm: the expert leaves' part of ``grad_norm``.
     shared_grad_norm: the other leaves' part of ``grad_norm``.
@@ -39,6 +41,7 @@ class ScaleMetrics(TypedDict, total=False):
   prev_loss_scale: jax.Array
   overflow: jax.Array
   skipped_steps: jax.Array
+  consecutive_skipped_steps: jax.Array
   grad_norm: jax.Array
   expert_grad_norm: jax.Array
   shared_grad_norm: jax.Array
@@ -59,13 +62,10 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 
   Args:
     opt_state: an optax state holding one :class:`LossScaleState`, at any
-      depth, or a shared scale's :class:`ScalerState`.
+      depth.
 
   Returns:
     A float32 scalar array (traceable).
-
-  Raises:
-    ValueError: the state is that of an optimizer that shares its scale.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -117,6 +117,7 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "prev_loss_scale": ls.prev_loss_scale,
     "overflow": ls.overflow,
     "skipped_steps": ls.skipped_steps,
+    "consecutive_skipped_steps": ls.consecutive_skipped_steps,
     "floor_overflows": ls.scaler.floor_overflows,
     "overflow_kind": ls.overflow_kind,
     # Per-leaf vectors hold the leaves on their last axis (a batched state
@@ -126,8 +127,6 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
   }
-  if ls.leaf_paths.shared:
-    del metrics["loss_scale"]  # the shared state's, not this optimizer's
   if ls.grad_range is not None:
     max_abs = ls.grad_range.max_abs
     sizes = jnp.asarray(ls.leaf_paths.sizes, jnp.float32)

@@ -21,16 +21,17 @@ class ScalerState(NamedTuple):
     growth_tracker: int32 clean steps counted towards the next growth.
     hysteresis_left: int32 overflows still absorbed before a back-off
       (``hysteresis - 1`` when full).
-    min_scale_errors: int32 overflows that found the scale at its floor and
-      could not back off (no hysteresis left, ``scale <= min_scale``, a
-      scale that backs off), counted only when ``raise_at_min_scale``
-      (DeepSpeed's ``raise_error_at_min_scale``, where DeepSpeed raises):
+    min_scale_errors: int32 overflows that found the scale at its floor
+      (:meth:`Scaler.at_floor`) with no hysteresis left, so that it could
+      not back off, counted only when ``raise_at_min_scale`` (DeepSpeed's
+      ``raise_error_at_min_scale``, where DeepSpeed raises):
       :func:`raise_if_min_scale_reached` raises once it is above 0.
     floor_overflows: int32 the same overflows, counted for every preset
       whatever ``raise_at_min_scale`` says: a run that keeps overflowing at
-      its floor has a problem scaling cannot fix. An overflow that
-      hysteresis absorbs, or one that backs the scale off onto the floor,
-      counts in neither.
+      its floor has a problem scaling cannot fix. Every overflow of a scale
+      that cannot back off (static, or no scaling) counts here. An overflow
+      that hysteresis absorbs, or one that backs the scale off onto the
+      floor, counts in neither.
   """
 
   loss_scale: jax.Array
@@ -96,18 +97,19 @@ class Scaler:
     return self.headroom_bits is not None
 
   def at_floor(self, scale: jax.Array) -> jax.Array:
-    """Whether ``scale`` sits at the floor of a scale that backs off.
+    """Whether ``scale`` sits at the floor: it cannot back off any further.
 
     Args:
       scale: float32 scalar, a loss scale of this machine.
 
     Returns:
-      A bool scalar: ``scale <= min_scale``; always False when
-      ``backoff_factor`` is 1.0 (a scale that never backs off has no floor
-      to hit).
+      A bool scalar: ``scale <= min_scale``; always True when
+      ``backoff_factor`` is 1.0 (a static scale, or no scaling, cannot back
+      off, so each of its overflows is a floor overflow of kind
+      ``persistent``).
     """
     if self.backoff_factor == 1.0:
-      return jnp.bool_(False)
+      return jnp.bool_(True)
     return scale <= jnp.float32(self.min_scale)
 
   def init(self) -> ScalerState:
@@ -212,14 +214,12 @@ class Scaler:
     )
 
 
-def check_scaler(scaler: Any, also: str = "") -> Scaler:
+def check_scaler(scaler: Any) -> Scaler:
   """``scaler``, checked to be a :class:`Scaler`: the one check of every
   function that takes one.
 
   Args:
     scaler: the value given as a ``scaler`` argument.
-    also: what else that argument may be, for the message (such as
-      ``" or a shared_loss_scale(...)"``).
 
   Returns:
     ``scaler``.
@@ -230,8 +230,8 @@ def check_scaler(scaler: Any, also: str = "") -> Scaler:
   """
   if not isinstance(scaler, Scaler):
     raise TypeError(
-      "scaler must be a Scaler from a preset such as fs.torch_scaler()"
-      f"{also}, got {type(scaler).__name__}"
+      "scaler must be a Scaler from a preset such as fs.torch_scaler(), "
+      f"got {type(scaler).__name__}"
     )
   return scaler
 

@@ -1,106 +1,95 @@
 """One loss scale for several optimizers, with ``torch.amp.GradScaler``'s
-semantics: each optimizer skips on its own gradients, and the scale, a value
-the caller holds, steps once from all their overflows (docs/design.md, "One
-scale for several optimizers").
+semantics: each optimizer keeps, measures and skips on its own scale, and
+``sync_loss_scales`` sets all of them to the one scale their overflows
+decide together (docs/design.md, "One scale for several optimizers").
 """
 
-import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from fp16_scaling import _lookup
-from fp16_scaling._scaler import Scaler
-from fp16_scaling._scaler import ScalerState
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedLossScale:
-  """A loss scale shared by several optimizers; see :func:`shared_loss_scale`.
-
-  Attributes:
-    scaler: the :class:`Scaler` whose rules the shared scale follows.
-  """
-
-  scaler: Scaler
-
-  def init(self) -> ScalerState:
-    """The shared scale's first state."""
-    return self.scaler.init()
-
-  def update(self, scale_state: ScalerState, *opt_states: Any) -> ScalerState:
-    """Steps the shared scale once, after every optimizer has stepped.
-
-    Args:
-      scale_state: the state every ``tx.update`` was given as ``loss_scale=``.
-      *opt_states: the optimizer states those updates returned.
-
-    Returns:
-      The next :class:`ScalerState`: backed off once if any optimizer's
-      gradients overflowed, else one clean step counted.
-
-    Raises:
-      ValueError: a state not built with this shared scale, or accumulating.
-    """
-    if not opt_states:
-      raise ValueError("shared.update needs the optimizer states it steps")
-    found = [self._member(s) for s in opt_states]
-    overflow = jnp.any(jnp.stack([ls.overflow for ls in found]))
-    grad_max = None
-    if self.scaler.needs_grad_max:
-      grad_max = jnp.max(
-        jnp.stack([jnp.max(ls.grad_range.max_abs, initial=0.0) for ls in found])
-      )
-    return self.scaler.update(scale_state, overflow, grad_max)
-
-  def _member(self, opt_state: Any):
-    """The loss-scale state of one optimizer sharing this scale."""
-    ls = _lookup.loss_scale_state(opt_state)
-    paths = ls.leaf_paths
-    if not paths.shared or paths.scaler != self.scaler:
-      raise ValueError(
-        "shared.update: an optimizer state was not built with this shared "
-        "scale; build every optimizer that shares it with "
-        "fs.fp16_loss_scale(shared)"
-      )
-    if _lookup.accumulation_state(opt_state) is not None:
-      raise ValueError(
-        "shared.update: a shared scale under accumulate_gradients is not "
-        "supported: its optimizer states report the last window's overflow "
-        "between windows"
-      )
-    return ls
+def _member(opt_state: Any, i: int):
+  """The loss-scale state of the ``i``-th optimizer state to sync."""
+  what = f"sync_loss_scales' optimizer state {i}"
+  if _lookup.accumulation_state(opt_state) is not None:
+    raise ValueError(
+      f"{what} is under accumulate_gradients, which is not supported: "
+      "between windows its state reports the last window's overflow"
+    )
+  return _lookup.loss_scale_state(opt_state, what)
 
 
-def shared_loss_scale(scaler: Scaler) -> SharedLossScale:
-  """One loss scale for several optimizers (GANs, actor-critic).
+def sync_loss_scales(*opt_states: Any) -> tuple:
+  """Sets the loss scales of several optimizers to one, as torch's one
+  ``GradScaler`` for several optimizers steps once from all of them.
+
+  Call it once every optimizer has stepped (``tx.update``). Each optimizer
+  stepped its own scale on its own overflow; all of them are then set to
+  the scale state of an optimizer that overflowed, the one with the lowest
+  scale (the first of those), or when none did to the lowest scale of all.
+  From equal states before the step (every step but the first, when each
+  step ends with this call) that is ``Scaler.update(before, any overflow,
+  largest gradient)``, torch's rule, for every preset: the overflowed ones
+  all backed off alike, and a headroom scale falls with the largest
+  gradient. From unequal states (a call was left out) it is the most
+  cautious of them, and from then on they are equal again.
+
+  Calling it twice changes nothing: it reads each state's own record of
+  the last step (its overflow flag and its scale after it). Leaving it out
+  leaves every optimizer with its own scale, which still trains.
 
   Args:
-    scaler: a :class:`Scaler` from a preset.
+    *opt_states: the optimizer states ``tx.update`` returned, at least one,
+      each holding one :class:`LossScaleState` (at any depth), built with
+      one and the same :class:`Scaler`.
 
   Returns:
-    A :class:`SharedLossScale`, to build each optimizer with
-    ``fp16_loss_scale(shared)`` and step once with ``shared.update``.
+    The states, in order, each with the one scale state (traceable: a few
+    scalar selects, no host work).
+
+  Raises:
+    ValueError: no state, a state without a loss-scale state or under
+      :func:`accumulate_gradients`, or states built with other scalers.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> shared = fs.shared_loss_scale(fs.torch_scaler(init_scale=8.0))
-    >>> def make():
-    ...   return fs.skip_on_overflow(optax.chain(
-    ...       fs.fp16_loss_scale(shared), optax.sgd(1.0)))
+    >>> make = lambda: fs.skip_on_overflow(optax.chain(
+    ...     fs.fp16_loss_scale(fs.torch_scaler(init_scale=8.0)),
+    ...     optax.sgd(1.0)))
     >>> tx_a, tx_b = make(), make()
     >>> p = jnp.ones(2)
-    >>> sa, sb, scale = tx_a.init(p), tx_b.init(p), shared.init()
-    >>> ua, sa = tx_a.update(jnp.array([8.0, jnp.inf]), sa, p, loss_scale=scale)
-    >>> ub, sb = tx_b.update(jnp.array([8.0, 16.0]), sb, p, loss_scale=scale)
+    >>> sa, sb = tx_a.init(p), tx_b.init(p)
+    >>> ua, sa = tx_a.update(jnp.array([8.0, jnp.inf]), sa, p)
+    >>> ub, sb = tx_b.update(jnp.array([8.0, 16.0]), sb, p)
     >>> print(ua, ub)  # a skips its step alone
     [-0. -0.] [-1. -2.]
-    >>> print(float(shared.update(scale, sa, sb).loss_scale))  # backs off once
-    4.0
+    >>> sa, sb = fs.sync_loss_scales(sa, sb)
+    >>> print(fs.current_scale(sa), fs.current_scale(sb))  # backed off once
+    4.0 4.0
   """
-  if not isinstance(scaler, Scaler):
-    raise TypeError(
-      f"shared_loss_scale takes a Scaler from a preset such as "
-      f"fs.torch_scaler(), got {type(scaler).__name__}"
-    )
-  return SharedLossScale(scaler)
+  if not opt_states:
+    raise ValueError("sync_loss_scales needs the optimizer states it syncs")
+  found = [_member(s, i) for i, s in enumerate(opt_states)]
+  for i, ls in enumerate(found[1:], 1):
+    if ls.leaf_paths.scaler != found[0].leaf_paths.scaler:
+      raise ValueError(
+        f"sync_loss_scales: optimizer state {i} was built with another "
+        f"Scaler than state 0 ({ls.leaf_paths.scaler} against "
+        f"{found[0].leaf_paths.scaler}): one scale follows one scaler's "
+        "rules. Build every optimizer that shares it with the same Scaler"
+      )
+  overflow, scaler = found[0].overflow, found[0].scaler
+  for ls in found[1:]:
+    lower = ls.scaler.loss_scale < scaler.loss_scale
+    first = (ls.overflow & ~overflow) | ((ls.overflow == overflow) & lower)
+    pick = lambda a, b: jnp.where(first, a, b)  # noqa: B023
+    scaler = jax.tree.map(pick, ls.scaler, scaler)
+    overflow = overflow | ls.overflow
+  return tuple(
+    _lookup.replace_loss_scale_state(s, ls._replace(scaler=scaler))
+    for s, ls in zip(opt_states, found)
+  )

@@ -64,6 +64,10 @@ def skip_on_overflow(
     updates`` keeps every bit of ``params``) and the inner state is
     unchanged but for :class:`LossScaleState` and :class:`ClipState`.
 
+    Inside another ``skip_on_overflow`` (a trainer wrapping what the user
+    built), it runs ``inner`` on the state handed on: the outer one
+    measures and skips, and the two are one skip.
+
   Raises:
     TypeError: at construction, for ``early_select=`` or any other keyword.
     ValueError: at ``init`` and ``update``, unless ``inner``'s first element,
@@ -99,13 +103,13 @@ def skip_on_overflow(
     chain_layout(state)
     return state
 
-  def update_fn(
-    updates, state, params=None, *, measurement=None, loss_scale=None, **extra
-  ):
+  def update_fn(updates, state, params=None, *, measurement=None, **extra):
+    if _handed_on(state):
+      return inner.update(updates, state, params, **extra)
     clip_follows = chain_layout(state)
     if measurement is None:
-      measurement = _measure.measure_step(updates, state, loss_scale)
-    handed = _handed(state, measurement, loss_scale, clip_follows)
+      measurement = _measure.measure_step(updates, state)
+    handed = _handed(state, measurement, clip_follows)
     new_updates, new_state = inner.update(updates, handed, params, **extra)
     return skipped_if(measurement.overflow, new_updates, state, new_state)
 
@@ -130,12 +134,18 @@ def skipped_if(overflow, updates, old_state, new_state) -> tuple:
   return updates, state
 
 
-def _handed(state, measurement, loss_scale, clip_follows: bool):
+def _handed_on(state) -> bool:
+  """Whether ``state`` was handed on by an outer ``skip_on_overflow``,
+  which measured the step and selects after it: this one runs its chain."""
+  return isinstance(_elements(state)[0], _measure.Handed)
+
+
+def _handed(state, measurement, clip_follows: bool):
   """``state`` with its loss-scale (and following clip) state handed on."""
 
   def hand(x):
     if isinstance(x, LossScaleState):
-      return _measure.Handed(x, measurement, loss_scale)
+      return _measure.Handed(x, measurement)
     if clip_follows and isinstance(x, ClipState):
       return _measure.Handed(x, measurement)
     return x

@@ -38,11 +38,10 @@ class LeafPaths:
   placeholder matches a state built from the real tree.
   """
 
-  def __init__(self, paths, sizes, scaler=None, shared=False, specs=None):
+  def __init__(self, paths, sizes, scaler=None, specs=None):
     self.paths = tuple(paths)
     self.sizes = tuple(int(n) for n in sizes)
     self.scaler = scaler
-    self.shared = bool(shared)
     # Hashable: the specs' leaves and treedef, not the (maybe dict) pytree.
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     self._specs = (tuple(leaves), treedef)
@@ -51,7 +50,7 @@ class LeafPaths:
     # way.
     if scaler is not None:
       scaler = dataclasses.replace(scaler, init_scale=1.0)
-    self._key = (scaler, self.shared, self._specs)
+    self._key = (scaler, self._specs)
     self._hash = hash(self._key)
 
   @property
@@ -111,6 +110,8 @@ class LossScaleState(NamedTuple):
     prev_loss_scale: float32 scale the last step's gradients were made with.
     overflow: bool, whether the last step's gradients had an inf or NaN.
     skipped_steps: int32 total of overflowing steps so far.
+    consecutive_skipped_steps: int32 overflowing steps in a row up to the
+      last one; 0 after a clean step.
     grad_norm: float32 true global 2-norm of the last step's gradients,
       before clipping; 0.0 on an overflow step.
     leaf_nonfinite: bool vector, per leaf: held an inf or NaN last step.
@@ -124,6 +125,7 @@ class LossScaleState(NamedTuple):
   prev_loss_scale: jax.Array
   overflow: jax.Array
   skipped_steps: jax.Array
+  consecutive_skipped_steps: jax.Array
   grad_norm: jax.Array
   leaf_nonfinite: jax.Array
   leaf_nonfinite_steps: jax.Array

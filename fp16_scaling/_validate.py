@@ -5,7 +5,11 @@ the parameter, the allowed range and the value received.
 
 import math
 import numbers
+import os
+import sys
+import warnings
 
+import jax.numpy as jnp
 import numpy as np
 
 F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
@@ -15,6 +19,45 @@ F32_MAX = float(np.finfo(np.float32).max)
 def _describe(value):
   """``value`` and its type, for messages."""
   return f"{value!r} ({type(value).__name__})"
+
+
+def scalar_loss(
+  value,
+  what: str = "value (the loss, tx.update(grads, state, params, value=loss))",
+):
+  """``value``, the loss, as a floating scalar array; a TypeError naming
+  ``what`` (where the loss came from) for anything else."""
+  try:
+    array = jnp.asarray(value)
+  except (TypeError, ValueError):
+    array = None
+  if array is None:
+    got = f"a {type(value).__name__}"
+  elif array.shape != () or not jnp.issubdtype(array.dtype, jnp.floating):
+    got = f"{array.dtype}{list(array.shape)}"
+  else:
+    return array
+  raise TypeError(
+    f"{what} must be a floating scalar loss: the mean loss, not per-example "
+    f"losses; got {got}"
+  )
+
+
+_LIBRARIES = ("fp16_scaling", "optax", "jax", "jaxlib", "flax", "equinox")
+
+
+def warn(message: str, category: type = UserWarning) -> None:
+  """``warnings.warn`` pointing at the caller's code: the first frame of
+  the stack outside this package and the libraries it runs under."""
+  roots = tuple(
+    os.path.dirname(sys.modules[n].__file__) + os.sep
+    for n in _LIBRARIES
+    if getattr(sys.modules.get(n), "__file__", None)
+  )
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(roots):
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, category, stacklevel=level + 1)
 
 
 def real(name: str, value) -> float:

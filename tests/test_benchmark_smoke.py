@@ -416,3 +416,11 @@ def test_the_scripts_share_the_one_timer_and_telemetry_is_an_option():
   options = [r.key for r in helpers.load_script(RECIPES).OPTIONS]
   assert options[:3] == ["grad_range", "log_overflows", "headroom"]
   assert not (ROOT / "benchmarks" / "telemetry_cost.py").exists()
+
+
+def test_sync_cost_runs(capsys):
+  """benchmarks/sync_cost.py, tiny: one round, both rows timed."""
+  module = helpers.load_script(ROOT / "benchmarks" / "sync_cost.py")
+  module.main(["--rounds", "1", "--leaves", "2", "--size", "8"])
+  out = capsys.readouterr().out
+  assert "without sync" in out and "1 rounds" in out

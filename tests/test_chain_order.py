@@ -144,3 +144,33 @@ def test_wrappers_around_the_guard_keep_the_check_quiet():
   scaled = jax.tree.map(lambda g: g * SCALE, GRADS)
   updates, state = jax.jit(tx.update)(scaled, state, GRADS)
   np.testing.assert_allclose(updates["b"], [-0.32], rtol=1e-6)
+
+
+def test_a_nested_skip_gives_the_trajectory_of_one():
+  """skip_on_overflow(skip_on_overflow(chain)), as a trainer that wraps what
+  the user built does: the inner one finds its state handed on by the outer
+  one and runs its chain; every step's updates and state are one skip's,
+  bit for bit, over clean and overflowing steps."""
+  import helpers  # noqa: PLC0415
+
+  def chain():
+    return optax.chain(
+      fs.fp16_loss_scale(fs.torch_scaler(init_scale=8.0, growth_interval=2)),
+      fs.clip_by_unscaled_norm(1.0),
+      optax.adam(0.1),
+    )
+
+  one = fs.skip_on_overflow(chain())
+  nested = fs.skip_on_overflow(fs.skip_on_overflow(chain()))
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  states = [tx.init(params) for tx in (one, nested)]
+  assert helpers.bits(states[0]) == helpers.bits(states[1])
+  steps = [jax.jit(tx.update) for tx in (one, nested)]
+  for t, bad in enumerate([False, True, False, False, True, False]):
+    grads = {"a": jnp.full(2, 8.0 + t), "b": jnp.full(3, -4.0)}
+    if bad:
+      grads["b"] = grads["b"].at[1].set(jnp.inf)
+    out = [step(grads, s, params) for step, s in zip(steps, states)]
+    assert helpers.bits(out[0]) == helpers.bits(out[1])
+    states = [o[1] for o in out]
+  assert int(fs.scale_metrics(states[1])["skipped_steps"]) == 2

@@ -238,7 +238,7 @@ def test_deepspeed_raise_semantics_unchanged():
 def test_bad_value_and_missing_state_are_clear_errors():
   tx = _tx(fs.static_scaler(2.0))
   state = tx.init(PARAMS)
-  with pytest.raises(ValueError, match="value .*must be a scalar"):
+  with pytest.raises(TypeError, match=r"value .*floating scalar.*\[3\]"):
     tx.update(PARAMS, state, PARAMS, value=jnp.ones(3))
   with pytest.raises(ValueError, match="no fp16_loss_scale"):
     fs.overflow_report(optax.adam(1e-3).init(PARAMS))
@@ -267,8 +267,9 @@ def test_report_of_a_batched_state_says_how_to_pick_a_member():
     fs.overflow_report(jax.tree.map(lambda x: x[i], state)) for i in (0, 1)
   )
   assert not clean.step_overflowed and clean.counts == {}
-  assert bad.step_overflowed and bad.counts == {"": 1}
-  assert bad.nonfinite_leaves == ("",) and bad.skipped_steps == 1
+  # A bare array's leaf is named <root>, not the empty string.
+  assert bad.step_overflowed and bad.counts == {"<root>": 1}
+  assert bad.nonfinite_leaves == ("<root>",) and bad.skipped_steps == 1
   assert bad.scale == bad.next_scale == 4.0
 
 
@@ -427,3 +428,37 @@ def test_paths_survive_jit_and_flax_serialization():
     tx.init(PARAMS), flax.serialization.msgpack_restore(raw)
   )
   assert fs.overflow_report(restored).counts == {POISONED: 1}
+
+
+def test_fixed_scale_runs_stop_after_five_skipped_steps_in_a_row():
+  """no_scaler() and static_scaler(S) cannot back off, so they are always
+  at their floor: each overflow with a finite loss is a floor overflow of
+  kind persistent (no longer backward), and the streak of skipped steps is
+  counted. Five non-finite steps in a row stop the run at
+  raise_if_min_scale_reached(max_consecutive_errors=5), whose message names
+  the limit; four do not, and a clean step restarts the streak."""
+  presets = {"none": fs.no_scaler(), "static": fs.static_scaler(2.0**8)}
+  txs = [_tx(s) for s in presets.values()]
+  # Steps 1-4: four in a row; step 5 clean; steps 6-10: five in a row.
+  poisoned = {1, 2, 3, 4, 6, 7, 8, 9, 10}
+  for steps, streak in [(5, 4), (6, 0), (11, 5)]:
+    for name, (_, state) in zip(presets, _run_each(txs, steps, poisoned)):
+      m = fs.scale_metrics(state)
+      assert int(m["consecutive_skipped_steps"]) == streak, name
+      skipped = len(poisoned & set(range(steps)))
+      assert int(m["floor_overflows"]) == skipped == int(m["skipped_steps"])
+      if streak < 5:
+        fs.raise_if_min_scale_reached(state, max_consecutive_errors=5)
+        continue
+      assert fs.overflow_report(state).kind == "persistent"
+      with pytest.raises(fs.MinLossScaleError) as err:
+        fs.raise_if_min_scale_reached(state, max_consecutive_errors=5)
+      text = str(err.value)
+      assert "5 steps in a row were skipped (max_consecutive_errors=5)" in text
+      assert POISONED in text and "persistent" in text, text
+      assert "cannot back off" in text
+      # The floor count stops it too, and a bad limit is named.
+      with pytest.raises(fs.MinLossScaleError, match="max_floor_overflows=3"):
+        fs.raise_if_min_scale_reached(state, max_floor_overflows=3)
+      with pytest.raises(ValueError, match="max_consecutive_errors"):
+        fs.raise_if_min_scale_reached(state, max_consecutive_errors=0)

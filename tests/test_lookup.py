@@ -23,8 +23,9 @@ from fp16_scaling import _lookup
 
 PARAMS = {"w": jnp.ones(2)}
 NONE_FOUND = (
-  "no fp16_loss_scale state found in opt_state: build the optimizer with "
-  "fp16_loss_scale(...) in its chain"
+  "no fp16_loss_scale state found in opt_state, {}. Pass the optimizer "
+  "state that tx.init(params) or tx.update returned, of a chain built with "
+  "fp16_loss_scale(...)"
 )
 UNTYPED = "opt_state holds a loss-scale state that lost its types"
 
@@ -61,10 +62,16 @@ def test_one_state_is_found_at_any_depth():
 
 
 def test_no_state_says_to_add_fp16_loss_scale():
-  for state in (optax.adam(1e-3).init(PARAMS), (), {"a": jnp.zeros(2)}):
+  for state, what in (
+    (optax.adam(1e-3).init(PARAMS), "a tuple"),
+    ((), "a tuple"),
+    ({"a": jnp.zeros(2)}, "a dict with keys ['a']"),
+    (optax.adam(1e-3), "which is the optimizer (tx) itself, not its state"),
+    (1.0, "a float"),
+  ):
     with pytest.raises(ValueError) as err:
       _lookup.loss_scale_state(state)
-    assert str(err.value) == NONE_FOUND
+    assert str(err.value) == NONE_FOUND.format(what)
   with pytest.raises(
     ValueError, match="^no fp16_loss_scale state found in my "
   ):
@@ -110,7 +117,7 @@ def test_a_state_that_lost_its_types_says_how_to_restore():
     partial = {k: v for k, v in hand_made[0].items() if k != drop}
     with pytest.raises(ValueError) as err:
       _lookup.loss_scale_state([partial])
-    assert str(err.value) == NONE_FOUND
+    assert str(err.value) == NONE_FOUND.format("a list")
 
 
 def test_clip_and_accumulation_states():

@@ -193,8 +193,20 @@ def _guarded(scaler):
 
 
 def test_float16_params_warn_that_there_are_no_float32_masters():
-  with pytest.warns(UserWarning, match="params are float16.*param_dtype"):
-    _guarded(fs.torch_scaler()).init({"w": jnp.ones(2, jnp.float16)})
+  """The warning points at the caller's line (not into optax), under any
+  wrapping: a chain, accumulate_gradients, a nested chain."""
+  params = {"w": jnp.ones(2, jnp.float16)}
+  wrapped = [
+    _guarded(fs.torch_scaler()),
+    fs.accumulate_gradients(_guarded(fs.torch_scaler()), 2),
+    optax.chain(optax.identity(), _guarded(fs.torch_scaler())),
+  ]
+  for tx in wrapped:
+    with pytest.warns(
+      UserWarning, match="params are float16.*param_dtype"
+    ) as w:
+      tx.init(params)
+    assert [x.filename for x in w] == [__file__]
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     _guarded(fs.torch_scaler()).init({"w": jnp.ones(2, jnp.float32)})
@@ -221,6 +233,18 @@ def test_bfloat16_gradients_warn_unless_the_scale_is_one(scaler, warns):
   assert bool(said) == warns
   if warns:
     assert "no_scaler()" in str(said[0].message)
+    assert said[0].filename == __file__  # the caller's line
+
+
+def test_nnx_variable_paths_are_named_without_value():
+  """An nnx State of Variables names its leaves as the pure State does:
+  ``['kernel']``, not ``['kernel'].value``."""
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  tx = _guarded(fs.static_scaler(2.0))
+  for params in (nnx.state(model, nnx.Param), nnx.pure(nnx.state(model))):
+    state = tx.init(params)
+    assert state[0].leaf_paths.paths == ("['bias']", "['kernel']")
 
 
 def test_leaf_paths_equality_is_the_configurations_transitive_and_hashed():
@@ -237,12 +261,11 @@ def test_leaf_paths_equality_is_the_configurations_transitive_and_hashed():
   for a, b in [(real, placeholder), (placeholder, other_names)]:
     assert a == b and hash(a) == hash(b)
   assert real == other_names and hash(real) == hash(other_names)
-  # The initial scale is not part of it; any other field, the sharing and
-  # the partition specs are.
+  # The initial scale is not part of it; any other field and the partition
+  # specs are.
   assert real == LeafPaths([], [], scaler=fs.torch_scaler(init_scale=2.0))
   for different in (
     LeafPaths([], [], scaler=fs.torch_scaler(growth_interval=3)),
-    LeafPaths([], [], scaler=torch, shared=True),
     LeafPaths([], [], scaler=torch, specs=jax.sharding.PartitionSpec("x")),
   ):
     assert real != different and placeholder != different

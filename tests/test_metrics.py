@@ -26,6 +26,7 @@ BASE_KEYS = {
   "prev_loss_scale",
   "overflow",
   "skipped_steps",
+  "consecutive_skipped_steps",
   "floor_overflows",
   "overflow_kind",
   "nonfinite_leaves",
@@ -77,6 +78,7 @@ def test_each_key_reads_its_field():
     prev_loss_scale=jnp.float32(64.0),
     overflow=jnp.bool_(True),
     skipped_steps=jnp.int32(7),
+    consecutive_skipped_steps=jnp.int32(3),
     grad_norm=jnp.float32(0.0),
     leaf_nonfinite=jnp.array([True, False, True]),
     overflow_kind=jnp.int32(fs.OVERFLOW_KINDS.index("backward")),
@@ -98,6 +100,7 @@ def test_each_key_reads_its_field():
   got = _host(m)
   assert got["loss_scale"] == 32.0 and got["prev_loss_scale"] == 64.0
   assert got["overflow"] and got["skipped_steps"] == 7
+  assert got["consecutive_skipped_steps"] == 3
   assert got["floor_overflows"] == 2
   assert fs.OVERFLOW_KINDS[int(got["overflow_kind"])] == "backward"
   assert got["nonfinite_leaves"] == 2  # leaves a and c

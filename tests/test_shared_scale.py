@@ -1,13 +1,15 @@
-"""One loss scale for two optimizers (fs.shared_loss_scale), with
+"""One loss scale for two optimizers (fs.sync_loss_scales), with
 ``torch.amp.GradScaler``'s semantics for several optimizers.
 
-Each optimizer measures and skips on its own gradients: a one-sided
+Each optimizer keeps, measures and skips on its own scale: a one-sided
 overflow leaves that optimizer's parameters and inner state bit for bit and
-lets the other step as plain optax would. The shared scale steps once per
-step, from the OR of the optimizers' overflows: checked against
-``Scaler.update`` on that OR (the machine the presets' peer tests check) for
-every preset over a long random sequence, and by hand for torch's rule.
-tests/peers/test_torch_shared.py runs torch's own GradScaler as the oracle.
+lets the other step as plain optax would. ``sync_loss_scales`` at the end
+of each step sets both to one scale, decided on the OR of their overflows:
+checked against ``Scaler.update`` on that OR (the machine the presets' peer
+tests check) for every preset over a long random sequence, and by hand for
+torch's rule. tests/peers/test_torch_shared.py runs torch's own GradScaler
+as the oracle. The last part takes each lifecycle mistake in turn: refused
+(the message checked) or harmless (the trajectory checked).
 """
 
 import helpers
@@ -23,14 +25,14 @@ import fp16_scaling as fs
 O, C = True, False
 
 
-def _pair(shared, opt0=None, opt1=None):
-  """Two guarded chains sharing ``shared``: Adam and sgd with momentum, so
-  that a skipped step has inner state to keep."""
+def _pair(scaler, opt0=None, opt1=None):
+  """Two guarded chains built with ``scaler``: Adam and sgd with momentum,
+  so that a skipped step has inner state to keep."""
   opt0 = opt0 or optax.adam(2.0**-6)
   opt1 = opt1 or optax.sgd(2.0**-3, momentum=0.5)
   return (
-    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(shared), opt0)),
-    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(shared), opt1)),
+    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler), opt0)),
+    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler), opt1)),
   )
 
 
@@ -50,32 +52,28 @@ def test_a_one_sided_overflow_skips_only_that_optimizer():
   """torch's rule by hand (growth every 2 clean steps): a step on which
   either or both optimizers overflowed halves the scale once; only steps
   with no overflow count toward growth."""
-  shared = fs.shared_loss_scale(
-    fs.torch_scaler(init_scale=2.0**10, growth_interval=2)
-  )
-  tx0, tx1 = _pair(shared)
+  tx0, tx1 = _pair(fs.torch_scaler(init_scale=2.0**10, growth_interval=2))
   opt0, opt1 = optax.adam(2.0**-6), optax.sgd(2.0**-3, momentum=0.5)
   p0, p1 = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.25, 3.0, -1.0])
 
   @jax.jit
-  def step(p0, p1, s0, s1, scale_state, v0, v1, bad0, bad1):
-    _, g0 = fs.value_and_grad(linear, scale_state)(p0, v0)
-    _, g1 = fs.value_and_grad(linear, scale_state)(p1, v1)
-    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0, loss_scale=scale_state)
-    u1, s1 = tx1.update(
-      _poison(g1, bad1, jnp.nan), s1, p1, loss_scale=scale_state
-    )
-    scale_state = shared.update(scale_state, s0, s1)
-    return p0 + u0, p1 + u1, s0, s1, scale_state
+  def step(p0, p1, s0, s1, v0, v1, bad0, bad1):
+    _, g0 = fs.value_and_grad(linear, s0)(p0, v0)
+    _, g1 = fs.value_and_grad(linear, s1)(p1, v1)
+    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0)
+    u1, s1 = tx1.update(_poison(g1, bad1, jnp.nan), s1, p1)
+    s0, s1 = fs.sync_loss_scales(s0, s1)
+    return p0 + u0, p1 + u1, s0, s1
 
-  state = (p0, p1, tx0.init(p0), tx1.init(p1), shared.init())
+  state = (p0, p1, tx0.init(p0), tx1.init(p1))
   plain = [(p0, opt0.init(p0)), (p1, opt1.init(p1))]
   flags = [(C, C), (O, C), (C, O), (O, O), (C, C), (C, C), (C, C)]
   scales = []
   rng = np.random.default_rng(helpers.SEED)
   for bad in flags:
     v = [rng.standard_normal(3).astype(np.float32) for _ in range(2)]
-    scales.append(float(fs.current_scale(state[4])))
+    scales.append(float(fs.current_scale(state[2])))
+    assert float(fs.current_scale(state[3])) == scales[-1]
     new = step(*state, *v, *bad)
     for i in range(2):
       s_old, s_new = state[2 + i], new[2 + i]
@@ -95,7 +93,8 @@ def test_a_one_sided_overflow_skips_only_that_optimizer():
   # By hand: 1024 (1 clean), 1024 -> 512 (one-sided), 256 (the other
   # side), 128 (both: once, not twice), 2 clean steps grow it to 256.
   assert scales == [1024, 1024, 512, 256, 128, 128, 256]
-  final = state[4]
+  final = state[2][0].scaler
+  assert bits(final) == bits(state[3][0].scaler)
   assert float(final.loss_scale) == 256 and int(final.growth_tracker) == 1
   assert [int(s[0].skipped_steps) for s in state[2:4]] == [2, 2]
 
@@ -154,37 +153,36 @@ def preset_runs():
   v0, v1, bad0, bad1 = _sequence()
 
   def run_one(scaler, xs):
-    shared = fs.shared_loss_scale(scaler)
-    tx0, tx1 = _pair(shared)
+    tx0, tx1 = _pair(scaler)
     p0, p1 = jnp.zeros(4), jnp.ones(4)
 
     def body(carry, x):
-      p0, p1, s0, s1, scale_state, oracle = carry
+      p0, p1, s0, s1, oracle = carry
       v0, v1, bad0, bad1 = x
-      _, g0 = fs.value_and_grad(linear, scale_state)(p0, v0)
-      _, g1 = fs.value_and_grad(linear, scale_state)(p1, v1)
-      u0, n0 = tx0.update(_poison(g0, bad0), s0, p0, loss_scale=scale_state)
-      u1, n1 = tx1.update(
-        _poison(g1, bad1, jnp.nan), s1, p1, loss_scale=scale_state
-      )
-      new_scale = shared.update(scale_state, n0, n1)
+      _, g0 = fs.value_and_grad(linear, s0)(p0, v0)
+      _, g1 = fs.value_and_grad(linear, s1)(p1, v1)
+      u0, n0 = tx0.update(_poison(g0, bad0), s0, p0)
+      u1, n1 = tx1.update(_poison(g1, bad1, jnp.nan), s1, p1)
+      n0, n1 = fs.sync_loss_scales(n0, n1)
+      new_scale = n0[0].scaler
       grad_max = jnp.maximum(jnp.max(jnp.abs(v0)), jnp.max(jnp.abs(v1)))
       oracle = scaler.update(oracle, bad0 | bad1, grad_max)
       out = dict(
         scale=new_scale,
+        same=_same_bits(new_scale, n1[0].scaler),
         oracle=oracle,
         overflow=(n0[0].overflow, n1[0].overflow),
         prev=(n0[0].prev_loss_scale, n1[0].prev_loss_scale),
-        before=scale_state.loss_scale,
+        before=s0[0].scaler.loss_scale,
         kept=(
           _same_bits((p0 + u0, n0[1]), (p0, s0[1])),
           _same_bits((p1 + u1, n1[1]), (p1, s1[1])),
         ),
         skipped=(n0[0].skipped_steps, n1[0].skipped_steps),
       )
-      return (p0 + u0, p1 + u1, n0, n1, new_scale, oracle), out
+      return (p0 + u0, p1 + u1, n0, n1, oracle), out
 
-    init = (p0, p1, tx0.init(p0), tx1.init(p1), shared.init(), scaler.init())
+    init = (p0, p1, tx0.init(p0), tx1.init(p1), scaler.init())
     return jax.lax.scan(body, init, xs)[1]
 
   @jax.jit
@@ -205,6 +203,7 @@ def test_the_sequence_has_every_case():
 def test_shared_scale_is_scaler_update_on_the_or(name, preset_runs):
   runs, (bad0, bad1) = preset_runs
   out = runs[name]
+  assert out["same"].all()  # both optimizers hold the one scale state
   for field in fs.ScalerState._fields:
     np.testing.assert_array_equal(
       getattr(out["scale"], field), getattr(out["oracle"], field), field
@@ -268,26 +267,22 @@ def test_gan_order_against_plain_optax():
   parameters are plain optax's on the true gradients taken in that order,
   over steps with overflows on either side and both."""
   scaler = fs.torch_scaler(init_scale=2.0**8, growth_interval=2)
-  shared = fs.shared_loss_scale(scaler)
   opt_d, opt_g = optax.adam(2.0**-5), optax.sgd(2.0**-4, momentum=0.5)
-  tx_d, tx_g = _pair(shared, opt_d, opt_g)
+  tx_d, tx_g = _pair(scaler, opt_d, opt_g)
 
   @jax.jit
   def step(carry, x):
-    pd, pg, sd, sg, scale_state = carry
+    pd, pg, sd, sg = carry
     z, real, bad_d, bad_g = x
-    _, gd = fs.value_and_grad(loss_d, scale_state)(pd, pg, z, real)
-    ud, sd = tx_d.update(
-      _tree_poison(gd, bad_d), sd, pd, loss_scale=scale_state
-    )
+    _, gd = fs.value_and_grad(loss_d, sd)(pd, pg, z, real)
+    ud, sd = tx_d.update(_tree_poison(gd, bad_d), sd, pd)
     pd = optax.apply_updates(pd, ud)
-    _, gg = fs.value_and_grad(loss_g, scale_state, argnums=1)(pd, pg, z)
-    ug, sg = tx_g.update(
-      _tree_poison(gg, bad_g), sg, pg, loss_scale=scale_state
-    )
+    # sg still holds the step's scale (sd's may have moved already).
+    _, gg = fs.value_and_grad(loss_g, sg, argnums=1)(pd, pg, z)
+    ug, sg = tx_g.update(_tree_poison(gg, bad_g), sg, pg)
     pg = optax.apply_updates(pg, ug)
-    scale_state = shared.update(scale_state, sd, sg)
-    return (pd, pg, sd, sg, scale_state), (pd, pg, scale_state.loss_scale)
+    sd, sg = fs.sync_loss_scales(sd, sg)
+    return (pd, pg, sd, sg), (pd, pg, fs.current_scale(sg))
 
   @jax.jit
   def plain(carry, x):
@@ -314,9 +309,7 @@ def test_gan_order_against_plain_optax():
   bad_d[[2, 7]] = True
   bad_g[[4, 7, 9]] = True
   xs = (z, real, bad_d, bad_g)
-  ours = jax.lax.scan(
-    step, (PD, PG, tx_d.init(PD), tx_g.init(PG), shared.init()), xs
-  )[1]
+  ours = jax.lax.scan(step, (PD, PG, tx_d.init(PD), tx_g.init(PG)), xs)[1]
   theirs = jax.lax.scan(
     plain, (PD, PG, opt_d.init(PD), opt_g.init(PG), scaler.init()), xs
   )[1]
@@ -344,26 +337,23 @@ def test_both_gradients_from_one_value_and_grad_call():
   """Two parameter sets in one loss (actor-critic): one call with
   ``argnums=(0, 1)`` gives both gradients; each goes to its optimizer as it
   is, and a one-sided overflow skips that side alone."""
-  shared = fs.shared_loss_scale(fs.torch_scaler(init_scale=2.0**6))
-  tx0, tx1 = _pair(shared)
+  tx0, tx1 = _pair(fs.torch_scaler(init_scale=2.0**6))
   opt0, opt1 = optax.adam(2.0**-6), optax.sgd(2.0**-3, momentum=0.5)
 
   def joint(pa, pb, x):
     return jnp.mean((x @ pa) ** 2) + jnp.mean((x @ pb - x @ pa) ** 2)
 
   @jax.jit
-  def step(pa, pb, sa, sb, scale_state, x, bad_a):
-    value, (ga, gb) = fs.value_and_grad(joint, scale_state, argnums=(0, 1))(
-      pa, pb, x
-    )
-    ua, sa = tx0.update(_poison(ga, bad_a), sa, pa, loss_scale=scale_state)
-    ub, sb = tx1.update(gb, sb, pb, loss_scale=scale_state)
-    scale_state = shared.update(scale_state, sa, sb)
-    return value, pa + ua, pb + ub, sa, sb, scale_state
+  def step(pa, pb, sa, sb, x, bad_a):
+    value, (ga, gb) = fs.value_and_grad(joint, sa, argnums=(0, 1))(pa, pb, x)
+    ua, sa = tx0.update(_poison(ga, bad_a), sa, pa)
+    ub, sb = tx1.update(gb, sb, pb)
+    sa, sb = fs.sync_loss_scales(sa, sb)
+    return value, pa + ua, pb + ub, sa, sb
 
   pa, pb = jnp.array([0.5, -1.0]), jnp.array([1.0, 0.25])
   x = jnp.array([[1.0, 2.0], [-0.5, 0.25], [0.75, -1.5]])
-  state = (pa, pb, tx0.init(pa), tx1.init(pb), shared.init())
+  state = (pa, pb, tx0.init(pa), tx1.init(pb))
   plain_a, plain_b = (pa, opt0.init(pa)), (pb, opt1.init(pb))
   for bad_a in [False, True, False]:
     ga, gb = jax.grad(joint, argnums=(0, 1))(plain_a[0], plain_b[0], x)
@@ -377,7 +367,8 @@ def test_both_gradients_from_one_value_and_grad_call():
     plain_b = (plain_b[0] + u, s)
     np.testing.assert_allclose(state[0], plain_a[0], rtol=1e-6)
     np.testing.assert_allclose(state[1], plain_b[0], rtol=1e-6)
-  assert float(state[4].loss_scale) == 2.0**5  # one back-off
+  assert float(fs.current_scale(state[2])) == 2.0**5  # one back-off
+  assert float(fs.current_scale(state[3])) == 2.0**5
 
 
 def test_the_whole_step_is_one_jitted_function():
@@ -387,29 +378,28 @@ def test_the_whole_step_is_one_jitted_function():
   scaler = fs.deepspeed_scaler(
     init_scale=2.0**4, scale_window=1, delayed_shift=2
   )
-  shared = fs.shared_loss_scale(scaler)
-  tx0, tx1 = _pair(shared)
+  tx0, tx1 = _pair(scaler)
   traces = []
 
   @jax.jit
-  def step(p0, p1, s0, s1, scale_state, v, bad0, bad1, reset):
+  def step(p0, p1, s0, s1, v, bad0, bad1, reset):
     traces.append(1)
-    scale_state = jax.lax.cond(
+    s0, s1 = jax.lax.cond(
       reset,
-      lambda s: fs.set_loss_scale(s, jnp.float32(2.0**9)),
+      lambda s: tuple(fs.set_loss_scale(x, jnp.float32(2.0**9)) for x in s),
       lambda s: s,
-      scale_state,
+      (s0, s1),
     )
-    _, g0 = fs.value_and_grad(linear, scale_state)(p0, v)
-    _, g1 = fs.value_and_grad(linear, scale_state)(p1, -v)
-    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0, loss_scale=scale_state)
-    u1, s1 = tx1.update(_poison(g1, bad1), s1, p1, loss_scale=scale_state)
-    new_scale = shared.update(scale_state, s0, s1)
+    _, g0 = fs.value_and_grad(linear, s0)(p0, v)
+    _, g1 = fs.value_and_grad(linear, s1)(p1, -v)
+    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0)
+    u1, s1 = tx1.update(_poison(g1, bad1), s1, p1)
+    s0, s1 = fs.sync_loss_scales(s0, s1)
     metrics = (fs.scale_metrics(s0), fs.scale_metrics(s1))
-    return (p0 + u0, p1 + u1, s0, s1, new_scale), metrics
+    return (p0 + u0, p1 + u1, s0, s1), metrics
 
   p = jnp.array([1.0, 2.0, 3.0])
-  state = (p, p, tx0.init(p), tx1.init(p), shared.init())
+  state = (p, p, tx0.init(p), tx1.init(p))
   oracle = scaler.init()
   v = jnp.array([0.5, -1.0, 2.0])
   flags = [(C, C), (C, C), (O, C), (C, O), (O, O), (C, C), (C, C)]
@@ -419,145 +409,256 @@ def test_the_whole_step_is_one_jitted_function():
     if reset:
       oracle = oracle._replace(loss_scale=jnp.float32(2.0**9))
     oracle = scaler.update(oracle, bad[0] | bad[1])
-    assert bits(state[4]) == bits(oracle)
+    assert bits(state[2][0].scaler) == bits(oracle)
+    assert bits(state[3][0].scaler) == bits(oracle)
     for m, b in zip(metrics, bad):
-      assert "loss_scale" not in m  # the shared state's, not theirs
+      assert float(m["loss_scale"]) == float(oracle.loss_scale)
       assert bool(m["overflow"]) == b
   assert len(traces) == 1
   # By hand (DeepSpeed: first growth one clean step late): 16, grown to 32
   # (hysteresis refilled), absorbed, backed off to 16, to 8 (both: once);
   # set to 512 and grown to 1024.
-  assert float(state[4].loss_scale) == 2.0**10
+  assert float(fs.current_scale(state[2])) == 2.0**10
 
 
-# ------------------------------------------------------------------ errors
-
-
-def test_errors_say_what_to_do():
-  scaler = fs.torch_scaler(init_scale=8.0)
-  shared = fs.shared_loss_scale(scaler)
-  p = jnp.ones(2)
-  tx_shared = _pair(shared)[0]
-  tx_owned = helpers.guarded(scaler, optax.sgd(0.1))
-  s_shared, s_owned, scale_state = (
-    tx_shared.init(p),
-    tx_owned.init(p),
-    (shared.init()),
-  )
-  g = jnp.ones(2)
-  # Traced only (eval_shape): the errors are raised while tracing.
-  with pytest.raises(ValueError, match=r"has no scale of its own.*loss_scale="):
-    jax.eval_shape(tx_shared.update, g, s_shared, p)
-  with pytest.raises(ValueError, match=r"owns its scale, and was passed loss_"):
-    jax.eval_shape(
-      lambda g, s, p, l: tx_owned.update(g, s, p, loss_scale=l),
-      g,
-      s_owned,
-      p,
-      scale_state,
-    )
-  not_built = "not built with this shared scale"
-  with pytest.raises(ValueError, match=not_built):  # an owned scale
-    shared.update(scale_state, s_shared, s_owned)
-  other = fs.shared_loss_scale(
-    fs.torch_scaler(init_scale=8.0, growth_interval=7)
-  )
-  with pytest.raises(ValueError, match=not_built):  # another scaler
-    other.update(scale_state, s_shared)
-  with pytest.raises(ValueError, match="needs the optimizer states"):
-    shared.update(scale_state)
-  with pytest.raises(
-    ValueError, match=r"shares its loss scale.*current_scale\(scale_state\)"
-  ):
-    fs.current_scale(s_shared)
-  with pytest.raises(TypeError, match="takes a Scaler"):
-    fs.shared_loss_scale(shared)
-  # Under accumulate_gradients: refused by shared.update.
-  acc = fs.accumulate_gradients(tx_shared, 2)
-  with pytest.raises(ValueError, match="under accumulate_gradients is not"):
-    shared.update(scale_state, acc.init(p))
-
-
-# ------------------------------------- helpers on a shared chain's state
+# ------------------------------------------------------ lifecycle mistakes
 #
-# A shared chain's optimizer state holds a copy of the scale its last step
-# was made with, never the next one (current_scale refuses it for that
-# reason). The host helpers below read or edit that copy as if it were the
-# scale: each test accepts a refusal, or the behaviour the helper's
-# docstring promises.
+# Each mistake a user can make with one scale for two optimizers, in turn:
+# refused with a message that names the fix, or harmless, with the
+# trajectory it gives checked.
+
+TORCH = fs.torch_scaler(init_scale=2.0**10, growth_interval=2)
+FLAGS = [(C, C), (O, C), (C, O), (C, C), (C, C), (O, O), (C, C), (C, O)]
+
+
+def _run(flags, sync, tx=None):
+  """The one-sided recipe over ``flags``; ``sync(s0, s1)`` ends each step
+  (the mistakes replace it). Per step both optimizers' scale states and
+  parameters."""
+  tx0, tx1 = tx or _pair(TORCH)
+
+  @jax.jit
+  def step(p0, p1, s0, s1, v, bad0, bad1):
+    _, g0 = fs.value_and_grad(linear, s0)(p0, v)
+    _, g1 = fs.value_and_grad(linear, s1)(p1, -v)
+    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0)
+    u1, s1 = tx1.update(_poison(g1, bad1), s1, p1)
+    s0, s1 = sync(s0, s1)
+    return p0 + u0, p1 + u1, s0, s1
+
+  p = jnp.array([1.0, 2.0, 3.0])
+  state = (p, p, tx0.init(p), tx1.init(p))
+  out = []
+  for bad in flags:
+    state = step(*state, jnp.array([0.5, -1.0, 2.0]), *bad)
+    out.append(
+      jax.tree.map(
+        np.asarray, (state[2][0].scaler, state[3][0].scaler, state[:2])
+      )
+    )
+  return out
+
+
+def _replay(flags):
+  """Scaler.update on the flags' OR, and on each side's own flags."""
+  both, own = [TORCH.init()], [[TORCH.init()], [TORCH.init()]]
+  for bad in flags:
+    both.append(TORCH.update(both[-1], bad[0] | bad[1]))
+    for i in range(2):
+      own[i].append(TORCH.update(own[i][-1], bad[i]))
+  scales = lambda states: [float(s.loss_scale) for s in states[1:]]
+  return scales(both), [scales(o) for o in own]
+
+
+def test_the_right_recipe_is_torchs_rule():
+  out = _run(FLAGS, fs.sync_loss_scales)
+  both, _ = _replay(FLAGS)
+  assert [float(a.loss_scale) for a, _, _ in out] == both
+  assert all(bits(a) == bits(b) for a, b, _ in out)
+
+
+def test_sync_forgotten_leaves_independent_scales_that_train():
+  """Harmless: each optimizer's scale follows its own overflows, as two
+  owned scales do (torch refuses to step twice; here nothing freezes)."""
+  out = _run(FLAGS, lambda s0, s1: (s0, s1))
+  _, own = _replay(FLAGS)
+  assert [float(a.loss_scale) for a, _, _ in out] == own[0]
+  assert [float(b.loss_scale) for _, b, _ in out] == own[1]
+  # Both trained: each moved on its clean steps, and only on them.
+  for i in range(2):
+    for t in range(1, len(FLAGS)):
+      moved = bits(out[t][2][i]) != bits(out[t - 1][2][i])
+      assert moved == (not FLAGS[t][i]), (i, t)
+
+
+def test_sync_called_twice_changes_nothing():
+  """Harmless: the second call reads the same records, bit for bit."""
+  once = _run(FLAGS, fs.sync_loss_scales)
+  twice = _run(
+    FLAGS, lambda s0, s1: fs.sync_loss_scales(*fs.sync_loss_scales(s0, s1))
+  )
+  assert bits(once) == bits(twice)
+
+
+def test_one_state_left_out_keeps_that_optimizers_own_scale():
+  """Harmless: ``sync_loss_scales(s0)`` alone syncs nothing; model 1's
+  scale still backs off for model 1's overflows (its own scale)."""
+  out = _run(FLAGS, lambda s0, s1: (fs.sync_loss_scales(s0)[0], s1))
+  _, own = _replay(FLAGS)
+  assert [float(a.loss_scale) for a, _, _ in out] == own[0]
+  assert [float(b.loss_scale) for _, b, _ in out] == own[1]
+  assert own[1][2] < own[1][1]  # backed off on model 1's overflow
+
+
+def test_sync_on_the_states_before_tx_update_is_the_same_run():
+  """Harmless: syncing at the start of a step, on the states the step
+  received (gradients made from the synced states), is the previous
+  step's sync at the end: the same parameters at every step."""
+  tx0, tx1 = _pair(TORCH)
+
+  @jax.jit
+  def early(p0, p1, s0, s1, v, bad0, bad1):
+    s0, s1 = fs.sync_loss_scales(s0, s1)
+    _, g0 = fs.value_and_grad(linear, s0)(p0, v)
+    _, g1 = fs.value_and_grad(linear, s1)(p1, -v)
+    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0)
+    u1, s1 = tx1.update(_poison(g1, bad1), s1, p1)
+    return p0 + u0, p1 + u1, s0, s1
+
+  p = jnp.array([1.0, 2.0, 3.0])
+  state = (p, p, tx0.init(p), tx1.init(p))
+  right = _run(FLAGS, fs.sync_loss_scales, (tx0, tx1))
+  for bad, (_, _, params) in zip(FLAGS, right):
+    state = early(*state, jnp.array([0.5, -1.0, 2.0]), *bad)
+    assert bits(state[:2]) == bits(params)
+  a, b = fs.sync_loss_scales(state[2], state[3])  # the last step's sync
+  assert bits(a[0].scaler) == bits(b[0].scaler) == bits(right[-1][0])
+
+
+def test_states_of_another_scaler_are_refused():
+  """Refused (an owned scale refuses another scaler's state alike)."""
+  tx0 = _pair(TORCH)[0]
+  other = _pair(fs.torch_scaler(init_scale=2.0**10, growth_interval=7))[1]
+  p = jnp.ones(3)
+  with pytest.raises(
+    ValueError,
+    match=r"state 1 was built with another "
+    r"Scaler.*growth_interval=7.*same Scaler",
+  ):
+    fs.sync_loss_scales(tx0.init(p), other.init(p))
+
+
+def test_what_is_not_an_optimizer_state_is_refused():
+  """Refused, naming what was passed: a Scaler's own state, the params,
+  the optimizer itself, no state at all, an accumulating state."""
+  tx0, tx1 = _pair(TORCH)
+  p = jnp.ones(3)
+  s0 = tx0.init(p)
+  found = "sync_loss_scales' optimizer state 1, "
+  for wrong, what in [
+    (TORCH.init(), "a ScalerState"),
+    ({"w": p}, "a dict with keys"),
+    (tx1, r"which is the optimizer \(tx\) itself"),
+  ]:
+    with pytest.raises(ValueError, match=f"found in {found}{what}"):
+      fs.sync_loss_scales(s0, wrong)
+  with pytest.raises(ValueError, match="needs the optimizer states"):
+    fs.sync_loss_scales()
+  acc = fs.accumulate_gradients(tx1, 2)
+  with pytest.raises(ValueError, match="under accumulate_gradients"):
+    fs.sync_loss_scales(s0, acc.init(p))
 
 
 def _after_a_one_sided_overflow():
-  """A shared torch scale at 8, one optimizer's step overflowed: the
-  shared scale backed off to 4, the optimizer state still holds 8."""
-  shared = fs.shared_loss_scale(fs.torch_scaler(init_scale=8.0))
-  tx = _pair(shared)[1]
+  """Two optimizers at torch's scale 8, one overflowed, synced: both
+  states hold the backed-off scale 4."""
+  scaler = fs.torch_scaler(init_scale=8.0)
+  tx0, tx1 = _pair(scaler)
   p = jnp.ones(2)
-  scale_state = shared.init()
-  _, state = tx.update(
-    jnp.array([8.0, jnp.inf]),
-    tx.init(p),
-    p,
-    loss_scale=scale_state,
-    value=jnp.float32(1.0),
+  _, s0 = tx0.update(jnp.ones(2), tx0.init(p), p)
+  _, s1 = tx1.update(
+    jnp.array([8.0, jnp.inf]), tx1.init(p), p, value=jnp.float32(1.0)
   )
-  scale_state = shared.update(scale_state, state)
-  assert float(scale_state.loss_scale) == 4.0
-  return shared, tx, p, state, scale_state
+  return scaler, (tx0, tx1), p, fs.sync_loss_scales(s0, s1)
 
 
-# A shared optimizer's state holds the scale of its last step; what needs
-# the scale machine's state (the next scale, its counters) takes the shared
-# state, and refuses the optimizer's, as current_scale does.
+def test_every_helper_works_on_every_optimizers_state():
+  """No helper tells one optimizer's state from the other's but by what
+  that optimizer measured itself."""
+  scaler, _, _, states = _after_a_one_sided_overflow()
+  for i, s in enumerate(states):
+    assert float(fs.current_scale(s)) == 4.0
+    m = fs.scale_metrics(s)
+    assert float(m["loss_scale"]) == 4.0 and bool(m["overflow"]) == (i == 1)
+    report = fs.overflow_report(s)
+    assert (report.scale, report.next_scale) == (8.0, 4.0)
+    assert report.kind == ("backward" if i else "none")
+    d = fs.scaler_state_dict(s, scaler)
+    assert d["loss_scale"] == 4.0 and d["growth_tracker"] == 0
+    sd = fs.to_peer_state_dict(s, "torch", scaler)
+    assert sd["scale"] == 4.0 and sd["_growth_tracker"] == 0
+    fs.raise_if_min_scale_reached(s)  # not at a floor: no error
+  assert fs.scaler_state_dict(states[0])["skipped_steps"] == 0
+  assert fs.scaler_state_dict(states[1])["skipped_steps"] == 1
 
 
-def test_overflow_report_of_a_shared_chain_takes_the_shared_state():
-  _, _, _, state, scale_state = _after_a_one_sided_overflow()
-  with pytest.raises(ValueError, match="shares its loss scale"):
-    fs.overflow_report(state)
-  report = fs.overflow_report(state, loss_scale=scale_state)
-  assert report.step_overflowed and report.kind == "backward"
-  assert (report.scale, report.next_scale) == (8.0, 4.0)
-  assert "was not lowered" not in report.advice()
-  owned = fs.skip_on_overflow(fs.fp16_loss_scale(fs.torch_scaler()))
-  with pytest.raises(ValueError, match="loss_scale= is for a shared scale"):
-    fs.overflow_report(owned.init(jnp.ones(2)), loss_scale=scale_state)
+def test_a_loaded_or_set_scale_is_used_when_put_into_every_state():
+  """A torch GradScaler state (or a scale set by hand) loaded into each
+  optimizer's state is the scale both use next; loaded into one alone, the
+  next sync keeps the more cautious, lower, scale of the two."""
+  scaler, txs, p, states = _after_a_one_sided_overflow()
+  sd = fs.to_peer_state_dict(states[0], "torch", scaler)
+  sd["scale"], sd["_growth_tracker"] = 16.0, 0
+  loaded = [fs.load_scaler_state_dict(s, sd, scaler) for s in states]
+  set_by_hand = [fs.set_loss_scale(s, 16.0) for s in states]
+  for pair in (loaded, set_by_hand):
+    after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, pair)]
+    assert [float(s[0].prev_loss_scale) for s in after] == [16.0, 16.0]
+    a, b = fs.sync_loss_scales(*after)
+    assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
+  one = [loaded[0], states[1]]
+  after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, one)]
+  a, b = fs.sync_loss_scales(*after)
+  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 4.0
 
 
-def test_torch_export_of_a_shared_scale_continues_as_the_run_would():
-  shared, _, _, state, scale_state = _after_a_one_sided_overflow()
-  with pytest.raises(ValueError, match="shares its loss scale"):
-    fs.to_peer_state_dict(state, "torch", shared.scaler)
-  sd = fs.to_peer_state_dict(scale_state, "torch", shared.scaler)
-  assert sd["scale"] == 4.0 and sd["_growth_tracker"] == 0
-  # And back: a torch GradScaler's state loads into a shared scale.
-  sd["scale"], sd["_growth_tracker"] = 16.0, 3
-  loaded = fs.load_scaler_state_dict(scale_state, sd, shared.scaler)
-  assert float(loaded.loss_scale) == 16.0 and int(loaded.growth_tracker) == 3
-
-
-def test_set_loss_scale_sets_the_shared_state_not_an_optimizers_copy():
-  _, tx, p, state, scale_state = _after_a_one_sided_overflow()
-  with pytest.raises(ValueError, match="shares its loss scale"):
-    fs.set_loss_scale(state, 64.0)
-  scale_state = fs.set_loss_scale(scale_state, 64.0)
-  _, after = tx.update(jnp.ones(2), state, p, loss_scale=scale_state)
-  assert float(after[0].prev_loss_scale) == 64.0
-
-
-def test_a_shared_deepspeed_scale_at_its_floor_raises_where_deepspeed_does():
-  shared = fs.shared_loss_scale(
-    fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)
-  )
-  tx = _pair(shared)[1]
+def test_unequal_states_take_an_overflowed_one_then_the_lowest():
+  """From unequal states (a sync left out): an optimizer that overflowed
+  sets the scale (the lowest of those), else the lowest scale of all; the
+  first of equals. Batched states choose per member."""
+  scaler = fs.torch_scaler(init_scale=8.0)
+  tx = _pair(scaler)[0]
   p = jnp.ones(2)
-  scale_state = shared.init()
-  _, state = tx.update(
-    jnp.array([1.0, jnp.inf]), tx.init(p), p, loss_scale=scale_state
-  )
-  scale_state = shared.update(scale_state, state)
-  assert int(scale_state.min_scale_errors) == 1  # DeepSpeed raises here
-  with pytest.raises(fs.MinLossScaleError, match="already at minimum"):
-    fs.raise_if_min_scale_reached(scale_state)
-  with pytest.raises(ValueError, match="shares its loss scale"):
-    fs.raise_if_min_scale_reached(state)
+
+  def at(scale, overflow):
+    s = fs.set_loss_scale(tx.init(p), scale)
+    g = jnp.array([1.0, jnp.where(overflow, jnp.inf, 1.0)])
+    return tx.update(g, s, p)[1]
+
+  def synced(*states):
+    return float(fs.current_scale(fs.sync_loss_scales(*states)[0]))
+
+  assert synced(at(64.0, False), at(16.0, False), at(32.0, False)) == 16.0
+  assert synced(at(64.0, True), at(16.0, False), at(32.0, True)) == 16.0
+  assert synced(at(64.0, False), at(16.0, True)) == 8.0
+  assert synced(at(16.0, False), at(64.0, True)) == 32.0
+  batched = jax.vmap(lambda s, o: at(s, o))
+  a = batched(jnp.array([64.0, 16.0]), jnp.array([False, True]))
+  b = batched(jnp.array([32.0, 32.0]), jnp.array([True, False]))
+  scales = fs.sync_loss_scales(a, b)[0][0].scaler.loss_scale
+  np.testing.assert_array_equal(scales, [16.0, 8.0])
+
+
+def test_a_synced_deepspeed_scale_at_its_floor_raises_on_every_state():
+  """DeepSpeed raises when any optimizer's overflow hits the floor of the
+  one scale: after the sync every optimizer's state says so."""
+  scaler = fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)
+  tx0, tx1 = _pair(scaler)
+  p = jnp.ones(2)
+  _, s0 = tx0.update(jnp.ones(2), tx0.init(p), p)
+  _, s1 = tx1.update(jnp.array([1.0, jnp.inf]), tx1.init(p), p)
+  fs.raise_if_min_scale_reached(s0)  # before the sync: its own, clean
+  for s in fs.sync_loss_scales(s0, s1):
+    assert int(s[0].scaler.min_scale_errors) == 1
+    with pytest.raises(fs.MinLossScaleError, match="already at minimum"):
+      fs.raise_if_min_scale_reached(s)

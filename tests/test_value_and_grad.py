@@ -8,6 +8,9 @@ updates that follow. Scales are powers of two and the compute float32, so
 ``S * g`` and its unscaling are exact and the comparisons are tight.
 """
 
+import re
+import warnings
+
 import helpers
 import jax
 import jax.numpy as jnp
@@ -287,43 +290,31 @@ def test_nnx_optimizer_form_inside_nnx_jit():
     _assert_tree_equal(plain(nnx.state(model, nnx.Param)), moved, rtol=1e-6)
 
 
-# ------------------------------------------------------- a shared scale
+# ------------------------------------------------------- a TrainState
 
 
-def test_a_shared_scale_state_as_state():
-  shared = fs.shared_loss_scale(
-    fs.torch_scaler(init_scale=4.0, growth_interval=1)
+def test_a_flax_train_state_as_state():
+  """``fs.value_and_grad(loss, train_state)``: the scale is read from the
+  TrainState's opt_state, and the gradients are the true ones times it."""
+  train_state = pytest.importorskip("flax.training.train_state")
+  tx = helpers.guarded(
+    fs.torch_scaler(init_scale=4.0, growth_interval=1), optax.sgd(0.5)
   )
-  tx = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(shared), optax.sgd(0.5))
-  )
+  state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
 
   @jax.jit
-  def step(params, opt_state, scale_state, x, y):
-    value, grads = fs.value_and_grad(loss, scale_state)(params, x, y)
-    updates, opt_state = tx.update(
-      grads, opt_state, params, loss_scale=scale_state
-    )
-    scale_state = shared.update(scale_state, opt_state)
-    return (
-      value,
-      grads,
-      optax.apply_updates(params, updates),
-      opt_state,
-      (scale_state),
-    )
+  def step(state, x, y):
+    value, grads = fs.value_and_grad(loss, state)(state.params, x, y)
+    return value, grads, state.apply_gradients(grads=grads)
 
-  params, opt_state, scale_state = PARAMS, tx.init(PARAMS), shared.init()
   for i, scale in enumerate([4.0, 8.0, 16.0]):
-    assert float(fs.current_scale(scale_state)) == scale
     x, y = _batch(i)
-    true = _true_grads(params, x, y)
-    _, grads, new, opt_state, scale_state = step(
-      params, opt_state, scale_state, x, y
-    )
+    true = _true_grads(state.params, x, y)
+    value, grads, new = step(state, x, y)
+    assert float(value) == pytest.approx(float(loss(state.params, x, y)))
     _assert_tree_equal(grads, _scaled(true, scale))
-    _assert_tree_equal(new, _sgd(params, true), rtol=1e-6)
-    params = new
+    _assert_tree_equal(new.params, _sgd(state.params, true), rtol=1e-6)
+    state = new
 
 
 # ------------------------------------------------------------- refusals
@@ -392,8 +383,78 @@ def test_a_loss_that_is_not_a_floating_scalar_is_refused():
     fs.value_and_grad(per_example, state)(A)
   with pytest.raises(TypeError, match=r"floating scalar loss.*int32\[\]"):
     fs.value_and_grad(lambda a: jnp.int32(1), state)(A)
-  # An aux returned without has_aux=True is a pair, not a scalar.
-  with pytest.raises(TypeError, match="floating scalar loss"):
-    fs.value_and_grad(lambda a: (jnp.sum(a), jnp.sum(a)), state)(A)
   with pytest.raises(TypeError, match=r"floating scalar loss.*float32\[2\]"):
     jax.jit(lambda a, s: fs.value_and_grad(per_example, s)(a))(A, state)
+
+
+def test_output_mistakes_get_the_librarys_message():
+  """Each way ``fun``'s output can disagree with ``has_aux`` is named, with
+  the fix, before JAX's or numpy's own errors."""
+  state = STATIC.init(A)
+  pair = lambda a: (jnp.sum(a), {"n": a})
+  wrong_order = lambda a: ({"n": a}, jnp.sum(a))
+  mistakes = [
+    (pair, False, r"returned a tuple of 2, with has_aux=False: .*has_aux=True"),
+    (jnp.sum, True, r"returned one value, with has_aux=True: return the loss"),
+    (lambda a: (jnp.sum(a),), True, r"returned a tuple of 1, with has_aux"),
+    (
+      wrong_order,
+      True,
+      r"first output \(with has_aux=True it returns "
+      r"\(loss, aux\)\) must be a floating scalar.*a dict",
+    ),
+  ]
+  for fun, has_aux, message in mistakes:
+    with pytest.raises(TypeError, match=message):
+      fs.value_and_grad(fun, state, has_aux=has_aux)(A)
+    with pytest.raises(TypeError, match=message):  # traced alike
+      jax.jit(lambda a, s: fs.value_and_grad(fun, s, has_aux=has_aux)(a))(
+        A, state
+      )
+  # The right forms still work.
+  (value, aux), grads = fs.value_and_grad(pair, state, has_aux=True)(A)
+  assert float(value) == -1.0 and aux["n"] is A
+  np.testing.assert_array_equal(grads, [S, S])
+
+
+def test_a_state_that_holds_no_scale_is_named():
+  """Params, the optimizer, a float, the metrics dict and an abstract
+  (eval_shape) state: each refused with what it is and what to pass."""
+  state = STATIC.init(A)
+  fix = re.escape(
+    "Pass the optimizer state that tx.init(params) or tx.update returned"
+  )
+  wrong = [
+    ({"w": A}, "a dict with keys \\['w'\\]"),
+    (STATIC, r"which is the optimizer \(tx\) itself, not its state"),
+    (1.0, "a float"),
+    (fs.scale_metrics(state), r"a dict with keys \[.consecutive_skipped.*\]"),
+  ]
+  for given, what in wrong:
+    with pytest.raises(ValueError, match=f"found in opt_state, {what}. {fix}"):
+      fs.value_and_grad(jnp.sum, given)(A)
+  abstract = jax.eval_shape(STATIC.init, A)
+  with pytest.raises(ValueError, match=r"ShapeDtypeStructs \(from jax.eval_"):
+    fs.value_and_grad(jnp.sum, abstract)(A)
+
+
+def test_a_float16_loss_warns_at_the_callers_line():
+  """A float16 loss's cotangent is the scale in float16: inf from 2^16 on,
+  so every such step overflows. Warned about when traced, pointing at the
+  caller's line, eagerly and under jit."""
+  state = helpers.guarded(fs.static_scaler(2.0**16), optax.sgd(0.5)).init(A)
+  half = lambda a: jnp.mean(a.astype(jnp.float16))
+  with pytest.warns(UserWarning, match="float16 loss.*2\\^16") as got:
+    _, grads = fs.value_and_grad(half, state)(A)
+  assert [w.filename for w in got] == [__file__]
+  assert not np.isfinite(np.asarray(grads)).any()  # why it warns
+  with pytest.warns(UserWarning, match="float16 loss") as got:
+    jax.jit(lambda a, s: fs.value_and_grad(half, s)(a))(A, state)
+  assert [w.filename for w in got] == [__file__]
+  # The mean taken in float32: no warning, and each float16 element's
+  # cotangent, S / 2, fits.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    full = lambda a: jnp.mean(a.astype(jnp.float16).astype(jnp.float32))
+    _, grads = fs.value_and_grad(full, state)(A)
+  np.testing.assert_array_equal(grads, [2.0**15, 2.0**15])

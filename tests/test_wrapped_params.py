@@ -104,3 +104,31 @@ def test_matching_trees_do_not_warn():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tx.update({"a": jnp.ones(2)}, state)
+
+
+def test_gradients_of_another_tree_are_refused_naming_argnums():
+  """Gradients with argnums=(0, 1), or of the batch, are not of the params'
+  tree: refused at tx.update (eagerly and traced) with the fix, before
+  optax.apply_updates fails on them. Lookahead's fast weights (above) and
+  matching trees pass."""
+  tx = fs.skip_on_overflow(
+    optax.chain(fs.fp16_loss_scale(fs.static_scaler(SCALE)), optax.sgd(0.1))
+  )
+  params, batch = {"w": jnp.ones(2)}, {"x": jnp.ones(3), "y": jnp.ones(3)}
+  state = tx.init(params)
+  loss = lambda p, b: jnp.sum(p["w"]) * jnp.sum(b["x"] * b["y"])
+  both = fs.value_and_grad(loss, state, argnums=(0, 1))(params, batch)[1]
+  of_batch = fs.value_and_grad(loss, state, argnums=1)(params, batch)[1]
+  fix = r"argnums=\(0, 1\), or of the batch.*argnums=0"
+  for grads, listed in [
+    (both, r"3 leaves \(\[0\]\['w'\], \[1\]\['x'\]"),
+    (of_batch, r"2 leaves \(\['x'\], \['y'\]\)"),
+  ]:
+    message = f"not of the params' tree: {listed}.*1 params.*{fix}"
+    with pytest.raises(ValueError, match=message):
+      tx.update(grads, state, params)
+    with pytest.raises(ValueError, match=message):
+      jax.jit(tx.update)(grads, state, params)
+  good = fs.value_and_grad(loss, state)(params, batch)[1]
+  updates, _ = tx.update(good, state, params)
+  assert jax.tree.structure(updates) == jax.tree.structure(params)

@@ -11,7 +11,6 @@ import numpy as np
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
-from fp16_scaling._scaler import ScalerState
 from fp16_scaling._scaler import check_scaler
 from fp16_scaling.interop import _peers
 
@@ -208,8 +207,7 @@ def load_scaler_state_dict(
   """``opt_state`` with its loss-scale state taken from ``state_dict``.
 
   Args:
-    opt_state: an optax state holding one :class:`LossScaleState`, or a
-      shared scale's :class:`ScalerState` (for a peer's state).
+    opt_state: an optax state holding one :class:`LossScaleState`.
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
       (docs/checkpoints.md), recognised by its keys.
     scaler: the :class:`Scaler` the optimizer was built with; the
@@ -223,14 +221,13 @@ def load_scaler_state_dict(
       a configuration that disagrees with ``scaler``.
   """
   scaler = check_scaler(scaler)
-  shared = isinstance(opt_state, ScalerState)
-  old = opt_state if shared else _lookup.loss_scale_state(opt_state)
+  old = _lookup.loss_scale_state(opt_state)
   peer, d = _recognise(state_dict)
   values = _from_own(d, scaler) if peer is None else _from_peer(peer, d, scaler)
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
   new = _put_own(old, fields, values)
-  return new if shared else _lookup.replace_loss_scale_state(opt_state, new)
+  return _lookup.replace_loss_scale_state(opt_state, new)
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
@@ -263,8 +260,7 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   """The loss-scale state of ``opt_state`` in a peer's own format.
 
   Args:
-    opt_state: an optax state holding one unbatched :class:`LossScaleState`,
-      or a shared scale's :class:`ScalerState`.
+    opt_state: an optax state holding one unbatched :class:`LossScaleState`.
     peer: ``"torch"`` (for ``GradScaler.load_state_dict``), ``"megatron"``
       (``DynamicGradScaler.load_state_dict``; ``scale`` a torch tensor) or
       ``"deepspeed"`` (entries to merge into ``FP16_Optimizer.state_dict()``,
