@@ -14,6 +14,7 @@ from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
+from fp16_scaling._metrics import layer_grad_norms
 from fp16_scaling._metrics import scale_metrics
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
@@ -27,11 +28,13 @@ from fp16_scaling._scaler import torch_scaler
 from fp16_scaling._shared import SharedLossScale
 from fp16_scaling._shared import shared_loss_scale
 from fp16_scaling._skip import skip_on_overflow
+from fp16_scaling._stacked import stacked_under
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LossScaleState
+from fp16_scaling._states import StackedRange
 from fp16_scaling.interop import DeepSpeedFP16
 from fp16_scaling.interop import from_deepspeed_config
 from fp16_scaling.interop import load_scaler_state_dict
@@ -54,6 +57,7 @@ __all__ = [
   "Scaler",
   "ScalerState",
   "SharedLossScale",
+  "StackedRange",
   "accumulate_gradients",
   "clip_by_unscaled_norm",
   "current_scale",
@@ -63,6 +67,7 @@ __all__ = [
   "fp16_loss_scale",
   "from_deepspeed_config",
   "headroom_scaler",
+  "layer_grad_norms",
   "megatron_scaler",
   "no_scaler",
   "overflow_report",
@@ -73,6 +78,7 @@ __all__ = [
   "set_loss_scale",
   "shared_loss_scale",
   "skip_on_overflow",
+  "stacked_under",
   "static_scaler",
   "to_peer_state_dict",
   "torch_scaler",

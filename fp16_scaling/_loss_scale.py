@@ -15,6 +15,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
+from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._measure import Handed
 from fp16_scaling._measure import Measurement
@@ -29,6 +30,7 @@ from fp16_scaling._states import UNKNOWN
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LeafPaths
 from fp16_scaling._states import LossScaleState
+from fp16_scaling._states import StackedRange
 from fp16_scaling._states import register_with_flax
 
 _UNGUARDED = (
@@ -98,15 +100,21 @@ def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
     )
 
 
-def _leaf_paths(tree, scaler, partition_specs, shared) -> LeafPaths:
-  """The leaves' names and sizes, with the configuration built for."""
+def _leaf_paths(tree, scaler, partition_specs, shared, stacked) -> LeafPaths:
+  """The units' names and sizes, with the configuration built for."""
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  return LeafPaths(
+  names, sizes = _stacked.unit_names(
+    stacked,
     [jax.tree_util.keystr(path) for path, _ in with_paths],
     [jnp.size(x) for _, x in with_paths],
+  )
+  return LeafPaths(
+    names,
+    sizes,
     scaler=scaler,
     shared=shared,
     specs=partition_specs,
+    stacked=stacked,
   )
 
 
@@ -162,6 +170,7 @@ def fp16_loss_scale(
   partition_specs: Optional[Any] = None,
   grad_range: bool = False,
   log_overflows: bool = False,
+  stacked_axes: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling for float16 training, as the first element of a chain.
 
@@ -179,13 +188,19 @@ def fp16_loss_scale(
       reductions per leaf).
     log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line
       from inside the step; for debugging only (docs/diagnostics.md).
+    stacked_axes: for scanned (stacked) layers, each stacked leaf's layer
+      axis: a pytree prefix of the params with an int or None at each leaf,
+      or a callable mapping the params to one (:func:`stacked_under`). The
+      per-leaf records are then per layer, and with ``grad_range`` each
+      layer's norm too (docs/stacked.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
 
   Raises:
-    TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
+    TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool;
+      ``stacked_axes`` holds other than ints and None.
     RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
     ValueError: from ``update``: a state of another scaler, a misplaced or
       missing ``loss_scale=``, a ``value`` that is not a scalar.
@@ -219,6 +234,7 @@ def fp16_loss_scale(
     )
   grad_range = _validate.flag("grad_range", grad_range)
   log_overflows = _validate.flag("log_overflows", log_overflows)
+  stacked_key = _stacked.check(stacked_axes, "fp16_loss_scale")
   # A shared headroom scale reads each optimizer's range in shared.update.
   keep_range = grad_range or (shared and scaler.needs_grad_max)
 
@@ -229,7 +245,10 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    paths = _leaf_paths(params, scaler, partition_specs, shared)
+    stacked = _stacked.resolve(
+      stacked_axes, params, partition_specs, "fp16_loss_scale"
+    )
+    paths = _leaf_paths(params, scaler, partition_specs, shared, stacked)
     return _initial_state(scaler.init(), paths, keep_range)
 
   def update_fn(updates, state, params=None, **extra):
@@ -241,7 +260,8 @@ def fp16_loss_scale(
       raise ValueError(_SHARED if shared else _OWNED)
     # The state must be this transformation's own.
     _sharding.leaf_axes_from_specs(partition_specs, updates, "fp16_loss_scale")
-    _check_built_here(state.leaf_paths, scaler, partition_specs, shared)
+    built = (scaler, partition_specs, shared, stacked_key)
+    _check_built_here(state.leaf_paths, *built)
     value = extra.get("value")
     if value is not None:
       value = _scalar_value(value)
@@ -249,7 +269,8 @@ def fp16_loss_scale(
     _warn_bfloat16_grads(leaves, scaler)
     grad_range_now = None
     if grad_range or scaler.needs_grad_max:
-      grad_range_now = _grad_range(leaves, measurement)
+      stacked = state.leaf_paths.stacked is not None
+      grad_range_now = _grad_range(leaves, measurement, stacked)
     new_state = _next_state(
       scaler, state, measurement, value, grad_range_now, keep_range=keep_range
     )
@@ -264,11 +285,13 @@ def fp16_loss_scale(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_built_here(paths: LeafPaths, scaler, specs, shared) -> None:
+def _check_built_here(paths: LeafPaths, scaler, specs, shared, key) -> None:
   """Raises when the state was built by another configuration."""
-  if paths == LeafPaths((), (), scaler=scaler, shared=shared, specs=specs):
+  stacked = _stacked.Layout(key) if key is not None else None
+  here = LeafPaths((), (), scaler, shared, specs, stacked)
+  if paths == here:
     return
-  what = "other partition_specs"
+  what = "other partition_specs or stacked_axes"
   if paths.shared != shared:
     what = "a shared scale" if paths.shared else "a scale of its own"
   if paths.scaler != scaler and paths.scaler is not None:
@@ -290,6 +313,9 @@ def _check_built_here(paths: LeafPaths, scaler, specs, shared) -> None:
 def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
   n = len(paths)
   zeros = lambda: jnp.zeros([n], jnp.float32)
+  rng = GradRange(zeros(), zeros()) if grad_range else None
+  if grad_range and paths.stacked is not None:
+    rng = StackedRange(zeros(), zeros(), zeros())
   # Every field its own buffer: a donating step gives each field's buffer
   # to its successor, and one buffer cannot be donated twice.
   return LossScaleState(
@@ -301,15 +327,21 @@ def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
     leaf_nonfinite=jnp.zeros([n], jnp.bool_),
     leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
     overflow_kind=jnp.int32(NONE),
-    grad_range=GradRange(zeros(), zeros()) if grad_range else None,
+    grad_range=rng,
     leaf_paths=paths,
   )
 
 
-def _grad_range(leaves, measurement: Measurement) -> GradRange:
-  """Per leaf the largest finite unscaled ``|g|`` and the zero fraction."""
-  peaks, zero_fraction = _norm.leaf_range(leaves, measurement.leaf_axes)
-  return GradRange(peaks * measurement.inv_scale, zero_fraction)
+def _grad_range(leaves, measurement: Measurement, stacked: bool) -> GradRange:
+  """Per leaf (per unit) the largest finite unscaled ``|g|`` and the zero
+  fraction; when ``stacked``, each unit's norm too, from the sums."""
+  m = measurement
+  peaks, zero_fraction = _norm.leaf_range(leaves, m.leaf_axes, m.layer_axes)
+  if not stacked:
+    return GradRange(peaks * m.inv_scale, zero_fraction)
+  sums = jnp.maximum(m.norms.leaf_sums, 0.0)  # a non-finite unit's is -inf
+  norm = _norm._sqrt(sums) * m.inv_scale
+  return StackedRange(peaks * m.inv_scale, zero_fraction, norm)
 
 
 def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):

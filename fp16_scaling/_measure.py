@@ -14,7 +14,8 @@ from fp16_scaling import _sharding
 
 class Measurement(NamedTuple):
   """One pass over a step's scaled gradient leaves ``grads``, made at
-  ``scale``: their local ``sums`` of squares and global ``norms``."""
+  ``scale``: their local ``sums`` of squares and global ``norms`` (a leaf
+  with a layer axis in ``layer_axes`` keeps it in its sums)."""
 
   grads: tuple
   sums: tuple
@@ -22,6 +23,7 @@ class Measurement(NamedTuple):
   scale: jax.Array
   leaf_axes: tuple
   in_float16_range: bool = False
+  layer_axes: Optional[tuple] = None
 
   @property
   def overflow(self) -> jax.Array:
@@ -70,12 +72,16 @@ def measure(
   *,
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
+  layer_axes: Optional[tuple] = None,
 ) -> Measurement:
-  """The one pass over ``grads``, made at loss scale ``scale``."""
+  """The one pass over ``grads``, made at loss scale ``scale``; per layer
+  for the leaves ``layer_axes`` gives a layer axis (docs/stacked.md)."""
   leaves = jax.tree.leaves(grads)
   _norm.check_float_leaves(leaves, f"{what} gradients")
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
-  sums = _norm.leaf_sums(leaves)
+  if layer_axes is not None and len(layer_axes) != len(leaves):
+    layer_axes = None  # not the params' tree: _loss_scale._leaf_fitter warns
+  sums = _norm.leaf_sums(leaves, layer_axes)
   norms = _norm.reduce_norms(
     sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range
   )
@@ -86,6 +92,7 @@ def measure(
     jnp.asarray(scale, jnp.float32),
     tuple(leaf_axes),
     in_float16_range,
+    layer_axes,
   )
 
 
@@ -100,5 +107,11 @@ def measure_step(
   of ``opt_state`` (the scale of a shared ``loss_scale`` when given)."""
   ls = _lookup.loss_scale_state(opt_state)
   scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
-  specs = ls.leaf_paths.partition_specs
-  return measure(grads, scale, specs, in_float16_range=in_float16_range)
+  specs, stacked = ls.leaf_paths.partition_specs, ls.leaf_paths.stacked
+  return measure(
+    grads,
+    scale,
+    specs,
+    in_float16_range=in_float16_range,
+    layer_axes=stacked.axes if stacked is not None else None,
+  )
