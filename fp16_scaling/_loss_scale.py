@@ -103,19 +103,10 @@ def _warn_bfloat16_grads(leaves, scaler: Scaler) -> None:
 def _leaf_paths(tree, scaler, partition_specs, shared, stacked) -> LeafPaths:
   """The units' names and sizes, with the configuration built for."""
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  names, sizes = _stacked.unit_names(
-    stacked,
-    [jax.tree_util.keystr(path) for path, _ in with_paths],
-    [jnp.size(x) for _, x in with_paths],
-  )
-  return LeafPaths(
-    names,
-    sizes,
-    scaler=scaler,
-    shared=shared,
-    specs=partition_specs,
-    stacked=stacked,
-  )
+  names = [jax.tree_util.keystr(path) for path, _ in with_paths]
+  sizes = [jnp.size(x) for _, x in with_paths]
+  names, sizes = _stacked.unit_names(stacked, names, sizes)
+  return LeafPaths(names, sizes, scaler, shared, partition_specs, stacked)
 
 
 def _scalar_value(value) -> jax.Array:
@@ -245,9 +236,8 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    stacked = _stacked.resolve(
-      stacked_axes, params, partition_specs, "fp16_loss_scale"
-    )
+    what = "fp16_loss_scale"
+    stacked = _stacked.resolve(stacked_axes, params, partition_specs, what)
     paths = _leaf_paths(params, scaler, partition_specs, shared, stacked)
     return _initial_state(scaler.init(), paths, keep_range)
 

@@ -108,10 +108,6 @@ def measure_step(
   ls = _lookup.loss_scale_state(opt_state)
   scale = ls.scaler.loss_scale if loss_scale is None else loss_scale.loss_scale
   specs, stacked = ls.leaf_paths.partition_specs, ls.leaf_paths.stacked
-  return measure(
-    grads,
-    scale,
-    specs,
-    in_float16_range=in_float16_range,
-    layer_axes=stacked.axes if stacked is not None else None,
-  )
+  axes = stacked.axes if stacked is not None else None
+  kw = dict(in_float16_range=in_float16_range, layer_axes=axes)
+  return measure(grads, scale, specs, **kw)

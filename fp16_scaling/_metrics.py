@@ -191,10 +191,4 @@ def layer_grad_norms(opt_state: optax.OptState) -> dict:
       "layer_grad_norms: build fp16_loss_scale with stacked_axes= and "
       "grad_range=True to record each layer's norm (docs/stacked.md)"
     )
-  rows = ls.leaf_paths.stacked.layer_units()
-  stacked = [
-    n
-    for n, a in zip(ls.leaf_paths.stacked.names, ls.leaf_paths.stacked.axes)
-    if a is not None
-  ]
-  return {n: norms[..., r] for n, r in zip(stacked, rows)}
+  return _stacked.per_leaf(norms, ls.leaf_paths.stacked)

@@ -23,11 +23,7 @@ def leaf_vector(values, leaf_axes, collective, prepare=None) -> jax.Array:
   starts = np.cumsum([0] + [np.size(v) for v in values])
   parts, order = [], []
   for axes, idx in by_axes.items():
-    part = [values[i] for i in idx]
-    if all(np.ndim(v) == 0 for v in part):
-      part = jnp.stack(part)
-    else:
-      part = jnp.concatenate([jnp.reshape(v, [-1]) for v in part])
+    part = jnp.concatenate([jnp.reshape(values[i], [-1]) for i in idx])
     part = prepare(part) if prepare is not None else part
     parts.append(collective(part, axes) if axes else part)
     order += [u for i in idx for u in range(starts[i], starts[i + 1])]

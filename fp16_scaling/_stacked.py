@@ -59,14 +59,9 @@ class Layout:
 
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
-    counts = [1 if a is None else self.layers for a in self.axes]
-    starts = np.cumsum([0] + counts)[:-1]
-    rows = [
-      s + np.arange(self.layers)
-      for s, a in zip(starts, self.axes)
-      if a is not None
-    ]
-    return np.asarray(rows, np.int32).reshape(len(rows), self.layers)
+    counts = np.array([1 if a is None else self.layers for a in self.axes])
+    starts = (np.cumsum(counts) - counts)[[a is not None for a in self.axes]]
+    return (starts[:, None] + np.arange(self.layers)).astype(np.int32)
 
 
 def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
@@ -127,12 +122,10 @@ def unit_names(layout: Optional[Layout], names, sizes) -> tuple:
   if layout is None:
     return tuple(names), tuple(sizes)
   paths, out = [], []
-  for i, (name, n) in enumerate(zip(names, sizes)):
-    if layout.axes[i] is None:
-      paths.append(name), out.append(n)
-      continue
-    paths += [f"{name}[{k}]" for k in range(layout.layers)]
-    out += [n // layout.layers] * layout.layers
+  for name, n, a in zip(names, sizes, layout.axes):
+    layers = 1 if a is None else layout.layers
+    paths += [name] if a is None else [f"{name}[{k}]" for k in range(layers)]
+    out += [n // layers] * layers
   return tuple(paths), tuple(out)
 
 
@@ -173,6 +166,12 @@ def count_nonfinite(flags, layout: Layout) -> tuple:
   rest = np.setdiff1d(np.arange(flags.shape[-1]), layer_units.ravel())
   leaves = stacked.any(-1).sum(-1) + flags[..., rest].sum(-1)
   return leaves.astype(np.int32), stacked.any(-2).sum(-1).astype(np.int32)
+
+
+def per_leaf(values, layout: Layout) -> dict:
+  """``{path: values[..., L]}`` per stacked leaf, of a per-unit vector."""
+  names = [n for n, a in zip(layout.names, layout.axes) if a is not None]
+  return dict(zip(names, (values[..., r] for r in layout.layer_units())))
 
 
 def by_layer(counts, flags, layout: Layout) -> tuple:

@@ -241,3 +241,15 @@ def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
   a = build({"layers": {"W": -3, "b": -2}, "out": None}).leaf_paths.stacked
   b = build(fs.stacked_under("layers")).leaf_paths.stacked
   assert a.axes == b.axes == (0, 0, None) and a.layers == b.layers == L
+
+
+def test_diagnostics_md_shows_the_by_layer_report_as_it_prints(capsys):
+  import re
+
+  import docs_snippets
+
+  text = (docs_snippets.DOCS / "diagnostics.md").read_text()
+  section = text[text.index("## Stacked layers: the report by layer") :]
+  code, shown = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)[:2]
+  exec(compile(code, "diagnostics.md, by layer", "exec"), {})
+  assert capsys.readouterr().out == shown
