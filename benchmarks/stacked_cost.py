@@ -11,6 +11,7 @@ ratio, and the bytes XLA's cost analysis counts for each compiled step.
 
     python benchmarks/stacked_cost.py                   # small and medium
     python benchmarks/stacked_cost.py --sizes tiny --rounds 3 --steps 5
+    python benchmarks/stacked_cost.py --kinds update --rounds 15 --steps 50
 """
 
 import argparse
@@ -85,7 +86,7 @@ def timed(step, params, state, steps):
   return (time.perf_counter() - t0) / steps
 
 
-def run(size, rounds, steps):
+def run(size, rounds, steps, kinds=("update", "train")):
   cfg = train_lm.Config(**dict(train_lm.SIZES[size]), scan=True)
   params = train_lm.init_params(cfg)
   rng = np.random.default_rng(0)
@@ -93,7 +94,7 @@ def run(size, rounds, steps):
   half = jax.tree.map(lambda p: p.astype(jnp.float16), params)
   grads = jax.jit(train_lm.make_grad_fn(cfg))(half, x, y, 256.0)[1]
   both = sides(cfg, grads, x, y)
-  for kind in ("update", "train"):
+  for kind in kinds:
     times = {"without": [], "with": []}
     for _ in range(rounds):  # interleaved: both sides see the same load
       for name, (tx, steps_of) in both.items():
@@ -111,6 +112,7 @@ def main(argv=None):
   p.add_argument("--sizes", default="small,medium")
   p.add_argument("--rounds", type=int, default=7)
   p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--kinds", default="update,train")
   args = p.parse_args(argv)
   print(
     "| size | step | without (ms) | with stacked_axes (ms) | ratio | "
@@ -118,7 +120,8 @@ def main(argv=None):
   )
   print("|---|---|---:|---:|---:|---:|---:|")
   for size in args.sizes.split(","):
-    for _, kind, a, b, na, nb in run(size, args.rounds, args.steps):
+    rows = run(size, args.rounds, args.steps, args.kinds.split(","))
+    for _, kind, a, b, na, nb in rows:
       ms = f"{1e3 * a:.2f} | {1e3 * b:.2f} | {b / a:.3f}x"
       print(f"| {size} | {kind} | {ms} | {na:.4g} | {nb:.4g} |", flush=True)
 
