@@ -25,6 +25,8 @@ float16, which flush to zero; in float32 it is close to 0).
     python examples/train_lm.py                       # default size, ~2 min
     python examples/train_lm.py --size tiny --steps 100
     python examples/train_lm.py --scaler none         # fp16 without scaling
+    # the blocks stacked and applied by nn.scan: overflows named by layer
+    python examples/train_lm.py --scan
     # each step's loss / 128 (DeepSpeed's accumulation recipe), one
     # microbatch per step: unscaled fp16 loses a third of its gradients
     python examples/train_lm.py --scaler none --accumulate 128 --microbatches 1
@@ -118,6 +120,9 @@ class Config:
   eval_every: int = 50
   eval_batches: int = 8
   seed: int = 0
+  # Stack the blocks' params on a layer axis and apply them with nn.scan;
+  # fp16_loss_scale(stacked_axes=...) then records overflows per layer.
+  scan: bool = False
 
   def __post_init__(self):
     if self.accumulate < 1:
@@ -222,6 +227,20 @@ class Block(nn.Module):
     return x + h
 
 
+class ScannedBlock(nn.Module):
+  """A :class:`Block` as ``nn.scan`` calls it: ``(carry, _) -> (carry, _)``."""
+
+  heads: int
+  init_std: float
+  out_std: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x, _):
+    block = Block(self.heads, self.init_std, self.out_std, self.dtype)
+    return block(x), None
+
+
 class Transformer(nn.Module):
   """Decoder-only LM; the token embedding is tied to the output head."""
 
@@ -231,6 +250,7 @@ class Transformer(nn.Module):
   seq_len: int
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float16
+  scan: bool = False  # the blocks stacked under "blocks", axis 0
 
   @nn.compact
   def __call__(self, tokens):
@@ -240,7 +260,16 @@ class Transformer(nn.Module):
     x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
     # GPT-2's scaling of the residual projections: 1 / sqrt(2 * layers).
     out_std = self.init_std / math.sqrt(2 * self.layers)
-    for _ in range(self.layers):
+    if self.scan:
+      blocks = nn.scan(
+        ScannedBlock,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=self.layers,
+      )
+      args = (self.heads, self.init_std, out_std, self.dtype)
+      x, _ = blocks(*args, name="blocks")(x, None)
+    for _ in range(0 if self.scan else self.layers):
       x = Block(self.heads, self.init_std, out_std, self.dtype)(x)
     x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32)(x)
     return embed.attend(x)  # logits, in the compute dtype
@@ -254,6 +283,7 @@ def make_model(cfg: Config, dtype=None) -> Transformer:
     cfg.seq_len,
     cfg.init_std,
     cfg.dtype if dtype is None else dtype,
+    cfg.scan,
   )
 
 
@@ -281,9 +311,10 @@ def loss_fn(model, params, x, y):
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   scaler = SCALERS[cfg.scaler](cfg)
+  stacked = fs.stacked_under("blocks") if cfg.scan else None
   return fs.skip_on_overflow(
     optax.chain(
-      fs.fp16_loss_scale(scaler),
+      fs.fp16_loss_scale(scaler, stacked_axes=stacked),
       fs.clip_by_unscaled_norm(cfg.max_norm),  # by the *unscaled* norm
       optax.adamw(cfg.lr, weight_decay=1e-4),
     )
@@ -361,14 +392,15 @@ def make_eval(cfg: Config):
   run so that runs compare on what they learned.
   """
   shape = (cfg.layers, cfg.d_model, cfg.heads, cfg.seq_len, cfg.init_std)
-  return _eval_fn(*shape)
+  return _eval_fn(*shape, cfg.scan)
 
 
 @functools.lru_cache(maxsize=None)
 def _eval_fn(*shape):
   # One jitted function per model shape: runs that differ only in precision
   # or scaler share its compilation.
-  model = Transformer(*shape, dtype=jnp.float32)
+  *shape, scan = shape
+  model = Transformer(*shape, dtype=jnp.float32, scan=scan)
   return jax.jit(lambda params, x, y: loss_fn(model, params, x, y))
 
 
@@ -455,6 +487,10 @@ def add_config_args(p: argparse.ArgumentParser):
   p.add_argument("--size", choices=sorted(SIZES), default="small")
   for f in dataclasses.fields(Config):
     if f.name in ("precision", "scaler"):
+      continue
+    if f.name == "scan":
+      help = "stack the blocks, apply them with nn.scan"
+      p.add_argument("--scan", action="store_const", const=True, help=help)
       continue
     p.add_argument(
       "--" + f.name.replace("_", "-"),

@@ -15,6 +15,7 @@ from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
+from fp16_scaling._metrics import layer_grad_norms
 from fp16_scaling._metrics import scale_metrics
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
@@ -27,11 +28,13 @@ from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
 from fp16_scaling._shared import sync_loss_scales
 from fp16_scaling._skip import skip_on_overflow
+from fp16_scaling._stacked import stacked_under
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState
 from fp16_scaling._states import ClipState
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LossScaleState
+from fp16_scaling._states import StackedRange
 from fp16_scaling.interop import DeepSpeedFP16
 from fp16_scaling.interop import from_deepspeed_config
 from fp16_scaling.interop import load_scaler_state_dict
@@ -53,6 +56,7 @@ __all__ = [
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
+  "StackedRange",
   "accumulate_gradients",
   "cast_report",
   "clip_by_unscaled_norm",
@@ -63,6 +67,7 @@ __all__ = [
   "fp16_loss_scale",
   "from_deepspeed_config",
   "headroom_scaler",
+  "layer_grad_norms",
   "megatron_scaler",
   "no_scaler",
   "overflow_report",
@@ -72,6 +77,7 @@ __all__ = [
   "scaler_state_dict",
   "set_loss_scale",
   "skip_on_overflow",
+  "stacked_under",
   "static_scaler",
   "sync_loss_scales",
   "to_peer_state_dict",

@@ -15,6 +15,7 @@ from fp16_scaling import _lookup
 from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
+from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._states import AccumulationState
 
@@ -53,6 +54,7 @@ def accumulate_gradients(
   *,
   on_microbatch_overflow: str = "skip_step",
   partition_specs: Optional[Any] = None,
+  stacked_axes: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates microbatch gradients and runs the guarded chain once a window.
 
@@ -71,6 +73,9 @@ def accumulate_gradients(
       is skipped only when none is clean.
     partition_specs: under ``shard_map`` with ``"drop_microbatch"``, the
       gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`).
+    stacked_axes: as for :func:`fp16_loss_scale`; checked at ``init``
+      to equal that of ``tx``'s ``fp16_loss_scale``, which
+      records the window's mean per layer.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -81,7 +86,8 @@ def accumulate_gradients(
   Raises:
     ValueError: ``every_k_schedule`` below 1; an unknown
       ``on_microbatch_overflow``; at ``init``, not one ``fp16_loss_scale`` in
-      ``tx``, or inside :func:`skip_on_overflow`; at ``update``, gradients
+      ``tx``, or inside :func:`skip_on_overflow`; ``stacked_axes`` other
+      than ``tx``'s; at ``update``, gradients
       whose tree or shapes differ from the params.
     TypeError: at ``update``, a ``value`` that is not a floating scalar.
 
@@ -107,10 +113,18 @@ def accumulate_gradients(
     == "drop_microbatch"
   )
   tx = optax.with_extra_args_support(tx)
+  key = _stacked.check(stacked_axes, "accumulate_gradients")
 
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
-    return _initial_state(tx.init(params), params)
+    state = _initial_state(tx.init(params), params)
+    inner = _lookup.loss_scale_state(state.inner_state).leaf_paths.stacked
+    if key is not None and (inner is None or inner.key != key):
+      raise ValueError(
+        "accumulate_gradients: stacked_axes differ from those of tx's "
+        "fp16_loss_scale; pass the same stacked_axes to both"
+      )
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _checked_microbatch(updates, state.acc_grads)

@@ -13,6 +13,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
+from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._measure import Handed
 from fp16_scaling._measure import measure
@@ -64,6 +65,7 @@ def clip_by_unscaled_norm(
   expert_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
   eps: float = 1e-6,
   partition_specs: Optional[Any] = None,
+  stacked_axes: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """Clips gradients by their true global 2-norm.
 
@@ -78,6 +80,9 @@ def clip_by_unscaled_norm(
     eps: added to the norm in the denominator; >= 0.
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
       pytree.
+    stacked_axes: as for :func:`fp16_loss_scale`, checked at ``init``
+      against the params (the global norm it clips by does not depend on
+      it), so that one value can be passed to every element.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
@@ -96,6 +101,7 @@ def clip_by_unscaled_norm(
   """
   max_norm = _validate.positive("max_norm", max_norm)
   eps = _validate.non_negative("eps", eps)
+  _stacked.check(stacked_axes, "clip_by_unscaled_norm")
   if expert_mask is not None and not callable(expert_mask):
     _mask_leaves(expert_mask)
 
@@ -106,6 +112,9 @@ def clip_by_unscaled_norm(
     _expert_groups(expert_mask, params)
     _sharding.leaf_axes_from_specs(
       partition_specs, params, "clip_by_unscaled_norm"
+    )
+    _stacked.resolve(
+      stacked_axes, params, partition_specs, "clip_by_unscaled_norm"
     )
     # Three buffers: a donating step reuses each for its own field.
     zero = lambda: jnp.zeros([], jnp.float32)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from fp16_scaling import _lookup
+from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._metrics import headroom_bits
 from fp16_scaling._states import KINDS
@@ -90,6 +91,13 @@ class OverflowReport:
     floor_overflows: overflows that hit the scale's floor so far.
     grad_range: path -> :class:`LeafRange`, with ``grad_range=True``.
     top: how many leaves ``str()`` lists.
+    layer_counts: with ``stacked_axes``, layer -> the most steps on which
+      any one of its stacked leaves held an inf or NaN (if any).
+    nonfinite_layers: with ``stacked_axes``, the layers whose gradient held
+      an inf or NaN in any stacked leaf on the last step.
+
+  With ``stacked_axes`` a path names one layer of a stacked leaf, as
+  ``['layers']['W'][5]``.
   """
 
   step_overflowed: bool
@@ -102,6 +110,8 @@ class OverflowReport:
   floor_overflows: int
   grad_range: Optional[Dict[str, LeafRange]]
   top: int = 10
+  layer_counts: Dict[int, int] = dataclasses.field(default_factory=dict)
+  nonfinite_layers: Tuple[int, ...] = ()
 
   def top_leaves(self) -> list:
     """Up to ``top`` (path, count) pairs, most overflows first."""
@@ -143,6 +153,9 @@ class OverflowReport:
       lines += [f"  {p}" for p in shown]
       if len(self.nonfinite_leaves) > len(shown):
         lines.append(f"  ... and {len(self.nonfinite_leaves) - len(shown)}")
+      if self.nonfinite_layers:
+        layers = ", ".join(map(str, self.nonfinite_layers))
+        lines.append(f"Non-finite layers on the last step: {layers}")
     if self.counts:
       lines.append(
         f"Steps with a non-finite gradient, per leaf (top {self.top}):"
@@ -152,6 +165,13 @@ class OverflowReport:
       more = len(self.counts) - min(len(self.counts), self.top)
       if more:
         lines.append(f"  ... and {more} more leaves")
+    if self.layer_counts:
+      by_layer = sorted(self.layer_counts.items(), key=lambda kv: -kv[1])
+      lines.append(
+        "Steps with a non-finite gradient, by layer (the most of its "
+        f"stacked leaves; top {self.top}):"
+      )
+      lines += [f"  {n:>{width}}  layer {k}" for k, n in by_layer[: self.top]]
     if self.grad_range:
       lines.append(
         f"Gradient range of the last step, least headroom first (top "
@@ -230,6 +250,8 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
       p: LeafRange(float(m), float(b), float(z))
       for p, m, b, z in zip(paths, max_abs, bits, zeros)
     }
+  stacked = ls.leaf_paths.stacked
+  by_layer = _stacked.by_layer(counts, flags, stacked) if stacked else ({}, ())
   return OverflowReport(
     step_overflowed=bool(host.overflow),
     nonfinite_leaves=tuple(p for p, bad in zip(paths, flags) if bad),
@@ -241,6 +263,8 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     floor_overflows=int(host.scaler.floor_overflows),
     grad_range=grad_range,
     top=top,
+    layer_counts=by_layer[0],
+    nonfinite_layers=by_layer[1],
   )
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp16_scaling import _validate
 from fp16_scaling._metrics import current_scale
@@ -132,6 +133,7 @@ def value_and_grad(
     grad = nnx.grad(scaled, argnums=argnums, has_aux=True, **kwargs)
   else:
     grad = jax.grad(scaled, argnums=argnums, has_aux=True, **kwargs)
+    grad = _arrays_only(grad, scaled, argnums, kwargs)
 
   def value_and_scaled_grad(*args, **kw):
     traced = any(_is_traced(x) for x in jax.tree.leaves((args, kw)))
@@ -143,3 +145,36 @@ def value_and_grad(
     return ((value, aux) if has_aux else value), grads
 
   return value_and_scaled_grad
+
+
+def _arrays_only(grad, fun, argnums, kwargs) -> Callable[..., Any]:
+  """``grad``, with each Equinox module among the differentiated arguments
+  reduced to its inexact arrays (as ``eqx.filter_value_and_grad`` does: the
+  gradient holds None elsewhere), and any other leaf that is not an array
+  refused by name."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+  def call(*args, **kw):
+    eqx = sys.modules.get("equinox")  # the caller's, if it passed a module
+    args, rest = list(args), {}
+    for i in nums:
+      if eqx is not None and isinstance(args[i], eqx.Module):
+        args[i], rest[i] = eqx.partition(args[i], eqx.is_inexact_array)
+      for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, float, int)):
+          raise TypeError(
+            f"fs.value_and_grad: argument {i} holds a {type(x).__name__} at "
+            f"{jax.tree_util.keystr(path)}, which is not an array and cannot "
+            "be differentiated. Pass an Equinox module as it is (its inexact "
+            "arrays are differentiated), or split the tree and pass its "
+            "arrays: eqx.partition(model, eqx.is_inexact_array)."
+          )
+    if not rest:
+      return grad(*args, **kw)
+    whole = lambda a: [
+      eqx.combine(x, rest[i]) if i in rest else x for i, x in enumerate(a)
+    ]
+    split = lambda *a, **k: fun(*whole(a), **k)
+    return jax.grad(split, argnums=argnums, has_aux=True, **kwargs)(*args, **kw)
+
+  return call

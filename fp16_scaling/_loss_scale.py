@@ -14,6 +14,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
+from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._measure import Handed
 from fp16_scaling._measure import Measurement
@@ -29,6 +30,7 @@ from fp16_scaling._states import UNKNOWN
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LeafPaths
 from fp16_scaling._states import LossScaleState
+from fp16_scaling._states import StackedRange
 from fp16_scaling._states import register_with_flax
 
 _UNGUARDED = (
@@ -97,14 +99,11 @@ def _names(tree) -> list:
   return names
 
 
-def _leaf_paths(tree, scaler, partition_specs) -> LeafPaths:
-  """The leaves' names and sizes, with the configuration built for."""
-  return LeafPaths(
-    _names(tree),
-    [jnp.size(x) for x in jax.tree.leaves(tree)],
-    scaler=scaler,
-    specs=partition_specs,
-  )
+def _leaf_paths(tree, scaler, partition_specs, stacked) -> LeafPaths:
+  """The units' names and sizes, with the configuration built for."""
+  sizes = [jnp.size(x) for x in jax.tree.leaves(tree)]
+  names, sizes = _stacked.unit_names(stacked, _names(tree), sizes)
+  return LeafPaths(names, sizes, scaler, partition_specs, stacked)
 
 
 def _listed(names) -> str:
@@ -178,6 +177,7 @@ def fp16_loss_scale(
   partition_specs: Optional[Any] = None,
   grad_range: bool = False,
   log_overflows: bool = False,
+  stacked_axes: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling for float16 training, as the first element of a chain.
 
@@ -195,13 +195,19 @@ def fp16_loss_scale(
       reductions per leaf).
     log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line
       from inside the step; for debugging only (docs/diagnostics.md).
+    stacked_axes: for scanned (stacked) layers, each stacked leaf's layer
+      axis: a pytree prefix of the params with an int or None at each leaf,
+      or a callable mapping the params to one (:func:`stacked_under`). The
+      per-leaf records are then per layer, and with ``grad_range`` each
+      layer's norm too (docs/stacked.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
 
   Raises:
-    TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool.
+    TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool;
+      ``stacked_axes`` holds other than ints and None.
     RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
     ValueError: from ``update``: a state of another scaler, gradients of
       another tree than the params'.
@@ -230,6 +236,7 @@ def fp16_loss_scale(
   check_scaler(scaler)
   grad_range = _validate.flag("grad_range", grad_range)
   log_overflows = _validate.flag("log_overflows", log_overflows)
+  stacked_key = _stacked.check(stacked_axes, "fp16_loss_scale")
 
   def init_fn(params):
     register_with_flax()
@@ -238,7 +245,9 @@ def fp16_loss_scale(
     _norm.check_float_leaves(leaves, "fp16_loss_scale params")
     _warn_float16_params(leaves)
     _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    paths = _leaf_paths(params, scaler, partition_specs)
+    what = "fp16_loss_scale"
+    stacked = _stacked.resolve(stacked_axes, params, partition_specs, what)
+    paths = _leaf_paths(params, scaler, partition_specs, stacked)
     return _initial_state(scaler.init(), paths, grad_range)
 
   def update_fn(updates, state, params=None, **extra):
@@ -247,7 +256,7 @@ def fp16_loss_scale(
     state, measurement = state
     # The state must be this transformation's own; then the measurement,
     # made with the state's partition specs, checked them on ``updates``.
-    _check_built_here(state.leaf_paths, scaler, partition_specs)
+    _check_built_here(state.leaf_paths, scaler, partition_specs, stacked_key)
     _check_gradient_tree(updates, params)
     value = extra.get("value")
     if value is not None:
@@ -256,7 +265,8 @@ def fp16_loss_scale(
     _warn_bfloat16_grads(leaves, scaler)
     grad_range_now = None
     if grad_range or scaler.needs_grad_max:
-      grad_range_now = _grad_range(leaves, measurement)
+      stacked = state.leaf_paths.stacked is not None
+      grad_range_now = _grad_range(leaves, measurement, stacked)
     new_state = _next_state(
       scaler, state, measurement, value, grad_range_now, keep_range=grad_range
     )
@@ -269,11 +279,12 @@ def fp16_loss_scale(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_built_here(paths: LeafPaths, scaler, specs) -> None:
+def _check_built_here(paths: LeafPaths, scaler, specs, key) -> None:
   """Raises when the state was built by another configuration."""
-  if paths == LeafPaths((), (), scaler=scaler, specs=specs):
+  stacked = _stacked.Layout(key) if key is not None else None
+  if paths == LeafPaths((), (), scaler, specs, stacked):
     return
-  what = "other partition_specs"
+  what = "other partition_specs or stacked_axes"
   if paths.scaler != scaler and paths.scaler is not None:
     theirs, mine = dataclasses.asdict(paths.scaler), dataclasses.asdict(scaler)
     diff = [
@@ -293,6 +304,9 @@ def _check_built_here(paths: LeafPaths, scaler, specs) -> None:
 def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
   n = len(paths)
   zeros = lambda: jnp.zeros([n], jnp.float32)
+  rng = GradRange(zeros(), zeros()) if grad_range else None
+  if grad_range and paths.stacked is not None:
+    rng = StackedRange(zeros(), zeros(), zeros())
   # Every field its own buffer: a donating step gives each field's buffer
   # to its successor, and one buffer cannot be donated twice.
   return LossScaleState(
@@ -305,15 +319,21 @@ def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
     leaf_nonfinite=jnp.zeros([n], jnp.bool_),
     leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
     overflow_kind=jnp.int32(NONE),
-    grad_range=GradRange(zeros(), zeros()) if grad_range else None,
+    grad_range=rng,
     leaf_paths=paths,
   )
 
 
-def _grad_range(leaves, measurement: Measurement) -> GradRange:
-  """Per leaf the largest finite unscaled ``|g|`` and the zero fraction."""
-  peaks, zero_fraction = _norm.leaf_range(leaves, measurement.leaf_axes)
-  return GradRange(peaks * measurement.inv_scale, zero_fraction)
+def _grad_range(leaves, measurement: Measurement, stacked: bool) -> GradRange:
+  """Per leaf (per unit) the largest finite unscaled ``|g|`` and the zero
+  fraction; when ``stacked``, each unit's norm too, from the sums."""
+  m = measurement
+  peaks, zero_fraction = _norm.leaf_range(leaves, m.leaf_axes, m.layer_axes)
+  if not stacked:
+    return GradRange(peaks * m.inv_scale, zero_fraction)
+  sums = jnp.maximum(m.norms.leaf_sums, 0.0)  # a non-finite unit's is -inf
+  norm = _norm._sqrt(sums) * m.inv_scale
+  return StackedRange(peaks * m.inv_scale, zero_fraction, norm)
 
 
 def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):

@@ -17,7 +17,9 @@ class Measurement(NamedTuple):
 
   Attributes:
     grads: the scaled gradient leaves measured, in tree order.
-    sums: per-leaf local sums of squares (``_norm.leaf_sums``).
+    sums: per-leaf local sums of squares (``_norm.leaf_sums``); a leaf with
+      a layer axis (``stacked_axes``) keeps that axis: a vector of its
+      layers' sums.
     norms: the global :class:`~fp16_scaling._norm.Norms` of ``grads``
       (``norm`` still multiplied by ``scale``).
     scale: float32, the loss scale the gradients were made with.
@@ -34,6 +36,7 @@ class Measurement(NamedTuple):
   scale: jax.Array
   leaf_axes: tuple
   in_float16_range: bool = False
+  layer_axes: Optional[tuple] = None
 
   @property
   def overflow(self) -> jax.Array:
@@ -100,6 +103,7 @@ def measure(
   *,
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
+  layer_axes: Optional[tuple] = None,
 ) -> Measurement:
   """The one pass over ``grads``, made at loss scale ``scale``.
 
@@ -111,6 +115,9 @@ def measure(
       mesh axes its spec splits it over.
     in_float16_range: see :class:`Measurement`.
     what: the transformation named in error messages.
+    layer_axes: per leaf in tree order, its layer axis (an int) or None; a
+      leaf with one is measured per layer (docs/stacked.md). None: no leaf
+      is stacked.
 
   Returns:
     The :class:`Measurement`.
@@ -122,7 +129,9 @@ def measure(
   leaves = jax.tree.leaves(grads)
   _norm.check_float_leaves(leaves, f"{what} gradients")
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
-  sums = _norm.leaf_sums(leaves)
+  if layer_axes is not None and len(layer_axes) != len(leaves):
+    layer_axes = None  # not the params' tree: _loss_scale._leaf_fitter warns
+  sums = _norm.leaf_sums(leaves, layer_axes)
   norms = _norm.reduce_norms(
     sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range
   )
@@ -133,6 +142,7 @@ def measure(
     jnp.asarray(scale, jnp.float32),
     tuple(leaf_axes),
     in_float16_range,
+    layer_axes,
   )
 
 
@@ -156,5 +166,7 @@ def measure_step(
   """
   ls = _lookup.loss_scale_state(opt_state)
   scale = ls.scaler.loss_scale
-  specs = ls.leaf_paths.partition_specs
-  return measure(grads, scale, specs, in_float16_range=in_float16_range)
+  specs, stacked = ls.leaf_paths.partition_specs, ls.leaf_paths.stacked
+  axes = stacked.axes if stacked is not None else None
+  kw = dict(in_float16_range=in_float16_range, layer_axes=axes)
+  return measure(grads, scale, specs, **kw)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from fp16_scaling import _lookup
+from fp16_scaling import _stacked
 from fp16_scaling._scaler import F16_MAX
 
 
@@ -28,6 +29,8 @@ class ScaleMetrics(TypedDict, total=False):
     floor_overflows: int32 overflows with the scale at its floor.
     overflow_kind: int32 code into ``fp16_scaling.OVERFLOW_KINDS``.
     nonfinite_leaves: int32 gradient leaves that overflowed on the last step.
+    nonfinite_layers: int32 layers (``stacked_axes``) whose gradient in any
+      stacked leaf overflowed on the last step.
     grad_max_abs: largest finite unscaled |g| (``grad_range=True``).
     min_headroom_bits: least headroom below float16's maximum, in bits.
     zero_fraction: the fraction of zero elements (``grad_range=True``).
@@ -48,6 +51,7 @@ class ScaleMetrics(TypedDict, total=False):
   floor_overflows: jax.Array
   overflow_kind: jax.Array
   nonfinite_leaves: jax.Array
+  nonfinite_layers: jax.Array
   grad_max_abs: jax.Array
   min_headroom_bits: jax.Array
   zero_fraction: jax.Array
@@ -127,6 +131,11 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
   }
+  if ls.leaf_paths.stacked is not None:
+    leaves, layers = _stacked.count_nonfinite(
+      ls.leaf_nonfinite, ls.leaf_paths.stacked
+    )
+    metrics.update(nonfinite_leaves=leaves, nonfinite_layers=layers)
   if ls.grad_range is not None:
     max_abs = ls.grad_range.max_abs
     sizes = jnp.asarray(ls.leaf_paths.sizes, jnp.float32)
@@ -157,3 +166,28 @@ def headroom_bits(max_abs, scale):
   top = jnp.asarray(max_abs, jnp.float32) * jnp.asarray(scale, jnp.float32)
   safe = jnp.where(top > 0, top, 1.0)
   return jnp.where(top > 0, jnp.log2(jnp.float32(F16_MAX) / safe), jnp.inf)
+
+
+def layer_grad_norms(opt_state: optax.OptState) -> dict:
+  """Each stacked leaf's true (unscaled) gradient norm per layer, last step.
+
+  Args:
+    opt_state: an optax state whose :func:`fp16_loss_scale` was built with
+      ``stacked_axes`` and ``grad_range=True``.
+
+  Returns:
+    ``{path: float32 [L] array}`` per stacked leaf (traceable; batch axes of
+    a batched state first); 0.0 for a layer that held an inf or NaN.
+
+  Raises:
+    ValueError: the state was built without ``stacked_axes`` or
+      ``grad_range=True``.
+  """
+  ls = _lookup.loss_scale_state(opt_state)
+  norms = getattr(ls.grad_range, "unit_norm", None)
+  if norms is None:
+    raise ValueError(
+      "layer_grad_norms: build fp16_loss_scale with stacked_axes= and "
+      "grad_range=True to record each layer's norm (docs/stacked.md)"
+    )
+  return _stacked.per_leaf(norms, ls.leaf_paths.stacked)

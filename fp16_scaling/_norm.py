@@ -3,6 +3,7 @@ leaf's sum ``-inf`` exactly when it held an inf or NaN, and ``psum``-med
 over its mesh axes (docs/design.md, "The one pass", "What float16 holds").
 """
 
+import functools
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 
 from fp16_scaling._sharding import AxisNames
 from fp16_scaling._sharding import leaf_vector
+from fp16_scaling._stacked import summed_axes
 
 # Cap on a wide element's square and on any leaf's sum: 2**31 of them still
 # add up to a finite float32, so a -inf never meets a +inf.
@@ -22,17 +24,19 @@ FLOAT16_INF_FROM = 65520.0
 
 
 class Norms(NamedTuple):
-  """Norms of a gradient tree, as computed from its per-leaf sums.
+  """Norms of a gradient tree, as computed from its per-unit sums.
+
+  A unit is a leaf, or one layer of a stacked leaf (``stacked_axes``).
 
   Attributes:
     norm: float32 global 2-norm; 0.0 when ``overflow`` (no norm exists).
     group_norms: float32 vector, the 2-norm of each group of leaves; 0.0 for
       a group that holds a non-finite leaf.
     overflow: bool, whether any element was inf or NaN.
-    leaf_nonfinite: bool vector, one entry per leaf in tree order, whether
-      that leaf held an inf or NaN (on any device, under ``shard_map``).
-    leaf_sums: float32 vector, per leaf the global sum of squares (``-inf``
-      for a leaf that held an inf or NaN), from which the rest was reduced.
+    leaf_nonfinite: bool vector, one entry per unit in tree order, whether
+      that unit held an inf or NaN (on any device, under ``shard_map``).
+    leaf_sums: float32 vector, per unit the global sum of squares (``-inf``
+      for a unit that held an inf or NaN), from which the rest was reduced.
   """
 
   norm: jax.Array
@@ -96,30 +100,32 @@ def _sqrt_jvp(primals, tangents):
   return y, dx * jnp.where(ok, 0.5 / jnp.where(ok, y, 1), 0)
 
 
-def leaf_sums(leaves: Sequence[jax.Array]) -> list:
+def leaf_sums(leaves: Sequence[jax.Array], layer_axes=None) -> list:
   """The one pass: per-leaf local sums of squares, not finite exactly for a
-  leaf with a non-finite element (whose derivative counts as 0)."""
-  return list(_leaf_sums(tuple(leaves)))
+  leaf with a non-finite element (whose derivative counts as 0). A leaf with
+  a layer axis in ``layer_axes`` keeps it: its sums are a vector, per layer."""
+  layer_axes = tuple(layer_axes or (None,) * len(leaves))
+  return list(_leaf_sums(tuple(leaves), layer_axes))
 
 
-@jax.custom_jvp
-def _leaf_sums(leaves):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _leaf_sums(leaves, layer_axes):
   """:func:`leaf_sums` on a tuple, with its derivative rule."""
   return tuple(
-    lax.reduce_sum(_squares(x).astype(jnp.float32), range(x.ndim))
-    for x in leaves
+    lax.reduce_sum(_squares(x).astype(jnp.float32), summed_axes(x, a))
+    for x, a in zip(leaves, layer_axes)
   )
 
 
 @_leaf_sums.defjvp
-def _leaf_sums_jvp(primals, tangents):
+def _leaf_sums_jvp(layer_axes, primals, tangents):
   (leaves,), (dleaves,) = primals, tangents
   out = []
-  for x, dx in zip(leaves, dleaves):
+  for x, dx, a in zip(leaves, dleaves, layer_axes):
     x, dx = widen(x), dx.astype(jnp.promote_types(x.dtype, jnp.float32))
     safe = lax.select(lax.is_finite(x), x, lax.full_like(x, 0))
-    out.append(jnp.sum(2 * safe * dx, dtype=jnp.float32))
-  return _leaf_sums(leaves), tuple(out)
+    out.append(jnp.sum(2 * safe * dx, summed_axes(x, a), dtype=jnp.float32))
+  return _leaf_sums(leaves, layer_axes), tuple(out)
 
 
 def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
@@ -180,6 +186,8 @@ def reduce_norms(
   if per_leaf is None:
     mark = lambda local: _marked(local, cap=needs_rescue)
     per_leaf = leaf_vector(sums, leaf_axes, lax.psum, mark)
+  if per_leaf.shape[0] != n:  # per unit: each stacked leaf's group per layer
+    leaf_groups = tuple(np.repeat(leaf_groups, [np.size(s) for s in sums]))
   common, total = _group_sums(per_leaf, leaf_groups, num_groups)
   if needs_rescue and not in_float16_range:
     groups = (leaf_groups, leaf_axes, num_groups)
@@ -260,18 +268,29 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
   return norm, peaks * jnp.sqrt(rel)
 
 
-def leaf_range(leaves: Sequence[jax.Array], leaf_axes) -> tuple:
-  """``(max_abs, zero_fraction)``: per leaf across its mesh axes, the
-  largest finite ``|x|`` and the fraction of zero elements."""
+def leaf_range(
+  leaves: Sequence[jax.Array], leaf_axes, layer_axes=None
+) -> tuple:
+  """``(max_abs, zero_fraction)``: per leaf (per layer, for a leaf with a
+  layer axis) across its mesh axes, the largest finite ``|x|`` and the
+  fraction of zero elements."""
+  layer_axes = layer_axes or (None,) * len(leaves)
+  axes = [summed_axes(x, a) for x, a in zip(leaves, layer_axes)]
   peaks = [
     jnp.max(
       jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype)),
+      ax,
       initial=0,
     ).astype(jnp.float32)
-    for w in map(widen, leaves)
+    for w, ax in zip(map(widen, leaves), axes)
   ]
-  zeros = [jnp.sum(x == 0, dtype=jnp.float32) for x in leaves]
-  sizes = [jnp.float32(x.size) for x in leaves]
+  zeros = [
+    jnp.sum(x == 0, ax, dtype=jnp.float32) for x, ax in zip(leaves, axes)
+  ]
+  sizes = [
+    jnp.full(p.shape, x.size / max(p.size, 1), jnp.float32)
+    for x, p in zip(leaves, peaks)
+  ]
   peaks = leaf_vector(peaks, leaf_axes, lax.pmax)
   zeros = leaf_vector(zeros, leaf_axes, lax.psum)
   sizes = leaf_vector(sizes, leaf_axes, lax.psum)

@@ -19,12 +19,14 @@ def leaf_vector(values, leaf_axes, collective, prepare=None) -> jax.Array:
   by_axes = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(axes, []).append(i)
+  # A vector value (a stacked leaf's, per layer) gives one entry per element.
+  starts = np.cumsum([0] + [np.size(v) for v in values])
   parts, order = [], []
   for axes, idx in by_axes.items():
-    part = jnp.stack([values[i] for i in idx])
+    part = jnp.concatenate([jnp.reshape(values[i], [-1]) for i in idx])
     part = prepare(part) if prepare is not None else part
     parts.append(collective(part, axes) if axes else part)
-    order += idx
+    order += [u for i in idx for u in range(starts[i], starts[i + 1])]
   if len(parts) == 1:
     return parts[0]
   return jnp.concatenate(parts)[np.argsort(order)]

@@ -26,20 +26,23 @@ class LeafPaths:
   """Static facts of a :class:`LossScaleState`, held in its treedef.
 
   Attributes:
-    paths: the gradient leaves' paths (``jax.tree_util.keystr``), in tree
-      order.
-    sizes: the leaves' element counts, in the same order.
+    paths: the units' paths (``jax.tree_util.keystr``), in tree order. A
+      unit is a gradient leaf, or one layer of a leaf that ``stacked``
+      names (its path ends in the layer's index, ``['layers']['W'][5]``).
+    sizes: the units' element counts, in the same order.
     scaler: the :class:`Scaler` its ``fp16_loss_scale`` was built with.
-    shared: whether that ``fp16_loss_scale`` shares its scale.
     partition_specs: the ``PartitionSpec`` pytree it was built with.
+    stacked: the ``_stacked.Layout`` of its ``stacked_axes=``, or None.
 
-  Equality (and the hash) is that of ``scaler``, ``shared`` and
-  ``partition_specs`` only, so that ``optax.tree_map_params``' leafless
-  placeholder matches a state built from the real tree.
+  Equality (and the hash) is that of ``scaler``, ``partition_specs`` and
+  (when set) ``stacked`` only, so that ``optax.tree_map_params``' leafless
+  placeholder matches a state built from the real tree, and a state built
+  without ``stacked_axes`` keeps the key it always had.
   """
 
-  def __init__(self, paths, sizes, scaler=None, specs=None):
+  def __init__(self, paths, sizes, scaler=None, specs=None, stacked=None):
     self.paths = tuple(paths)
+    self.stacked = stacked  # a _stacked.Layout, or None
     self.sizes = tuple(int(n) for n in sizes)
     self.scaler = scaler
     # Hashable: the specs' leaves and treedef, not the (maybe dict) pytree.
@@ -51,6 +54,8 @@ class LeafPaths:
     if scaler is not None:
       scaler = dataclasses.replace(scaler, init_scale=1.0)
     self._key = (scaler, self._specs)
+    if stacked is not None:  # a state built without it keeps its key
+      self._key += (stacked.key,)
     self._hash = hash(self._key)
 
   @property
@@ -102,6 +107,22 @@ class GradRange(NamedTuple):
   zero_fraction: jax.Array
 
 
+class StackedRange(NamedTuple):
+  """:class:`GradRange` per unit of a ``stacked_axes`` build, with each
+  unit's norm (``grad_range=True``; docs/stacked.md).
+
+  Attributes:
+    max_abs: float32 vector, per unit the largest finite unscaled ``|g|``.
+    zero_fraction: float32 vector, per unit the fraction of zero elements.
+    unit_norm: float32 vector, per unit the true (unscaled) 2-norm of its
+      gradient; 0.0 for a unit that held an inf or NaN.
+  """
+
+  max_abs: jax.Array
+  zero_fraction: jax.Array
+  unit_norm: jax.Array
+
+
 class LossScaleState(NamedTuple):
   """State of :func:`fp16_loss_scale`.
 
@@ -115,9 +136,13 @@ class LossScaleState(NamedTuple):
     grad_norm: float32 true global 2-norm of the last step's gradients,
       before clipping; 0.0 on an overflow step.
     leaf_nonfinite: bool vector, per leaf: held an inf or NaN last step.
-    leaf_nonfinite_steps: int32 vector, per leaf: its non-finite steps so far.
+      Built with ``stacked_axes``, per unit: a stacked leaf has one entry
+      per layer (``leaf_paths.paths`` names them ``...[l]``).
+    leaf_nonfinite_steps: int32 vector, per leaf (per unit, likewise): its
+      non-finite steps so far.
     overflow_kind: int32 index into ``KINDS`` of the last step's overflow.
-    grad_range: a :class:`GradRange` with ``grad_range=True``, else None.
+    grad_range: a :class:`GradRange` with ``grad_range=True`` (a
+      :class:`StackedRange` with ``stacked_axes`` too), else None.
     leaf_paths: :class:`LeafPaths`, static: the leaves' names.
   """
 

@@ -159,3 +159,50 @@ def test_config_refuses_bad_accumulation():
     cfg(accumulate=0)
   with pytest.raises(ValueError, match=r"microbatches must be in \[0, acc"):
     cfg(accumulate=4, microbatches=5)
+
+
+def test_scan_stacks_the_same_blocks_and_names_the_overflowing_layer():
+  import argparse
+
+  import jax.numpy as jnp
+
+  import fp16_scaling as fs
+
+  lm = runpy.run_path(str(EXAMPLES / "train_lm.py"))
+  p = argparse.ArgumentParser()
+  lm["add_config_args"](p)
+  cfg = lm["config_from_args"](
+    p.parse_args("--size tiny --layers 2 --scan --init-scale 256".split())
+  )
+  flat = lm["Config"](**{**dict(lm["SIZES"]["tiny"]), "layers": 2})
+  assert cfg.scan and not flat.scan
+  # The unrolled model's blocks, stacked, are the scanned model's params.
+  unrolled = lm["init_params"](flat)
+  stacked = {k: v for k, v in unrolled.items() if not k.startswith("Block_")}
+  blocks = [unrolled[f"Block_{i}"] for i in range(2)]
+  stacked["blocks"] = {
+    "Block_0": jax.tree.map(lambda *b: jnp.stack(b), *blocks)
+  }
+  params = lm["init_params"](cfg)
+  assert jax.tree.structure(stacked) == jax.tree.structure(params)
+  x = jnp.arange(2 * cfg.seq_len).reshape(2, -1) % 100
+  y = (x + 1) % 100
+  loss = lambda c, p: lm["loss_fn"](lm["make_model"](c, jnp.float32), p, x, y)
+  np.testing.assert_allclose(
+    loss(cfg, stacked), loss(flat, unrolled), rtol=1e-5
+  )
+  # An inf in block 1's gradients is named by layer.
+  tx = lm["make_optimizer"](cfg)
+  state = tx.init(params)
+  half = jax.tree.map(lambda q: q.astype(jnp.float16), params)
+  grad_fn = jax.jit(lm["make_grad_fn"](cfg))
+  _, grads, _ = grad_fn(half, x, y, fs.current_scale(state))
+  kernel = grads["blocks"]["Block_0"]["Dense_0"]["kernel"]
+  grads["blocks"]["Block_0"]["Dense_0"]["kernel"] = kernel.at[1, 0, 0].set(
+    jnp.inf
+  )
+  _, state = jax.jit(tx.update)(grads, state, params)
+  report = fs.overflow_report(state)
+  assert report.nonfinite_layers == (1,)
+  path = "['blocks']['Block_0']['Dense_0']['kernel'][1]"
+  assert report.nonfinite_leaves == (path,)

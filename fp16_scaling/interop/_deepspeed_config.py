@@ -49,13 +49,15 @@ class DeepSpeedFP16(NamedTuple):
     *,
     expert_mask=None,
     partition_specs=None,
+    stacked_axes=None,
   ) -> optax.GradientTransformationExtraArgs:
     """``skip_on_overflow(chain(fp16_loss_scale, [clip], inner))``, inside
     ``accumulate_gradients(..., gradient_accumulation_steps)`` when that is
     above 1."""
-    parts = [fp16_loss_scale(self.scaler, partition_specs=partition_specs)]
+    kw = dict(partition_specs=partition_specs, stacked_axes=stacked_axes)
+    parts = [fp16_loss_scale(self.scaler, **kw)]
     if self.max_norm is not None:
-      kw = dict(expert_mask=expert_mask, partition_specs=partition_specs)
+      kw.update(expert_mask=expert_mask)
       parts.append(clip_by_unscaled_norm(self.max_norm, **kw))
     parts.append(inner)
     tx = skip_on_overflow(optax.chain(*parts))

@@ -1,0 +1,183 @@
+"""Stacked (scanned) layers: ``stacked_axes`` names each stacked leaf's layer
+axis, and the state's per-leaf records become per *unit*: an unstacked leaf,
+or one layer of a stacked leaf (docs/stacked.md).
+
+A :class:`Layout` is ``stacked_axes`` resolved on the params, static in the
+state's treedef. The units are in leaf order, a stacked leaf's L layers in
+layer order; a state built without ``stacked_axes`` has one unit per leaf.
+"""
+
+from numbers import Integral
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from fp16_scaling import _sharding
+
+_WHAT = (
+  "stacked_axes must be a pytree prefix of the params with an int (the "
+  "stacked leaves' layer axis) or None (not stacked) at each leaf, or a "
+  "callable mapping the params to one (as fs.stacked_under(...) makes)"
+)
+
+
+def _is_none(x) -> bool:
+  return x is None
+
+
+def _leaves(prefix, what: str) -> list:
+  """The prefix's leaves (None included), each an int or None."""
+  leaves = jax.tree.leaves(prefix, is_leaf=_is_none)
+  for a in leaves:
+    if a is not None and (isinstance(a, bool) or not isinstance(a, Integral)):
+      raise TypeError(f"{what}: {_WHAT}; got a leaf {a!r}")
+  return leaves
+
+
+def check(stacked_axes, what: str) -> Any:
+  """``stacked_axes`` checked at construction; returns its equality key."""
+  if stacked_axes is None or callable(stacked_axes):
+    return stacked_axes
+  treedef = jax.tree.structure(stacked_axes, is_leaf=_is_none)
+  return (tuple(_leaves(stacked_axes, what)), treedef)
+
+
+class Layout:
+  """``stacked_axes`` resolved on a tree (its ``key`` alone in equality).
+
+  Attributes:
+    key: the equality key of the ``stacked_axes`` it was resolved from.
+    axes: per leaf, its layer axis (normalised, >= 0), or None.
+    layers: L, the number of layers of every stacked leaf (0 if none).
+    names: the leaves' paths (``jax.tree_util.keystr``).
+  """
+
+  def __init__(self, key, axes=(), layers=0, names=()):
+    self.key, self.axes, self.layers = key, tuple(axes), int(layers)
+    self.names = tuple(names)
+
+  def layer_units(self) -> np.ndarray:
+    """[stacked leaves, L] int32: the units of each stacked leaf."""
+    counts = np.array([1 if a is None else self.layers for a in self.axes])
+    starts = (np.cumsum(counts) - counts)[[a is not None for a in self.axes]]
+    return (starts[:, None] + np.arange(self.layers)).astype(np.int32)
+
+
+def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
+  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim,
+  one L for all, and (under ``shard_map``) not split over a mesh axis."""
+  if stacked_axes is None:
+    return None
+  key = check(stacked_axes, what)
+  prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
+  values = _leaves(prefix, what)
+  try:
+    per_leaf = _sharding.broadcast_prefix(values, prefix, tree, _is_none)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{what}: {_WHAT}: {e}") from None
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  names = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  specs = [None] * len(names)
+  if partition_specs is not None and names:
+    specs = _sharding._leaf_specs(partition_specs, tree, what)
+  axes, found = [], {}
+  for name, (_, x), a, spec in zip(names, with_paths, per_leaf, specs):
+    if a is not None:
+      a = _leaf_axis(name, np.ndim(x), a, spec, what)
+      found[name] = np.shape(x)[a]
+    axes.append(a)
+  if len(set(found.values())) > 1:
+    sizes = ", ".join(f"{n} has {L}" for n, L in found.items())
+    raise ValueError(
+      f"{what}: stacked_axes: every stacked leaf must have the same number "
+      f"of layers on its layer axis; {sizes}"
+    )
+  return Layout(key, axes, next(iter(found.values()), 0), names)
+
+
+def _leaf_axis(name, ndim, a, spec, what) -> int:
+  """Leaf ``name``'s layer axis ``a``, normalised and checked."""
+  if not -ndim <= a < ndim:
+    raise ValueError(
+      f"{what}: stacked_axes gives leaf {name} (ndim {ndim}) the layer axis "
+      f"{a}; it must lie in [{-ndim}, {ndim - 1}]"
+    )
+  a %= ndim
+  split = spec[a] if spec is not None and a < len(spec) else None
+  if split is not None:
+    raise ValueError(
+      f"{what}: stacked_axes: leaf {name}'s layer axis {a} is split over "
+      f"mesh axis {split!r} by its PartitionSpec {spec} (pipeline stages): "
+      "each device would hold other layers, so its per-layer records would "
+      "mix them. Keep the layer axis unsharded (None in its spec), or leave "
+      "the leaf out of stacked_axes"
+    )
+  return a
+
+
+def unit_names(layout: Optional[Layout], names, sizes) -> tuple:
+  """``(paths, sizes)`` per unit: a stacked leaf's layer ``l`` is its path
+  with ``[l]`` appended, of its size over L."""
+  if layout is None:
+    return tuple(names), tuple(sizes)
+  paths, out = [], []
+  for name, n, a in zip(names, sizes, layout.axes):
+    layers = 1 if a is None else layout.layers
+    paths += [name] if a is None else [f"{name}[{k}]" for k in range(layers)]
+    out += [n // layers] * layers
+  return tuple(paths), tuple(out)
+
+
+def summed_axes(x, axis: Optional[int]) -> tuple:
+  """The axes of ``x`` a per-unit sum reduces: all but the layer axis."""
+  return tuple(i for i in range(np.ndim(x)) if i != axis)
+
+
+def stacked_under(*names: str, axis: int = 0) -> Any:
+  """``stacked_axes`` for every leaf under a key named one of ``names``.
+
+  ``fs.stacked_under("layers")`` gives layer axis ``axis`` to each leaf whose
+  path holds a dict key, attribute or field named ``"layers"`` (a Linen
+  ``nn.scan``'s module, an NNX or Equinox stacked attribute), None to the
+  others.
+
+  Args:
+    *names: the keys under which the params are stacked.
+    axis: their layer axis (MaxText stacks on axis 1).
+
+  Returns:
+    A callable mapping the params to a full ``stacked_axes`` tree.
+  """
+
+  def axis_of(path, _):
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return axis if set(keys) & set(names) else None
+
+  return lambda params: jax.tree_util.tree_map_with_path(axis_of, params)
+
+
+def count_nonfinite(flags, layout: Layout) -> tuple:
+  """``(leaves, layers)``: of the per-unit ``flags`` (batch axes first),
+  how many leaves held an inf or NaN, and how many layers did in any
+  stacked leaf."""
+  layer_units = layout.layer_units()
+  stacked = flags[..., layer_units]  # [..., stacked leaves, L]
+  rest = np.setdiff1d(np.arange(flags.shape[-1]), layer_units.ravel())
+  leaves = stacked.any(-1).sum(-1) + flags[..., rest].sum(-1)
+  return leaves.astype(np.int32), stacked.any(-2).sum(-1).astype(np.int32)
+
+
+def per_leaf(values, layout: Layout) -> dict:
+  """``{path: values[..., L]}`` per stacked leaf, of a per-unit vector."""
+  names = [n for n, a in zip(layout.names, layout.axes) if a is not None]
+  return dict(zip(names, (values[..., r] for r in layout.layer_units())))
+
+
+def by_layer(counts, flags, layout: Layout) -> tuple:
+  """``({layer: most steps of any of its stacked leaves}, layers flagged on
+  the last step)`` from the per-unit counts and flags (host numpy)."""
+  rows = layout.layer_units()
+  most = np.asarray(counts)[rows].max(0, initial=0)
+  last = np.flatnonzero(np.asarray(flags, bool)[rows].any(0))
+  return {k: int(n) for k, n in enumerate(most) if n}, tuple(last.tolist())

@@ -1,0 +1,255 @@
+"""stacked_axes: a scanned stack of 8 layers in which only layer 5 overflows
+is named by layer (axis 0 and axis 1, under jit, vmap and accumulation); the
+per-layer norms are the unstacked model's leaf norms; a state built without
+stacked_axes keeps its fields and restores an older checkpoint."""
+
+import base64
+
+import flax.serialization
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+L, D, HOT = 8, 4, 5
+
+
+def stacked_params(axis, key=0):
+  kw, kb = jax.random.split(jax.random.PRNGKey(key))
+  w = jax.random.normal(kw, (L, D, D)) / D
+  b = jax.random.normal(kb, (L, D)) * 0.1
+  return {"layers": {"W": jnp.moveaxis(w, 0, axis), "b": b}, "out": jnp.ones(D)}
+
+
+def block(h, w, b):
+  return h + jnp.tanh(h @ w + b)
+
+
+def loss_fn(params, x, axis, amp):
+  """The float16 residual stack applied by lax.scan; ``amp`` multiplies
+  each layer's kernel gradient (not its value)."""
+  p16 = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+  w = jnp.moveaxis(p16["layers"]["W"], axis, 0)
+  w = w + (amp[:, None, None] - 1) * (w - lax.stop_gradient(w))
+
+  def body(h, wb):
+    return block(h, *wb), None
+
+  h, _ = lax.scan(body, x.astype(jnp.float16), (w, p16["layers"]["b"]))
+  return jnp.mean((h @ p16["out"]).astype(jnp.float32) ** 2)
+
+
+def make_tx(axis, **kw):
+  stacked = {"layers": {"W": axis, "b": 0}, "out": None}
+  return fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(fs.static_scaler(2.0**8), stacked_axes=stacked, **kw),
+      fs.clip_by_unscaled_norm(1.0, stacked_axes=stacked),
+      optax.sgd(0.1),
+    )
+  ), stacked
+
+
+def amp(hot):
+  return jnp.ones(L, jnp.float16).at[HOT].set(jnp.where(hot, 6e4, 1.0))
+
+
+X = jax.random.normal(jax.random.PRNGKey(1), (16, D))
+
+
+def grads_of(params, state, axis, hot):
+  """The scaled float16 gradients (the params cast inside the loss)."""
+  p16 = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+  return fs.value_and_grad(loss_fn, state)(p16, X, axis, amp(hot))[1]
+
+
+def assert_names_layer_5(report):
+  assert report.step_overflowed
+  assert report.nonfinite_leaves == ("['layers']['W'][5]",)
+  assert report.nonfinite_layers == (HOT,)
+  assert report.layer_counts == {HOT: 1}
+  assert report.counts == {"['layers']['W'][5]": 1}
+  text = str(report)
+  assert "  ['layers']['W'][5]\n" in text and "  1  layer 5\n" in text
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_jit_names_layer_5_in_report_log_and_range(axis, capsys):
+  tx, _ = make_tx(axis, grad_range=True, log_overflows=True)
+  params = stacked_params(axis)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, hot):
+    updates, state = tx.update(
+      grads_of(params, state, axis, hot), state, params
+    )
+    return optax.apply_updates(params, updates), state
+
+  params, state = step(params, state, False)
+  assert not fs.overflow_report(state).step_overflowed
+  params, state = step(params, state, True)
+  jax.effects_barrier()
+  assert_names_layer_5(fs.overflow_report(state))
+  log = capsys.readouterr().out
+  assert "leaves (1): ['layers']['W'][5]\n" in log
+  m = fs.scale_metrics(state)
+  assert int(m["nonfinite_leaves"]) == 1 and int(m["nonfinite_layers"]) == 1
+  report = fs.overflow_report(state)
+  assert set(report.grad_range) == set(state[0].leaf_paths.paths)
+  assert len(report.grad_range) == 2 * L + 1
+
+
+def test_vmap_names_layer_5_in_the_member_that_overflowed():
+  tx, _ = make_tx(0)
+  params = stacked_params(0)
+  states = jax.vmap(tx.init)(jax.tree.map(lambda p: jnp.stack([p, p]), params))
+
+  def step(state, hot):
+    updates, state = tx.update(grads_of(params, state, 0, hot), state, params)
+    return state
+
+  states = jax.jit(jax.vmap(step))(states, jnp.array([False, True]))
+  member = lambda i: jax.tree.map(lambda x: x[i], states)
+  assert not fs.overflow_report(member(0)).step_overflowed
+  assert_names_layer_5(fs.overflow_report(member(1)))
+  m = fs.scale_metrics(states)
+  assert m["nonfinite_layers"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_accumulation_names_layer_5_of_the_window(axis):
+  inner, stacked = make_tx(axis)
+  tx = fs.accumulate_gradients(inner, 2, stacked_axes=stacked)
+  params = stacked_params(axis)
+  state = tx.init(params)
+  step = jax.jit(lambda s, hot: tx.update(grads_of(params, s, axis, hot), s))
+  for hot in (False, True):
+    _, state = step(state, hot)
+  assert_names_layer_5(fs.overflow_report(state))
+  with pytest.raises(ValueError, match="stacked_axes differ"):
+    fs.accumulate_gradients(inner, 2, stacked_axes={"layers": 0}).init(params)
+
+
+def test_layer_norms_equal_the_unstacked_leaf_norms():
+  """The same weights as 8 leaves per kind, applied one by one."""
+  tx, _ = make_tx(1, grad_range=True)
+  params = stacked_params(1)
+  state = tx.init(params)
+  step = jax.jit(lambda s: tx.update(grads_of(params, s, 1, False), s)[1])
+  norms = fs.layer_grad_norms(step(state))
+
+  def unstacked_loss(layers, out):
+    h = X.astype(jnp.float16)
+    for w, b in layers:
+      h = block(h, w.astype(jnp.float16), b.astype(jnp.float16))
+    return jnp.mean((h @ out.astype(jnp.float16)).astype(jnp.float32) ** 2)
+
+  w = jnp.moveaxis(params["layers"]["W"], 1, 0)
+  layers = [(w[i], params["layers"]["b"][i]) for i in range(L)]
+  grads = jax.jit(jax.grad(unstacked_loss))(
+    jax.tree.map(lambda p: p.astype(jnp.float16), layers), params["out"]
+  )
+  for kind, j in (("W", 0), ("b", 1)):
+    want = [np.linalg.norm(np.asarray(g[j], np.float64)) for g in grads]
+    got = np.asarray(norms[f"['layers']['{kind}']"], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  with pytest.raises(ValueError, match="grad_range=True"):
+    fs.layer_grad_norms(make_tx(1)[0].init(params))
+
+
+# flax.serialization.to_bytes of a state built without stacked_axes by the
+# code before stacked_axes existed: deepspeed_scaler(init_scale=2**8,
+# scale_window=2), grad_range=True, the clip and sgd(0.1), over OLD_PARAMS,
+# after the three steps of old_steps (an inf in ['layers']['W'][5, 0] on
+# the second).
+OLD_CHECKPOINT = """
+g6EwiqZzY2FsZXKFqmxvc3Nfc2NhbGXYAZOQp2Zsb2F0MzLEBAAAAEOuZ3Jvd3RoX3RyYWNr
+ZXLHDgGTkKVpbnQzMsQEAAAAAK9oeXN0ZXJlc2lzX2xlZnTHDgGTkKVpbnQzMsQEAAAAALBt
+aW5fc2NhbGVfZXJyb3Jzxw4Bk5ClaW50MzLEBAAAAACvZmxvb3Jfb3ZlcmZsb3dzxw4Bk5Cl
+aW50MzLEBAAAAACvcHJldl9sb3NzX3NjYWxl2AGTkKdmbG9hdDMyxAQAAABDqG92ZXJmbG93
+xwoBk5CkYm9vbMQBAK1za2lwcGVkX3N0ZXBzxw4Bk5ClaW50MzLEBAEAAACpZ3JhZF9ub3Jt
+2AGTkKdmbG9hdDMyxASSpUs9rmxlYWZfbm9uZmluaXRlxwwBk5ECpGJvb2zEAgAAtGxlYWZf
+bm9uZmluaXRlX3N0ZXBzxxMBk5ECpWludDMyxAgBAAAAAAAAAK1vdmVyZmxvd19raW5kxw4B
+k5ClaW50MzLEBAAAAACqZ3JhZF9yYW5nZYKnbWF4X2Fic8cVAZORAqdmbG9hdDMyxAgAAEA8
+AABAPK16ZXJvX2ZyYWN0aW9uxxUBk5ECp2Zsb2F0MzLECAAAAAAAAAAAqmxlYWZfcGF0aHOA
+oTGDqWdyYWRfbm9ybdgBk5CnZmxvYXQzMsQEkqVLPbBleHBlcnRfZ3JhZF9ub3Jt2AGTkKdm
+bG9hdDMyxAQAAAAAsHNoYXJlZF9ncmFkX25vcm3YAZOQp2Zsb2F0MzLEBJKlSz2hMoKhMICh
+MYA=
+"""
+OLD_PARAMS = {"layers": {"W": jnp.ones((8, 2))}, "out": jnp.ones(2)}
+
+
+def old_steps(tx):
+  state = tx.init(OLD_PARAMS)
+  for i in range(3):
+    g = jax.tree.map(
+      lambda p: jnp.full(p.shape, 0.5 * (i + 1), jnp.float16), OLD_PARAMS
+    )
+    if i == 1:
+      g["layers"]["W"] = g["layers"]["W"].at[5, 0].set(jnp.inf)
+    _, state = tx.update(g, state, OLD_PARAMS)
+  return state
+
+
+def test_a_state_without_stacked_axes_restores_an_older_checkpoint():
+  scaler = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
+  tx = fs.skip_on_overflow(
+    optax.chain(
+      fs.fp16_loss_scale(scaler, grad_range=True),
+      fs.clip_by_unscaled_norm(1.0),
+      optax.sgd(0.1),
+    )
+  )
+  target = tx.init(OLD_PARAMS)
+  fields = "scaler prev_loss_scale overflow skipped_steps grad_norm "
+  fields += "leaf_nonfinite leaf_nonfinite_steps overflow_kind grad_range "
+  assert fs.LossScaleState._fields == tuple((fields + "leaf_paths").split())
+  assert type(target[0].grad_range) is fs.GradRange
+  restored = flax.serialization.from_bytes(
+    target, base64.b64decode(OLD_CHECKPOINT)
+  )
+  now = old_steps(tx)
+  assert jax.tree.structure(restored) == jax.tree.structure(now)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(now)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert fs.overflow_report(restored).counts == {"['layers']['W']": 1}
+
+
+def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
+  params = stacked_params(0)
+  build = lambda s, **kw: fs.fp16_loss_scale(
+    fs.static_scaler(1.0), stacked_axes=s, **kw
+  ).init(params)
+  with pytest.raises(TypeError, match="stacked_axes must be a pytree prefix"):
+    fs.fp16_loss_scale(fs.static_scaler(1.0), stacked_axes={"layers": 0.5})
+  with pytest.raises(
+    ValueError, match=r"\['out'\] \(ndim 1\) the layer axis 1"
+  ):
+    build({"layers": 0, "out": 1})
+  with pytest.raises(ValueError, match=r"\['layers'\]\['W'\] has 8.*has 4"):
+    build({"layers": {"W": 0, "b": 1}, "out": None})
+  with pytest.raises(ValueError, match="split over mesh axis 'stage'"):
+    specs = {"layers": P("stage"), "out": P()}
+    build({"layers": 0, "out": None}, partition_specs=specs)
+  # Negative axes are normalised; fs.stacked_under gives the same layout.
+  a = build({"layers": {"W": -3, "b": -2}, "out": None}).leaf_paths.stacked
+  b = build(fs.stacked_under("layers")).leaf_paths.stacked
+  assert a.axes == b.axes == (0, 0, None) and a.layers == b.layers == L
+
+
+def test_diagnostics_md_shows_the_by_layer_report_as_it_prints(capsys):
+  import re
+
+  import docs_snippets
+
+  text = (docs_snippets.DOCS / "diagnostics.md").read_text()
+  section = text[text.index("## Stacked layers: the report by layer") :]
+  code, shown = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)[:2]
+  exec(compile(code, "diagnostics.md, by layer", "exec"), {})
+  assert capsys.readouterr().out == shown
