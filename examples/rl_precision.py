@@ -10,7 +10,10 @@ its narrow range needs loss scaling, which fp16_scaling supplies.
 
 This script shows it on a tiny model, end to end:
 
-1. A two-layer transformer is pretrained in float32 on a verifiable task,
+1. A two-layer transformer, its layers stacked (one ``[L, ...]`` leaf per
+   parameter kind under ``"layers"``, applied with ``lax.scan`` by the
+   trainer and, the KV cache carried per layer, by the sampler), is
+   pretrained in float32 on a verifiable task,
    adding two 2-digit numbers (the sum's 3 digits written least significant
    first), and saved as a bfloat16 checkpoint (``.npz``, the bits as
    uint16), as bfloat16-trained models ship.
@@ -34,7 +37,9 @@ This script shows it on a tiny model, end to end:
      float32    fs.no_scaler(): the reference
 
    Each step's mini-batch is split into micro-batches that go through
-   ``fs.value_and_grad`` and ``fs.accumulate_gradients`` with ``value=``.
+   ``fs.value_and_grad`` and ``fs.accumulate_gradients`` with ``value=``;
+   ``stacked_axes=fs.stacked_under("layers")`` makes the overflow report
+   and ``scale_metrics`` count per layer.
 
 Per run it prints the per-token KL between the sampler's and the trainer's
 next-token distributions (on the sampled responses, before each update),
@@ -165,6 +170,8 @@ def init_params(cfg: Config):
     }
     for _ in range(cfg.layers)
   ]
+  # Stacked, as scanned models keep them: one leaf per kind, [L, ...].
+  layers = jax.tree.map(lambda *xs: np.stack(xs), *layers)
   return {
     "embed": normal((VOCAB, d)),
     "pos": normal((SEQ, d)),
@@ -215,7 +222,8 @@ def trainer_logits(p, tokens, heads):
   t = tokens.shape[1]
   h = (p["embed"][tokens] + p["pos"][:t]).astype(jnp.float32)
   causal = jnp.tril(jnp.ones((t, t), bool))
-  for lp in p["layers"]:
+
+  def layer(h, lp):  # one layer of the stack
     x = layer_norm(h, lp["ln1"]).astype(lp["qkv"].dtype)
     q, k, v = (_heads(a, heads) for a in jnp.split(x @ lp["qkv"], 3, -1))
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
@@ -223,14 +231,17 @@ def trainer_logits(p, tokens, heads):
     e = jnp.exp(s - s.max(-1, keepdims=True))
     probs = e / e.sum(-1, keepdims=True)
     o = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(x.shape)
-    h = _mlp(h + (o @ lp["proj"]).astype(jnp.float32), lp, 1)
+    return _mlp(h + (o @ lp["proj"]).astype(jnp.float32), lp, 1), None
+
+  h, _ = lax.scan(layer, h, p["layers"])
   return _logits(h, p, 1)
 
 
 def sample(p, prompts, key, heads):
   """KV-cache decoding, one token at a time: the prompt is fed in, then
   ANSWER tokens are drawn. Attention is normalised after the value product,
-  and each matmul splits its contraction in SPLIT.
+  and each matmul splits its contraction in SPLIT. Each token scans the
+  layer stack, each layer carrying its own slice of the cache.
 
   Returns:
     (tokens (batch, SEQ), logits (batch, ANSWER, VOCAB)): the sampler's
@@ -238,23 +249,28 @@ def sample(p, prompts, key, heads):
   """
   b, dtype = prompts.shape[0], p["head"].dtype
   d = p["embed"].shape[1]
-  cache = jnp.zeros((len(p["layers"]), 2, b, SEQ, heads, d // heads), dtype)
+  n_layers = p["layers"]["qkv"].shape[0]
+  cache = jnp.zeros((n_layers, 2, b, SEQ, heads, d // heads), dtype)
   tokens = jnp.zeros((b, SEQ), jnp.int32).at[:, :PROMPT].set(prompts)
 
   def step(carry, t):
     tokens, cache = carry
-    h = (p["embed"][tokens[:, t]] + p["pos"][t]).astype(jnp.float32)
-    for i, lp in enumerate(p["layers"]):
+
+    def layer(h, xs):  # one layer of the stack and its [2, b, SEQ, ...] cache
+      lp, kv = xs
       x = layer_norm(h, lp["ln1"]).astype(dtype)
       qkv = matmul(x, lp["qkv"], SPLIT)
       q, k, v = (_heads(a, heads) for a in jnp.split(qkv, 3, -1))
-      cache = cache.at[i, 0, :, t].set(k).at[i, 1, :, t].set(v)
-      s = jnp.einsum("bhd,bkhd->bhk", q, cache[i, 0]) / np.sqrt(q.shape[-1])
+      kv = kv.at[0, :, t].set(k).at[1, :, t].set(v)
+      s = jnp.einsum("bhd,bkhd->bhk", q, kv[0]) / np.sqrt(q.shape[-1])
       s = jnp.where(jnp.arange(SEQ) <= t, s, -jnp.inf)
       e = jnp.exp(s - s.max(-1, keepdims=True))
-      o = jnp.einsum("bhk,bkhd->bhd", e, cache[i, 1]) / e.sum(-1)[..., None]
+      o = jnp.einsum("bhk,bkhd->bhd", e, kv[1]) / e.sum(-1)[..., None]
       o = matmul(o.reshape(x.shape), lp["proj"], SPLIT)
-      h = _mlp(h + o.astype(jnp.float32), lp, SPLIT)
+      return _mlp(h + o.astype(jnp.float32), lp, SPLIT), kv
+
+    h = (p["embed"][tokens[:, t]] + p["pos"][t]).astype(jnp.float32)
+    h, cache = lax.scan(layer, h, (p["layers"], cache))
     logits = _logits(h, p, SPLIT)
     drawn = jax.random.categorical(jax.random.fold_in(key, t), logits)
     nxt = jnp.where(t + 1 < PROMPT, tokens[:, t + 1], drawn)
@@ -313,18 +329,36 @@ def load_bf16(path, like):
   return jax.tree.unflatten(flat[1], leaves)
 
 
+def cast_layers(params, dtype):
+  """Per layer, the values of the stacked leaves that the cast to ``dtype``
+  makes inf: ``fs.cast_report`` counts per leaf, and a stacked leaf holds
+  every layer."""
+  with np.errstate(over="ignore"):  # the overflow is what is counted
+    inf = [
+      np.isinf(np.asarray(x).astype(dtype))
+      for x in jax.tree.leaves(params["layers"])
+    ]
+  per_layer = sum(x.reshape(len(x), -1).sum(1) for x in inf)
+  return "Past the range, by layer of ['layers']: " + ", ".join(
+    f"layer {i}: {n}" for i, n in enumerate(per_layer)
+  )
+
+
 # --------------------------------------------------------------------------
 # RL fine-tuning
 
 
 def make_optimizer(cfg: Config, name: str):
+  # The layer axis of every leaf under "layers": overflows, counts and
+  # scale_metrics' nonfinite_layers are per layer (docs/stacked.md).
+  stacked = fs.stacked_under("layers")
   tx = fs.skip_on_overflow(
     optax.chain(
-      fs.fp16_loss_scale(SCALERS[name]()),
+      fs.fp16_loss_scale(SCALERS[name](), stacked_axes=stacked),
       optax.adam(cfg.lr),
     )
   )
-  return fs.accumulate_gradients(tx, cfg.micro)
+  return fs.accumulate_gradients(tx, cfg.micro, stacked_axes=stacked)
 
 
 def make_steps(cfg: Config, tx, dtype):
@@ -371,7 +405,8 @@ def run(cfg: Config, name: str, params32):
   sampler, micro_step = make_steps(cfg, tx, DTYPES[name])
   params, opt_state = params32, tx.init(params32)
   rng, key = np.random.default_rng(cfg.seed + 1), jax.random.key(cfg.seed + 1)
-  hist = {k: [] for k in ("kl", "dlogp", "reward", "loss_scale", "skipped")}
+  keys = ("kl", "dlogp", "reward", "loss_scale", "skipped", "bad_layers")
+  hist = {k: [] for k in keys}
   t0 = time.perf_counter()
   for i in range(cfg.rl_steps):
     prompt, truth = problems(rng, cfg.prompts)
@@ -390,6 +425,7 @@ def run(cfg: Config, name: str, params32):
     hist["reward"].append(float(r.mean()))
     hist["loss_scale"].append(float(m["prev_loss_scale"]))
     hist["skipped"].append(int(m["skipped_steps"]))
+    hist["bad_layers"].append(int(m["nonfinite_layers"]))
   hist = {k: np.array(v) for k, v in hist.items()}
   hist["seconds"] = time.perf_counter() - t0
   hist["applied"] = int(m["applied_steps"])
@@ -471,16 +507,21 @@ def main(argv=None):
   audit = fs.cast_report(ckpt, jnp.float16)
   print(audit)
   poisoned = jax.tree.map(np.copy, ckpt)
-  poisoned["layers"][0]["up"][3, 5] = 7e4  # bfloat16 holds it
+  poisoned["layers"]["up"][0, 3, 5] = 7e4  # layer 0; bfloat16 holds it
   poisoned_audit = fs.cast_report(poisoned, jnp.float16)
   print("\nThe same checkpoint with one weight set to 7e4:")
   print(poisoned_audit)
+  print(cast_layers(poisoned, jnp.float16))
 
   start = jax.tree.map(lambda x: x.astype(jnp.float32), ckpt)
   results, kept = {}, {}
   for name in DTYPES:
     results[name], kept[name] = run(cfg, name, start)
-    print(f"{name}: {results[name]['seconds']:.1f} s")
+    h = results[name]
+    print(
+      f"{name}: {h['seconds']:.1f} s; most layers with a non-finite"
+      f" gradient in one step (nonfinite_layers): {h['bad_layers'].max()}"
+    )
   report = forward_overflow_demo(cfg, *kept["float16"], poisoned)
   print("\nOne float16 window on the poisoned checkpoint:")
   print(report)

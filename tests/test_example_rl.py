@@ -97,6 +97,23 @@ def test_the_cast_audit_and_the_forward_overflow(quick):
   assert "1 values past the range in 1 of" in audits[1]
   after = stdout[stdout.index(audits[1]) :].splitlines()
   assert after[2].split()[0] == "1"
-  assert after[2].endswith("['layers'][0]['up']")
+  # The layers are stacked: one leaf per kind, the layer named by the
+  # example's own count over the stacked leaves' first axis.
+  assert after[2].endswith("['layers']['up']")
+  assert "Past the range, by layer of ['layers']: layer 0: 1\n" in stdout
   # One float16 window on it: a forward overflow, skipped.
   assert "Last step OVERFLOWED (forward)" in stdout
+
+
+def test_the_float16_state_is_stacked(quick):
+  # stacked_axes=fs.stacked_under("layers"): scale_metrics has
+  # nonfinite_layers (0 in the clean runs), and the poisoned window's report
+  # names layer 0 of each stacked leaf and sums them by layer.
+  runs = [line for line in quick.splitlines() if "(nonfinite_layers)" in line]
+  assert [line.split(":")[0] for line in runs] == list(RUNS)
+  assert all(line.endswith("(nonfinite_layers): 0") for line in runs)
+  report = quick[quick.index("Last step OVERFLOWED (forward)") :]
+  assert "  ['layers']['qkv'][0]\n" in report
+  assert "Non-finite layers on the last step: 0\n" in report
+  by_layer = "Steps with a non-finite gradient, by layer"
+  assert report.split(by_layer)[1].splitlines()[1] == "  1  layer 0"
