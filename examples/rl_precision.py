@@ -10,13 +10,13 @@ its narrow range needs loss scaling, which fp16_scaling supplies.
 
 This script shows it on a tiny model, end to end:
 
-1. A two-layer transformer, its layers stacked (one ``[L, ...]`` leaf per
-   parameter kind under ``"layers"``, applied with ``lax.scan`` by the
-   trainer and, the KV cache carried per layer, by the sampler), is
-   pretrained in float32 on a verifiable task,
+1. A two-layer transformer is pretrained in float32 on a verifiable task,
    adding two 2-digit numbers (the sum's 3 digits written least significant
    first), and saved as a bfloat16 checkpoint (``.npz``, the bits as
-   uint16), as bfloat16-trained models ship.
+   uint16), as bfloat16-trained models ship. Its layers are stacked, as
+   scanned models keep them: one ``[L, ...]`` leaf per parameter kind under
+   ``"layers"``, applied with ``lax.scan`` by the trainer and by the
+   sampler, which carries each layer's KV cache through that scan.
 2. The checkpoint is audited with ``fs.cast_report(params, jnp.float16)``
    before any float16 run. A copy with one weight past 65504 (as in
    Qwen3#868) is audited too, and one float16 window on it shows the
