@@ -1,42 +1,31 @@
 #!/usr/bin/env python
-"""Stacked layers: what stacking them saves the optimizer step, and what
-``stacked_axes`` costs a stacked step. Two comparisons, ``--compare``:
+"""Stacked layers: what stacking them saves the optimizer step
+(``--compare layout``, the default) and what ``stacked_axes`` costs a
+stacked step (``--compare stacked_axes``); benchmarks/README.md has both.
 
-``layout`` (the default): a model of ``--layers`` identical layers, each a
-``[D, D]`` weight and a ``[D]`` bias (``--width D``), laid out two ways:
-
-  unstacked  ``{"layers": [{"W": [D, D], "b": [D]}, ...]}``, 2 L leaves;
-  stacked    ``{"layers": {"W": [L, D, D], "b": [L, D]}}``, 2 leaves, as
-             ``lax.scan``, Flax's ``nn.scan`` or ``nnx.vmap`` keep them.
-
-and two steps on float16 gradients: ``floor``, plain optax
-(``chain(clip_by_global_norm(1.0), adamw)`` on the gradients cast to
-float32), and ``fp16``, the guarded chain of ``recipes.py``
-(``skip_on_overflow(chain(fp16_loss_scale, clip_by_unscaled_norm(1.0),
-adamw))``). No ``stacked_axes`` option: the stacked leaves are plain leaves
-to the chain. Printed for each step and layout: the fusions in XLA's
-compiled module (entry computation), XLA's ``bytes accessed``, the median
-step wall time, and the median [min, max] of the per-round ratio stacked /
-unstacked.
+``layout``: ``--layers`` layers of a ``[D, D]`` weight and a ``[D]`` bias
+(``--width D``), one leaf per layer (``unstacked``, 2 L leaves) against
+stacked ``[L, ...]`` leaves (``stacked``, 2 leaves, as ``lax.scan``, Flax's
+``nn.scan`` or ``nnx.vmap`` keep them), for ``floor`` (plain optax,
+``chain(clip_by_global_norm(1.0), adamw)`` on float32 casts) and ``fp16``
+(``recipes.py``'s guarded chain, no ``stacked_axes``) on float16 gradients:
+fusions in XLA's entry computation, bytes accessed, the median step time
+and the median [min, max] of the per-round ratio stacked / unstacked.
 
 ``stacked_axes``: train_lm's scanned transformer (``--scan``) at each of
-``--sizes``, its guarded step with ``stacked_axes=fs.stacked_under(
-"blocks")`` against the same step without it. ``--kinds`` picks the steps:
-``update``, the optimizer update alone on fixed float16 gradients (the part
-that differs), and ``train``, the whole step (forward, backward, update).
-Printed for each size and step: the median per-step wall time of each side,
-their ratio, and XLA's ``bytes accessed`` of each.
+``--sizes``, the guarded step with ``stacked_axes=fs.stacked_under(
+"blocks")`` against the same step without; ``--kinds`` ``update`` (the
+optimizer update alone on fixed float16 gradients) and ``train`` (forward,
+backward, update): each side's median step time, their ratio and bytes.
 
-Every step is jitted with params and state donated and timed in
-interleaved rounds (``_common.interleaved``); on XLA:CPU it is compiled
-with ``xla_cpu_copy_insertion_use_region_analysis=true`` (docs/design.md,
-"In place") unless ``--default-flags`` is given.
+Every step is jitted with params and state donated, timed in interleaved
+rounds (``_common.interleaved``), on XLA:CPU with the copy option
+(docs/design.md, "In place") unless ``--default-flags``.
 
   python benchmarks/stacked_cost.py                       # 12 layers of 256
   python benchmarks/stacked_cost.py --layers 24 --width 512 --rounds 40
   python benchmarks/stacked_cost.py --compare stacked_axes  # small, medium
-  python benchmarks/stacked_cost.py --compare stacked_axes --kinds update \
-      --rounds 15 --steps 50
+  python benchmarks/stacked_cost.py --compare stacked_axes --kinds update
 """
 
 import argparse
@@ -47,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402  (puts the checkout on sys.path)
-from hlo_traffic import computations  # noqa: E402
+import hlo_traffic  # noqa: E402
 import recipes  # noqa: E402
 from step_cost import options_line  # noqa: E402
 
@@ -89,8 +78,7 @@ def compiled(step, params, state, args, options):
   fn = jax.jit(step, donate_argnums=(0, 1), compiler_options=options or None)
   box = [recipes.copy_tree(params), recipes.copy_tree(state)]
   exe = fn.lower(*box, args).compile()
-  comps, entry = computations(exe.as_text())
-  fusions = sum(" fusion(" in line for line in comps[entry])
+  fusions = hlo_traffic.fused_ops(exe.as_text())[0]
   return exe, box, fusions, common.costs(exe)["bytes_accessed"]
 
 
@@ -126,10 +114,10 @@ def layout_table(args, options):
     if name == "stacked":
       r = common.paired(wall[key, name], wall[key, "unstacked"])
       ratio = f"{statistics.median(r):.3f}x [{min(r):.3f}x, {max(r):.3f}x]"
+    ms = f"{statistics.median(wall[key, name]) * 1e3:.3f}"
+    bytes_ = f"{nbytes:,.0f}", f"{nbytes / n:.1f}"
     lines.append(
-      f"| {key} | {name} | {leaves} | {fusions:,} | {nbytes:,.0f} | "
-      f"{nbytes / n:.1f} | {statistics.median(wall[key, name]) * 1e3:.3f} "
-      f"| {ratio} |"
+      hlo_traffic.row(key, name, leaves, f"{fusions:,}", *bytes_, ms, ratio)
     )
   return lines
 
@@ -173,9 +161,9 @@ def axes_rows(size, args, options):
       unit.append((name, common.stepper(exe, box, data, args.steps)))
     wall, _ = common.split(common.interleaved([unit], args.rounds, warmup=1))
     a, b = (statistics.median(wall[k]) for k in ("without", "with"))
-    ms = f"{1e3 * a:.2f} | {1e3 * b:.2f} | {b / a:.3f}x"
-    yield f"| {size} | {kind} | {ms} | {nbytes['without']:.4g} | " + (
-      f"{nbytes['with']:.4g} |"
+    ms = f"{1e3 * a:.2f}", f"{1e3 * b:.2f}", f"{b / a:.3f}x"
+    yield hlo_traffic.row(
+      size, kind, *ms, *(f"{nbytes[k]:.4g}" for k in ("without", "with"))
     )
 
 
@@ -183,20 +171,15 @@ def main(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  p.add_argument("--compare", choices=tuple(DEFAULTS), default="layout")
-  p.add_argument("--rounds", type=int, help="timed rounds (30; 7)")
-  p.add_argument(
-    "--inner",
-    "--steps",
-    dest="steps",
-    type=int,
-    help="steps per sample (5; 20)",
-  )
-  p.add_argument("--default-flags", action="store_true")
-  p.add_argument("--layers", type=int, default=12, help="layout")
-  p.add_argument("--width", type=int, default=256, help="layout")
-  p.add_argument("--sizes", default="small,medium", help="stacked_axes")
-  p.add_argument("--kinds", default="update,train", help="stacked_axes")
+  add = p.add_argument
+  add("--compare", choices=tuple(DEFAULTS), default="layout")
+  add("--rounds", type=int, help="timed rounds (default 30; 7)")
+  add("--inner", "--steps", dest="steps", type=int, help="steps per sample")
+  add("--default-flags", action="store_true")
+  add("--layers", type=int, default=12, help="layout")
+  add("--width", type=int, default=256, help="layout")
+  add("--sizes", default="small,medium", help="stacked_axes")
+  add("--kinds", default="update,train", help="stacked_axes")
   args = p.parse_args(argv)
   rounds, steps = DEFAULTS[args.compare]
   args.rounds, args.steps = args.rounds or rounds, args.steps or steps
@@ -217,8 +200,8 @@ def main(argv=None):
     "bytes without | bytes with |\n|---|---|---:|---:|---:|---:|---:|"
   )
   for size in args.sizes.split(","):
-    for row in axes_rows(size, args, options):
-      print(row, flush=True)
+    for line in axes_rows(size, args, options):
+      print(line, flush=True)
   return 0
 
 
