@@ -185,9 +185,8 @@ def main(argv=None):
   args.rounds, args.steps = args.rounds or rounds, args.steps or steps
   import jax
 
-  options = {} if args.default_flags else COPY_OPTION
-  if jax.default_backend() != "cpu":
-    options = {}
+  default = args.default_flags or jax.default_backend() != "cpu"
+  options = {} if default else COPY_OPTION
   print(f"Machine: {common.machine()}")
   shown = " ".join(sys.argv[1:] if argv is None else argv)
   print(f"Command: python benchmarks/stacked_cost.py {shown}")
