@@ -59,12 +59,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  p.add_argument(
-    "--shape",
-    default="4M/100",
-    type=step_cost.parse_shape,
-    help="PARAMS/LEAVES",
-  )
+  shape = step_cost.parse_shape
+  p.add_argument("--shape", default="4M/100", type=shape, help="PARAMS/LEAVES")
   p.add_argument("--k", type=int, default=4, help="microbatches per window")
   p.add_argument("--repeats", type=int, default=30)
   p.add_argument("--inner", type=int, default=5, help="calls per sample")
@@ -73,9 +69,7 @@ def main(argv=None):
   p.add_argument("--json", help="write the results here")
   args = p.parse_args(argv)
   if args.tiny:
-    args.shape, args.repeats, args.inner, args.warmup = "4096/8", 3, 2, 1
-  if isinstance(args.shape, str):  # the default, or --tiny's
-    args.shape = step_cost.parse_shape(args.shape)
+    args.shape, args.repeats, args.inner, args.warmup = shape("4096/8"), 3, 2, 1
   shape, (n, num_leaves) = args.shape
 
   params, grads, _ = recipes.make_inputs(n, num_leaves)

@@ -143,56 +143,49 @@ def fused_ops(hlo):
   return fusions, ops
 
 
+def row(*cells):
+  """One markdown table row of ``cells``."""
+  return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def names(files):
+  """The files' names, with their folder where two names are the same."""
+  out = [f.split("/")[-1] for f in files]
+  if len(set(out)) < len(out):
+    out = ["/".join(f.split("/")[-2:]) for f in files]
+  return out
+
+
 def per_leaf(files, leaves):
   """Prints each file's fusions and fused array ops per leaf, by opcode."""
   counts = [fused_ops(open(f).read()) for f in files]
   kinds = sorted({k for _, ops in counts for k in ops})
   kinds = [k for k in kinds if not k.endswith("(scalar)")]
-  names = [f.split("/")[-1] for f in files]
-  if len(set(names)) < len(names):  # same file name: add the folder
-    names = ["/".join(f.split("/")[-2:]) for f in files]
-  print(f"| per leaf ({leaves} leaves) | " + " | ".join(names) + " |")
+  print(row(f"per leaf ({leaves} leaves)", *names(files)))
   print("|---|" + "---:|" * len(files))
-  print(
-    "| fusions | " + " | ".join(f"{n / leaves:.2f}" for n, _ in counts) + " |"
-  )
+  print(row("fusions", *(f"{n / leaves:.2f}" for n, _ in counts)))
   total = [sum(v for k, v in ops.items() if k in kinds) for _, ops in counts]
-  print(
-    "| array ops in fusions | "
-    + " | ".join(f"{t / leaves:.1f}" for t in total)
-    + " |"
-  )
+  print(row("array ops in fusions", *(f"{t / leaves:.1f}" for t in total)))
   for k in kinds:
-    print(
-      f"| {k} | "
-      + " | ".join(f"{ops[k] / leaves:.2f}" for _, ops in counts)
-      + " |"
-    )
+    print(row(k, *(f"{ops[k] / leaves:.2f}" for _, ops in counts)))
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  p.add_argument("hlo", nargs="+", help="optimized HLO text files")
   add = p.add_argument
+  add("hlo", nargs="+", help="optimized HLO text files")
   add("--params", type=float, default=1.0, help="the parameter count: B/param")
   add("--min", type=float, default=0.05, help="hide groups below this B/param")
-  add(
-    "--per-leaf", type=int, metavar="LEAVES", help="fusions, fused ops per leaf"
-  )
+  add("--per-leaf", type=int, metavar="LEAVES", help="fusions, ops per leaf")
   args = p.parse_args(argv)
   if args.per_leaf:
     return per_leaf(args.hlo, args.per_leaf)
   tables = [breakdown(open(f).read()) for f in args.hlo]
   keys = list(dict.fromkeys(k for t in tables for k in t))
   unit = "B/param" if args.params != 1.0 else "bytes"
-  names = [f.split("/")[-1] for f in args.hlo]
-  if len(set(names)) < len(names):  # same file name: add the folder
-    names = ["/".join(f.split("/")[-2:]) for f in args.hlo]
-  print(
-    "| instructions | " + " | ".join(f"{n} (n, {unit})" for n in names) + " |"
-  )
+  print(row("instructions", *(f"{n} (n, {unit})" for n in names(args.hlo))))
   print("|---|" + "---:|" * len(args.hlo))
   totals = [0.0] * len(tables)
   for k in keys:
@@ -200,8 +193,8 @@ def main(argv=None):
     totals = [s + b / args.params for s, (_, b) in zip(totals, cells)]
     if max(b for _, b in cells) / args.params >= args.min:
       cells = [f"{n}, {b / args.params:.2f}" if n else "–" for n, b in cells]
-      print(f"| {k} | " + " | ".join(cells) + " |")
-  print("| **total** | " + " | ".join(f"{t:.2f}" for t in totals) + " |")
+      print(row(k, *cells))
+  print(row("**total**", *(f"{t:.2f}" for t in totals)))
   return 0
 
 

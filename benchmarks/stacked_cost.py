@@ -1,47 +1,47 @@
 #!/usr/bin/env python
-"""Stacked layers against one leaf per layer: the optimizer step's cost.
+"""Stacked layers: what stacking them saves the optimizer step
+(``--compare layout``, the default) and what ``stacked_axes`` costs a
+stacked step (``--compare stacked_axes``); benchmarks/README.md has both.
 
-A model of ``--layers`` identical layers, each a ``[D, D]`` weight and a
-``[D]`` bias (``--width D``), laid out two ways:
+``layout``: ``--layers`` layers of a ``[D, D]`` weight and a ``[D]`` bias
+(``--width D``), one leaf per layer (``unstacked``, 2 L leaves) against
+stacked ``[L, ...]`` leaves (``stacked``, 2 leaves, as ``lax.scan``, Flax's
+``nn.scan`` or ``nnx.vmap`` keep them), for ``floor`` (plain optax,
+``chain(clip_by_global_norm(1.0), adamw)`` on float32 casts) and ``fp16``
+(``recipes.py``'s guarded chain, no ``stacked_axes``) on float16 gradients:
+fusions in XLA's entry computation, bytes accessed, the median step time
+and the median [min, max] of the per-round ratio stacked / unstacked.
 
-  unstacked  ``{"layers": [{"W": [D, D], "b": [D]}, ...]}``, 2 L leaves;
-  stacked    ``{"layers": {"W": [L, D, D], "b": [L, D]}}``, 2 leaves, as
-             ``lax.scan``, Flax's ``nn.scan`` or ``nnx.vmap`` keep them.
+``stacked_axes``: train_lm's scanned transformer (``--scan``) at each of
+``--sizes``, the guarded step with ``stacked_axes=fs.stacked_under(
+"blocks")`` against the same step without; ``--kinds`` ``update`` (the
+optimizer update alone on fixed float16 gradients) and ``train`` (forward,
+backward, update): each side's median step time, their ratio and bytes.
 
-and two steps, each jitted with params and state donated, on float16
-gradients: ``floor``, plain optax (``chain(clip_by_global_norm(1.0),
-adamw)`` on the gradients cast to float32), and ``fp16``, the guarded chain
-of ``recipes.py`` (``skip_on_overflow(chain(fp16_loss_scale,
-clip_by_unscaled_norm(1.0), adamw))``). No ``stacked_axes`` option: the
-stacked leaves are plain leaves to the chain.
-
-Printed for each step and layout: the fusions in XLA's compiled module
-(entry computation), XLA's ``bytes accessed``, and the median step wall
-time over interleaved rounds (the four rows in an order that rotates each
-round), with the median [min, max] of the per-round ratio stacked /
-unstacked. On XLA:CPU the steps are compiled with
-``xla_cpu_copy_insertion_use_region_analysis=true`` (docs/design.md, "In
-place") unless ``--default-flags`` is given.
+Every step is jitted with params and state donated, timed in interleaved
+rounds (``_common.interleaved``), on XLA:CPU with the copy option
+(docs/design.md, "In place") unless ``--default-flags``.
 
   python benchmarks/stacked_cost.py                       # 12 layers of 256
   python benchmarks/stacked_cost.py --layers 24 --width 512 --rounds 40
+  python benchmarks/stacked_cost.py --compare stacked_axes  # small, medium
+  python benchmarks/stacked_cost.py --compare stacked_axes --kinds update
 """
 
 import argparse
 import os
 import statistics
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.dirname(HERE), HERE):
-  if _path not in sys.path:
-    sys.path.insert(0, _path)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common as common  # noqa: E402  (puts the checkout on sys.path)
+import hlo_traffic  # noqa: E402
 import recipes  # noqa: E402
-import step_cost  # noqa: E402
+from step_cost import options_line  # noqa: E402
 
 COPY_OPTION = {"xla_cpu_copy_insertion_use_region_analysis": True}
+DEFAULTS = {"layout": (30, 5), "stacked_axes": (7, 20)}  # rounds, steps
 
 
 def layouts(layers, width, seed=0):
@@ -70,100 +70,137 @@ def layouts(layers, width, seed=0):
   return out
 
 
-def steps():
-  """``{key: (tx, prepare)}``: the floor and the guarded chain."""
+def compiled(step, params, state, args, options):
+  """``(executable, [params, state], fusions, bytes)`` of ``step(params,
+  state, args)`` jitted with params and state donated; fresh buffers."""
   import jax
-  import jax.numpy as jnp
-  import optax
-
-  floor = optax.chain(
-    optax.clip_by_global_norm(recipes.MAX_NORM),
-    optax.adamw(recipes.LR, weight_decay=recipes.WEIGHT_DECAY),
-  )
-  to_f32 = lambda g: jax.tree.map(lambda x: x.astype(jnp.float32), g)
-  return {"floor": (floor, to_f32), "fp16": (recipes._fp16_tx(0), None)}
-
-
-def compiled_row(tx, prepare, params, grads, options):
-  """``[fn, params, state, grads, fusions, bytes]`` of one step."""
-  import jax
-  import optax
-
-  def step(p, s, g):
-    updates, s = tx.update(prepare(g) if prepare else g, s, p)
-    return optax.apply_updates(p, updates), s
 
   fn = jax.jit(step, donate_argnums=(0, 1), compiler_options=options or None)
-  params = recipes.copy_tree(params)
-  state = recipes.copy_tree(tx.init(params))
-  compiled = fn.lower(params, state, grads).compile()
-  comps, entry = step_cost.computations(compiled.as_text())
-  fusions = sum(" fusion(" in line for line in comps[entry])
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return [fn, params, state, grads, fusions, cost["bytes accessed"]]
+  box = [recipes.copy_tree(params), recipes.copy_tree(state)]
+  exe = fn.lower(*box, args).compile()
+  fusions = hlo_traffic.fused_ops(exe.as_text())[0]
+  return exe, box, fusions, common.costs(exe)["bytes_accessed"]
+
+
+def layout_table(args, options):
+  """The ``layout`` comparison's table, as lines."""
+  import jax
+
+  data = layouts(args.layers, args.width)
+  txs = {"floor": (recipes.clip_adamw(), recipes.to_f32)}
+  txs["fp16"] = (recipes.fp16_tx(0), lambda g: g)
+  rows, units = {}, []
+  for key, (tx, prepare) in txs.items():
+    unit = []
+    for name, (params, grads) in data.items():
+      init, step = recipes.stepping(tx, prepare)
+      rows[key, name] = compiled(step, params, init(params), grads, options)
+      exe, box = rows[key, name][:2]
+      unit.append(((key, name), common.stepper(exe, box, grads, args.steps)))
+    units.append(unit)
+  wall, _ = common.split(common.interleaved(units, args.rounds, warmup=2))
+  n = args.layers * (args.width**2 + args.width)
+  lines = [
+    f"{args.layers} layers of W [{args.width}, {args.width}] and b "
+    f"[{args.width}]: {n:,} float32 params; rounds={args.rounds} "
+    f"inner={args.steps}\n",
+    "| step | layout | leaves | fusions | bytes accessed | B/param | "
+    "step ms (median) | stacked / unstacked, per round |",
+    "|---|---|---:|---:|---:|---:|---:|---|",
+  ]
+  for (key, name), (_, _, fusions, nbytes) in rows.items():
+    leaves = len(jax.tree.leaves(data[name][0]))
+    ratio = ""
+    if name == "stacked":
+      r = common.paired(wall[key, name], wall[key, "unstacked"])
+      ratio = f"{statistics.median(r):.3f}x [{min(r):.3f}x, {max(r):.3f}x]"
+    ms = f"{statistics.median(wall[key, name]) * 1e3:.3f}"
+    bytes_ = f"{nbytes:,.0f}", f"{nbytes / n:.1f}"
+    lines.append(
+      hlo_traffic.row(key, name, leaves, f"{fusions:,}", *bytes_, ms, ratio)
+    )
+  return lines
+
+
+def axes_rows(size, args, options):
+  """The ``stacked_axes`` comparison's rows at one train_lm size."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import train_lm
+
+  import fp16_scaling as fs
+
+  cfg = train_lm.Config(**dict(train_lm.SIZES[size]), scan=True)
+  params, grad_fn = train_lm.init_params(cfg), train_lm.make_grad_fn(cfg)
+  rng = np.random.default_rng(0)
+  x, y = train_lm.batches(np.arange(10_000, dtype=np.uint8) % 100, cfg, rng)
+  to_half = lambda t: jax.tree.map(lambda p: p.astype(jnp.float16), t)
+  grads = jax.jit(grad_fn)(to_half(params), x, y, 256.0)[1]
+
+  def train(tx):
+    def step(params, state, batch):
+      scale = fs.current_scale(state)
+      _, g, _ = grad_fn(to_half(params), *batch, scale)
+      updates, state = tx.update(g, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return step
+
+  for kind in args.kinds.split(","):
+    unit, nbytes = [], {}
+    for name, axes in (("without", None), ("with", "blocks")):
+      axes = axes and fs.stacked_under(axes)
+      tx = recipes.fp16_tx(0, stacked_axes=axes)
+      step = recipes.stepping(tx)[1] if kind == "update" else train(tx)
+      data = grads if kind == "update" else (x, y)
+      exe, box, _, nbytes[name] = compiled(
+        step, params, tx.init(params), data, options
+      )
+      unit.append((name, common.stepper(exe, box, data, args.steps)))
+    wall, _ = common.split(common.interleaved([unit], args.rounds, warmup=1))
+    a, b = (statistics.median(wall[k]) for k in ("without", "with"))
+    ms = f"{1e3 * a:.2f}", f"{1e3 * b:.2f}", f"{b / a:.3f}x"
+    yield hlo_traffic.row(
+      size, kind, *ms, *(f"{nbytes[k]:.4g}" for k in ("without", "with"))
+    )
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  p.add_argument("--layers", type=int, default=12)
-  p.add_argument("--width", type=int, default=256)
-  p.add_argument("--rounds", type=int, default=30)
-  p.add_argument("--inner", type=int, default=5, help="steps per sample")
-  p.add_argument("--default-flags", action="store_true")
+  add = p.add_argument
+  add("--compare", choices=tuple(DEFAULTS), default="layout")
+  add("--rounds", type=int, help="timed rounds (default 30; 7)")
+  add("--inner", "--steps", dest="steps", type=int, help="steps per sample")
+  add("--default-flags", action="store_true")
+  add("--layers", type=int, default=12, help="layout")
+  add("--width", type=int, default=256, help="layout")
+  add("--sizes", default="small,medium", help="stacked_axes")
+  add("--kinds", default="update,train", help="stacked_axes")
   args = p.parse_args(argv)
+  rounds, steps = DEFAULTS[args.compare]
+  args.rounds, args.steps = args.rounds or rounds, args.steps or steps
   import jax
 
-  options = {} if args.default_flags else COPY_OPTION
-  if jax.default_backend() != "cpu":
-    options = {}
-  data = layouts(args.layers, args.width)
-  rows = {}
-  for key, (tx, prepare) in steps().items():
-    for name, (params, grads) in data.items():
-      rows[key, name] = compiled_row(tx, prepare, params, grads, options)
-  times = {k: [] for k in rows}
-  order = list(rows)
-  for rnd in range(args.rounds + 2):
-    shift = rnd % len(order)
-    for k in order[shift:] + order[:shift]:
-      row = rows[k]
-      fn, params, state, grads = row[:4]
-      t0 = time.perf_counter()
-      for _ in range(args.inner):
-        params, state = fn(params, state, grads)
-      jax.block_until_ready((params, state))
-      row[1], row[2] = params, state
-      if rnd >= 2:
-        times[k].append((time.perf_counter() - t0) / args.inner)
-  n = args.layers * (args.width**2 + args.width)
-  print(f"Machine: {step_cost.machine()}")
+  default = args.default_flags or jax.default_backend() != "cpu"
+  options = {} if default else COPY_OPTION
+  print(f"Machine: {common.machine()}")
   shown = " ".join(sys.argv[1:] if argv is None else argv)
   print(f"Command: python benchmarks/stacked_cost.py {shown}")
-  print(step_cost.options_line(options))
+  print(options_line(options))
+  if args.compare == "layout":
+    print("\n".join(layout_table(args, options)))
+    return 0
   print(
-    f"{args.layers} layers of W [{args.width}, {args.width}] and b "
-    f"[{args.width}]: {n:,} float32 params; rounds={args.rounds} "
-    f"inner={args.inner}\n"
+    "| size | step | without (ms) | with stacked_axes (ms) | ratio | "
+    "bytes without | bytes with |\n|---|---|---:|---:|---:|---:|---:|"
   )
-  print(
-    "| step | layout | leaves | fusions | bytes accessed | B/param | "
-    "step ms (median) | stacked / unstacked, per round |"
-  )
-  print("|---|---|---:|---:|---:|---:|---:|---|")
-  for (key, name), row in rows.items():
-    leaves = len(jax.tree.leaves(data[name][0]))
-    ratio = ""
-    if name == "stacked":
-      r = step_cost._paired(times[key, name], times[key, "unstacked"])
-      ratio = f"{statistics.median(r):.3f}x [{min(r):.3f}x, {max(r):.3f}x]"
-    print(
-      f"| {key} | {name} | {leaves} | {row[4]:,} | {row[5]:,.0f} | "
-      f"{row[5] / n:.1f} | {statistics.median(times[key, name]) * 1e3:.3f} "
-      f"| {ratio} |"
-    )
+  for size in args.sizes.split(","):
+    for line in axes_rows(size, args, options):
+      print(line, flush=True)
   return 0
 
 

@@ -2,7 +2,7 @@
 
 Two guarded Adam chains over the same parameters step in one jitted
 function, with and without ``sync_loss_scales`` at its end, timed side by
-side in interleaved rounds (``step_cost.time_rows``). Prints the median
+side in interleaved rounds (``_common.interleaved``). Prints the median
 ratio of the per-round times and its range (benchmarks/README.md).
 
   python benchmarks/sync_cost.py [--rounds 40] [--leaves 50] [--size 20000]
@@ -13,12 +13,12 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common as common  # noqa: E402  (puts the checkout on sys.path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from step_cost import time_rows  # noqa: E402
 
 import fp16_scaling as fs  # noqa: E402
 
@@ -53,13 +53,16 @@ def main(argv=None):
     for _ in range(2)
   ]
   states = tuple(tx.init(params) for tx in txs)
-  rows = [
-    [f"sync={sync}", make_step(txs, sync), (params, params), states, grads]
+  unit = [
+    (
+      sync,
+      common.stepper(make_step(txs, sync), [(params,) * 2, states], grads, 20),
+    )
     for sync in (False, True)
   ]
-  samples = time_rows([rows], repeats=args.rounds, inner=20, warmup=2)
-  plain, synced = samples["sync=False"], samples["sync=True"]
-  ratios = sorted(b / a for a, b in zip(plain, synced))
+  wall, _ = common.split(common.interleaved([unit], args.rounds, warmup=2))
+  plain, synced = wall[False], wall[True]
+  ratios = sorted(common.paired(synced, plain))
   print(
     f"two Adam chains, {args.leaves} leaves x {args.size}: "
     f"{statistics.median(plain) * 1e3:.3f} ms without sync, "

@@ -209,6 +209,24 @@ def test_stacked_cost_stacking_cuts_the_fusions(capsys):
     assert found[key, "stacked"][1] < found[key, "unstacked"][1], key
 
 
+def test_stacked_cost_stacked_axes_moves_the_same_bytes(capsys):
+  """``--compare stacked_axes``: the per-layer sums read the gradients in
+  the one pass, so XLA counts the same bytes with and without them."""
+  script = helpers.load_script(ROOT / "benchmarks" / "stacked_cost.py")
+  argv = "--compare stacked_axes --sizes tiny --kinds update --rounds 1"
+  assert script.main(argv.split() + ["--steps", "1"]) == 0
+  (row,) = re.findall(
+    r"^\| tiny \| update \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\S+) \| "
+    r"(\S+) \|$",
+    capsys.readouterr().out,
+    re.M,
+  )
+  without, with_axes, ratio = map(float, row[:3])
+  assert without > 0 and with_axes > 0
+  assert ratio == pytest.approx(with_axes / without, rel=0.05)
+  assert float(row[3]) == float(row[4]) > 0
+
+
 def test_the_timer_alone_prints_ratios_and_no_verdicts(options_run, bench):
   stdout, shape = options_run
   assert "target" not in stdout and "MISS" not in stdout
