@@ -155,7 +155,9 @@ class OverflowReport:
         lines.append(f"  ... and {len(self.nonfinite_leaves) - len(shown)}")
       if self.nonfinite_layers:
         layers = ", ".join(map(str, self.nonfinite_layers))
-        lines.append(f"Non-finite layers on the last step: {layers}")
+        lines.append(
+          f"Layers with a non-finite gradient on the last step: {layers}"
+        )
     if self.counts:
       lines.append(
         f"Steps with a non-finite gradient, per leaf (top {self.top}):"

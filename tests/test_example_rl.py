@@ -114,6 +114,6 @@ def test_the_float16_state_is_stacked(quick):
   assert all(line.endswith("(nonfinite_layers): 0") for line in runs)
   report = quick[quick.index("Last step OVERFLOWED (forward)") :]
   assert "  ['layers']['qkv'][0]\n" in report
-  assert "Non-finite layers on the last step: 0\n" in report
+  assert "Layers with a non-finite gradient on the last step: 0\n" in report
   by_layer = "Steps with a non-finite gradient, by layer"
   assert report.split(by_layer)[1].splitlines()[1] == "  1  layer 0"

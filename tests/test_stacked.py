@@ -164,23 +164,24 @@ def test_layer_norms_equal_the_unstacked_leaf_norms():
 
 
 # flax.serialization.to_bytes of a state built without stacked_axes by the
-# code before stacked_axes existed: deepspeed_scaler(init_scale=2**8,
-# scale_window=2), grad_range=True, the clip and sgd(0.1), over OLD_PARAMS,
-# after the three steps of old_steps (an inf in ['layers']['W'][5, 0] on
-# the second).
+# code just before stacked_axes existed (this release's LossScaleState, with
+# consecutive_skipped_steps; nothing older was released):
+# deepspeed_scaler(init_scale=2**8, scale_window=2), grad_range=True, the
+# clip and sgd(0.1), over OLD_PARAMS, after the three steps of old_steps (an
+# inf in ['layers']['W'][5, 0] on the second).
 OLD_CHECKPOINT = """
-g6EwiqZzY2FsZXKFqmxvc3Nfc2NhbGXYAZOQp2Zsb2F0MzLEBAAAAEOuZ3Jvd3RoX3RyYWNr
-ZXLHDgGTkKVpbnQzMsQEAAAAAK9oeXN0ZXJlc2lzX2xlZnTHDgGTkKVpbnQzMsQEAAAAALBt
-aW5fc2NhbGVfZXJyb3Jzxw4Bk5ClaW50MzLEBAAAAACvZmxvb3Jfb3ZlcmZsb3dzxw4Bk5Cl
-aW50MzLEBAAAAACvcHJldl9sb3NzX3NjYWxl2AGTkKdmbG9hdDMyxAQAAABDqG92ZXJmbG93
-xwoBk5CkYm9vbMQBAK1za2lwcGVkX3N0ZXBzxw4Bk5ClaW50MzLEBAEAAACpZ3JhZF9ub3Jt
-2AGTkKdmbG9hdDMyxASSpUs9rmxlYWZfbm9uZmluaXRlxwwBk5ECpGJvb2zEAgAAtGxlYWZf
-bm9uZmluaXRlX3N0ZXBzxxMBk5ECpWludDMyxAgBAAAAAAAAAK1vdmVyZmxvd19raW5kxw4B
-k5ClaW50MzLEBAAAAACqZ3JhZF9yYW5nZYKnbWF4X2Fic8cVAZORAqdmbG9hdDMyxAgAAEA8
-AABAPK16ZXJvX2ZyYWN0aW9uxxUBk5ECp2Zsb2F0MzLECAAAAAAAAAAAqmxlYWZfcGF0aHOA
-oTGDqWdyYWRfbm9ybdgBk5CnZmxvYXQzMsQEkqVLPbBleHBlcnRfZ3JhZF9ub3Jt2AGTkKdm
-bG9hdDMyxAQAAAAAsHNoYXJlZF9ncmFkX25vcm3YAZOQp2Zsb2F0MzLEBJKlSz2hMoKhMICh
-MYA=
+g6Ewi6ZzY2FsZXKFqmxvc3Nfc2NhbGXYAZOQp2Zsb2F0MzLEBAAAAEOuZ3Jvd3RoX3RyYWNrZXLH
+DgGTkKVpbnQzMsQEAAAAAK9oeXN0ZXJlc2lzX2xlZnTHDgGTkKVpbnQzMsQEAAAAALBtaW5fc2Nh
+bGVfZXJyb3Jzxw4Bk5ClaW50MzLEBAAAAACvZmxvb3Jfb3ZlcmZsb3dzxw4Bk5ClaW50MzLEBAAA
+AACvcHJldl9sb3NzX3NjYWxl2AGTkKdmbG9hdDMyxAQAAABDqG92ZXJmbG93xwoBk5CkYm9vbMQB
+AK1za2lwcGVkX3N0ZXBzxw4Bk5ClaW50MzLEBAEAAAC5Y29uc2VjdXRpdmVfc2tpcHBlZF9zdGVw
+c8cOAZOQpWludDMyxAQAAAAAqWdyYWRfbm9ybdgBk5CnZmxvYXQzMsQEkqVLPa5sZWFmX25vbmZp
+bml0ZccMAZORAqRib29sxAIAALRsZWFmX25vbmZpbml0ZV9zdGVwc8cTAZORAqVpbnQzMsQIAQAA
+AAAAAACtb3ZlcmZsb3dfa2luZMcOAZOQpWludDMyxAQAAAAAqmdyYWRfcmFuZ2WCp21heF9hYnPH
+FQGTkQKnZmxvYXQzMsQIAABAPAAAQDytemVyb19mcmFjdGlvbscVAZORAqdmbG9hdDMyxAgAAAAA
+AAAAAKpsZWFmX3BhdGhzgKExg6lncmFkX25vcm3YAZOQp2Zsb2F0MzLEBJKlSz2wZXhwZXJ0X2dy
+YWRfbm9ybdgBk5CnZmxvYXQzMsQEAAAAALBzaGFyZWRfZ3JhZF9ub3Jt2AGTkKdmbG9hdDMyxASS
+pUs9oTKCoTCAoTGA
 """
 OLD_PARAMS = {"layers": {"W": jnp.ones((8, 2))}, "out": jnp.ones(2)}
 
@@ -207,8 +208,9 @@ def test_a_state_without_stacked_axes_restores_an_older_checkpoint():
     )
   )
   target = tx.init(OLD_PARAMS)
-  fields = "scaler prev_loss_scale overflow skipped_steps grad_norm "
-  fields += "leaf_nonfinite leaf_nonfinite_steps overflow_kind grad_range "
+  fields = "scaler prev_loss_scale overflow skipped_steps "
+  fields += "consecutive_skipped_steps grad_norm leaf_nonfinite "
+  fields += "leaf_nonfinite_steps overflow_kind grad_range "
   assert fs.LossScaleState._fields == tuple((fields + "leaf_paths").split())
   assert type(target[0].grad_range) is fs.GradRange
   restored = flax.serialization.from_bytes(
