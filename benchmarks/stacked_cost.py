@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Stacked layers: what stacking them saves the optimizer step
 (``--compare layout``, the default) and what ``stacked_axes`` costs a
-stacked step (``--compare stacked_axes``); benchmarks/README.md has both.
+stacked step (``--compare stacked_axes``) and what applying stacked blocks
+with ``nn.scan`` costs the forward and backward pass (``--compare scan``);
+benchmarks/README.md has all three.
 
 ``layout``: ``--layers`` layers of a ``[D, D]`` weight and a ``[D]`` bias
 (``--width D``), one leaf per layer (``unstacked``, 2 L leaves) against
@@ -18,6 +20,15 @@ and the median [min, max] of the per-round ratio stacked / unstacked.
 optimizer update alone on fixed float16 gradients) and ``train`` (forward,
 backward, update): each side's median step time, their ratio and bytes.
 
+``scan``: train_lm's transformer at each of ``--sizes``, its blocks
+unrolled (one subtree per block) against stacked and applied by ``nn.scan``
+(``--scan``), the same parameter values; ``grad`` (value_and_grad of the
+scaled float16 loss) and ``train`` (that, then the guarded chain's update,
+no ``stacked_axes``): fusions in the whole compiled module (a scan's body
+counted once, though it runs once per block), bytes accessed, compile
+seconds, the median step time, the per-round ratio scanned / unrolled
+(median [min, max]) and the forward loss each ``grad`` step returned.
+
 Every step is jitted with params and state donated, timed in interleaved
 rounds (``_common.interleaved``), on XLA:CPU with the copy option
 (docs/design.md, "In place") unless ``--default-flags``.
@@ -26,12 +37,14 @@ rounds (``_common.interleaved``), on XLA:CPU with the copy option
   python benchmarks/stacked_cost.py --layers 24 --width 512 --rounds 40
   python benchmarks/stacked_cost.py --compare stacked_axes  # small, medium
   python benchmarks/stacked_cost.py --compare stacked_axes --kinds update
+  python benchmarks/stacked_cost.py --compare scan --sizes small --rounds 5
 """
 
 import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +54,11 @@ import recipes  # noqa: E402
 from step_cost import options_line  # noqa: E402
 
 COPY_OPTION = {"xla_cpu_copy_insertion_use_region_analysis": True}
-DEFAULTS = {"layout": (30, 5), "stacked_axes": (7, 20)}  # rounds, steps
+DEFAULTS = {
+  "layout": (30, 5),
+  "stacked_axes": (7, 20),
+  "scan": (5, 5),
+}  # rounds, steps
 
 
 def layouts(layers, width, seed=0):
@@ -167,6 +184,90 @@ def axes_rows(size, args, options):
     )
 
 
+def unrolled(params):
+  """train_lm's scanned params, ``blocks`` ``[L, ...]``, as the unrolled
+  model's ``Block_0`` ... ``Block_{L-1}``: the same values."""
+  import jax
+
+  out = {k: v for k, v in params.items() if k != "blocks"}
+  stack = params["blocks"]["Block_0"]
+  for i in range(len(jax.tree.leaves(stack)[0])):
+    out[f"Block_{i}"] = jax.tree.map(lambda a, i=i: a[i], stack)
+  return out
+
+
+def all_fusions(exe):
+  """Fusion instructions in every computation of the compiled module."""
+  comps, _ = hlo_traffic.computations(exe.as_text())
+  return sum(
+    bool(m and m.group(3) == "fusion")
+    for lines in comps.values()
+    for m in map(hlo_traffic._INSTR.match, lines)
+  )
+
+
+def scan_rows(size, args, options):
+  """The ``scan`` comparison's rows at one train_lm size."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import train_lm
+
+  import fp16_scaling as fs
+
+  base = dict(train_lm.SIZES[size])
+  scanned = train_lm.init_params(train_lm.Config(**base, scan=True))
+  rng = np.random.default_rng(0)
+  cfg = train_lm.Config(**base)
+  batch = train_lm.batches(np.arange(10_000, dtype=np.uint8) % 100, cfg, rng)
+  to_half = lambda t: jax.tree.map(lambda p: p.astype(jnp.float16), t)
+  tx = recipes.fp16_tx(0)
+  rows, units = {}, []
+  for kind in args.kinds.split(","):
+    unit = []
+    for name, params in (("unrolled", unrolled(scanned)), ("scanned", scanned)):
+      model = train_lm.make_model(
+        train_lm.Config(**base, scan=name == "scanned")
+      )
+
+      def grad(params, scale, batch, model=model):
+        f = lambda p: train_lm.loss_fn(model, p, *batch) * scale
+        return jax.value_and_grad(f)(to_half(params))
+
+      def step(params, state, batch, grad=grad, kind=kind):
+        if kind == "grad":
+          return params, grad(params, 1.0, batch)
+        g = grad(params, fs.current_scale(state), batch)[1]
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+      state = tx.init(params) if kind == "train" else grad(params, 1.0, batch)
+      t0 = time.perf_counter()
+      exe, box, _, nbytes = compiled(step, params, state, batch, options)
+      seconds = time.perf_counter() - t0
+      rows[kind, name] = [all_fusions(exe), nbytes, seconds, box]
+      unit.append(((kind, name), common.stepper(exe, box, batch, args.steps)))
+    units.append(unit)
+  wall, _ = common.split(common.interleaved(units, args.rounds, warmup=1))
+  for (kind, name), (fusions, nbytes, seconds, box) in rows.items():
+    r = common.paired(wall[kind, name], wall[kind, "unrolled"])
+    ratio = f"{statistics.median(r):.3f}x [{min(r):.3f}x, {max(r):.3f}x]"
+    loss = f"{float(box[1][0]):.7g}" if kind == "grad" else ""
+    ms = f"{statistics.median(wall[kind, name]) * 1e3:.2f}"
+    yield hlo_traffic.row(
+      size,
+      kind,
+      name,
+      f"{fusions:,}",
+      f"{nbytes:.4g}",
+      f"{seconds:.2f}",
+      ms,
+      ratio if name == "scanned" else "",
+      loss,
+    )
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -178,11 +279,13 @@ def main(argv=None):
   add("--default-flags", action="store_true")
   add("--layers", type=int, default=12, help="layout")
   add("--width", type=int, default=256, help="layout")
-  add("--sizes", default="small,medium", help="stacked_axes")
-  add("--kinds", default="update,train", help="stacked_axes")
+  add("--sizes", default="small,medium", help="stacked_axes, scan")
+  add("--kinds", help="update,train (stacked_axes); grad,train (scan)")
   args = p.parse_args(argv)
   rounds, steps = DEFAULTS[args.compare]
   args.rounds, args.steps = args.rounds or rounds, args.steps or steps
+  scan = args.compare == "scan"
+  args.kinds = args.kinds or ("grad,train" if scan else "update,train")
   import jax
 
   default = args.default_flags or jax.default_backend() != "cpu"
@@ -193,6 +296,16 @@ def main(argv=None):
   print(options_line(options))
   if args.compare == "layout":
     print("\n".join(layout_table(args, options)))
+    return 0
+  if scan:
+    print(
+      "| size | pass | blocks | fusions | bytes accessed | compile s | "
+      "step ms (median) | scanned / unrolled, per round (median [min, max]) "
+      "| forward loss |\n|---|---|---|---:|---:|---:|---:|---|---:|"
+    )
+    for size in args.sizes.split(","):
+      for line in scan_rows(size, args, options):
+        print(line, flush=True)
     return 0
   print(
     "| size | step | without (ms) | with stacked_axes (ms) | ratio | "

@@ -227,6 +227,32 @@ def test_stacked_cost_stacked_axes_moves_the_same_bytes(capsys):
   assert float(row[3]) == float(row[4]) > 0
 
 
+def test_stacked_cost_scan_fuses_less_and_computes_the_same_loss(capsys):
+  """``--compare scan``: the scanned blocks' forward and backward compile to
+  fewer fusions than the unrolled blocks' (one body for every block), and
+  the same parameter values give the same forward loss."""
+  script = helpers.load_script(ROOT / "benchmarks" / "stacked_cost.py")
+  argv = "--compare scan --sizes tiny --kinds grad --rounds 1 --steps 1"
+  assert script.main(argv.split()) == 0
+  rows = re.findall(
+    r"^\| tiny \| grad \| (unrolled|scanned) \| ([\d,]+) \| (\S+) \| "
+    r"[\d.]+ \| ([\d.]+) \| (.*?) \| (\S+) \|$",
+    capsys.readouterr().out,
+    re.M,
+  )
+  got = {name: row for name, *row in rows}
+  assert sorted(got) == ["scanned", "unrolled"]
+  fusions = {k: int(v[0].replace(",", "")) for k, v in got.items()}
+  assert 0 < fusions["scanned"] < fusions["unrolled"]
+  assert float(got["scanned"][1]) > 0 and float(got["unrolled"][1]) > 0
+  ratio = float(got["scanned"][3].split("x")[0])
+  ms = {k: float(v[2]) for k, v in got.items()}
+  assert ratio == pytest.approx(ms["scanned"] / ms["unrolled"], rel=0.01)
+  loss = {k: float(v[4]) for k, v in got.items()}
+  assert 4 < loss["unrolled"] < 6  # ln(129) ~ 4.86 at init
+  assert loss["scanned"] == pytest.approx(loss["unrolled"], rel=1e-6)
+
+
 def test_the_timer_alone_prints_ratios_and_no_verdicts(options_run, bench):
   stdout, shape = options_run
   assert "target" not in stdout and "MISS" not in stdout
