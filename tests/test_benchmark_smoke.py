@@ -211,7 +211,10 @@ def test_stacked_cost_stacking_cuts_the_fusions(capsys):
 
 def test_stacked_cost_stacked_axes_moves_the_same_bytes(capsys):
   """``--compare stacked_axes``: the per-layer sums read the gradients in
-  the one pass, so XLA counts the same bytes with and without them."""
+  the one pass, so XLA counts the same bytes with and without them: the
+  same to the byte on jax 0.10.2, within 1 KB of 1.39 MB on jax 0.12. A
+  second pass over the float16 gradients would add 2 bytes a parameter,
+  about 4% here."""
   script = helpers.load_script(ROOT / "benchmarks" / "stacked_cost.py")
   argv = "--compare stacked_axes --sizes tiny --kinds update --rounds 1"
   assert script.main(argv.split() + ["--steps", "1"]) == 0
@@ -224,7 +227,9 @@ def test_stacked_cost_stacked_axes_moves_the_same_bytes(capsys):
   without, with_axes, ratio = map(float, row[:3])
   assert without > 0 and with_axes > 0
   assert ratio == pytest.approx(with_axes / without, rel=0.05)
-  assert float(row[3]) == float(row[4]) > 0
+  bytes_without, bytes_with = float(row[3]), float(row[4])
+  assert bytes_without > 0
+  assert bytes_with == pytest.approx(bytes_without, rel=0.005)
 
 
 def test_stacked_cost_scan_fuses_less_and_computes_the_same_loss(capsys):
