@@ -27,6 +27,7 @@ from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
 from fp16_scaling._shared import sync_loss_scales
+from fp16_scaling._skip import chain
 from fp16_scaling._skip import skip_on_overflow
 from fp16_scaling._stacked import stacked_under
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
@@ -59,6 +60,7 @@ __all__ = [
   "StackedRange",
   "accumulate_gradients",
   "cast_report",
+  "chain",
   "clip_by_unscaled_norm",
   "current_scale",
   "deepspeed_scaler",

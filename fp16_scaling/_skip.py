@@ -183,3 +183,9 @@ def chain_layout(state) -> bool:
     raise ValueError(_NOT_FIRST)
   clips = [i for i, e in enumerate(elements) if isinstance(e, ClipState)]
   return clips == [1]
+
+
+def chain(*transforms) -> optax.GradientTransformationExtraArgs:
+  """The guarded fp16 step: ``fp16_loss_scale`` first, then an optional clip
+  and the optimizer (being rewritten to own its step; same semantics)."""
+  return skip_on_overflow(optax.chain(*transforms))
