@@ -650,8 +650,7 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
     _shard_map_update(layout, make_tx(layout, typo))
   # The same scaler as make_tx's: the state _shard_map_update traces with
   # is that chain's (a state of another scaler is refused first).
-  clip_only = fs.skip_on_overflow(
-    optax.chain(
+  clip_only = fs.chain(
       fs.fp16_loss_scale(
         fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
         partition_specs=layout.specs,
@@ -659,7 +658,6 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
       fs.clip_by_unscaled_norm(1.0, partition_specs=typo),
       optax.adam(LR),
     )
-  )
   with pytest.raises(
     ValueError, match="clip_by_unscaled_norm: partition_specs .* 'experts'"
   ):
@@ -696,13 +694,11 @@ def test_device_varying_gradients_without_partition_specs_are_named(varying):
   naming the leaf, the axis and partition_specs (it used to be JAX's,
   about lax.cond branches or out_specs)."""
   mesh = make_mesh(DATA_EXPERT)
-  tx = fs.skip_on_overflow(
-    optax.chain(
+  tx = fs.chain(
       fs.fp16_loss_scale(fs.torch_scaler()),
       fs.clip_by_unscaled_norm(MAX_NORM),
       optax.adam(LR),
     )
-  )
   params = {
     "f16": np.ones((8, 4), np.float32),
     "f32": np.ones((8, 4), np.float32),
