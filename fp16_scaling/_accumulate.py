@@ -34,7 +34,9 @@ def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
   if callable(every_k_schedule):
     try:
       first = every_k_schedule(0)
-    except Exception:  # a schedule that only takes arrays: checked in update
+    # A schedule that takes only arrays (it calls an array method, or jnp
+    # refuses the int) is checked on its first window, in update.
+    except (TypeError, AttributeError, ValueError):
       first = None
     if isinstance(first, numbers.Number) and not isinstance(first, bool):
       if first < 1:

@@ -243,10 +243,10 @@ def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
     )
 
   inner = fs.chain(
-      fs.fp16_loss_scale(fs.static_scaler(1.0)),
-      scaled_by_value(),
-      optax.sgd(1.0),
-    )
+    fs.fp16_loss_scale(fs.static_scaler(1.0)),
+    scaled_by_value(),
+    optax.sgd(1.0),
+  )
   tx = fs.accumulate_gradients(inner, lambda w: jnp.where(w < 1, 2, 3))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)

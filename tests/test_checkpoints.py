@@ -16,10 +16,10 @@ O, C = True, False
 
 SCALER = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2, delayed_shift=2)
 TX = fs.chain(
-    fs.fp16_loss_scale(SCALER),
-    fs.clip_by_unscaled_norm(1.0),
-    optax.adamw(1e-2),
-  )
+  fs.fp16_loss_scale(SCALER),
+  fs.clip_by_unscaled_norm(1.0),
+  optax.adamw(1e-2),
+)
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
 
 
@@ -77,10 +77,10 @@ def test_orbax_round_trip_mid_run_is_bit_identical(tmp_path):
 
 # The same tail as TX behind torch's rule: the state's structure is TX's.
 TORCH_TX = fs.chain(
-    fs.fp16_loss_scale(fs.torch_scaler(init_scale=2.0**8, growth_interval=2)),
-    fs.clip_by_unscaled_norm(1.0),
-    optax.adamw(1e-2),
-  )
+  fs.fp16_loss_scale(fs.torch_scaler(init_scale=2.0**8, growth_interval=2)),
+  fs.clip_by_unscaled_norm(1.0),
+  optax.adamw(1e-2),
+)
 
 
 def test_deepspeed_state_restored_into_a_torch_target_follows_torch(tmp_path):

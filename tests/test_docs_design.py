@@ -321,10 +321,10 @@ def test_the_step_searches_the_state_four_times(monkeypatch):
     return search(tree, cls)
 
   tx = fs.chain(
-      fs.fp16_loss_scale(fs.static_scaler(8.0)),
-      fs.clip_by_unscaled_norm(1.0),
-      optax.sgd(0.1),
-    )
+    fs.fp16_loss_scale(fs.static_scaler(8.0)),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.sgd(0.1),
+  )
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
   monkeypatch.setattr(_lookup, "all_with_path", counted)

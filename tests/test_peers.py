@@ -163,9 +163,7 @@ def test_deepspeed_static_through_the_public_functions():
   dynamic = fs.deepspeed_scaler()
   with pytest.raises(ValueError, match="on dynamic.*static_scaler"):
     fs.load_scaler_state_dict(
-      fs.chain(fs.fp16_loss_scale(dynamic)).init(
-        jnp.zeros(2)
-      ),
+      fs.chain(fs.fp16_loss_scale(dynamic)).init(jnp.zeros(2)),
       sd,
       dynamic,
     )
@@ -173,9 +171,7 @@ def test_deepspeed_static_through_the_public_functions():
 
 def test_unknown_state_names_every_peer():
   scaler = fs.torch_scaler()
-  state = fs.chain(fs.fp16_loss_scale(scaler)).init(
-    jnp.zeros(2)
-  )
+  state = fs.chain(fs.fp16_loss_scale(scaler)).init(jnp.zeros(2))
   with pytest.raises(ValueError, match="not a known scaler state") as e:
     fs.load_scaler_state_dict(state, {"foo": 1}, scaler)
   for peer in _peers.PEERS:

@@ -47,10 +47,10 @@ def loss_fn(params, x, axis, amp):
 def make_tx(axis, **kw):
   stacked = {"layers": {"W": axis, "b": 0}, "out": None}
   return fs.chain(
-      fs.fp16_loss_scale(fs.static_scaler(2.0**8), stacked_axes=stacked, **kw),
-      fs.clip_by_unscaled_norm(1.0, stacked_axes=stacked),
-      optax.sgd(0.1),
-    ), stacked
+    fs.fp16_loss_scale(fs.static_scaler(2.0**8), stacked_axes=stacked, **kw),
+    fs.clip_by_unscaled_norm(1.0, stacked_axes=stacked),
+    optax.sgd(0.1),
+  ), stacked
 
 
 def amp(hot):
@@ -199,10 +199,10 @@ def old_steps(tx):
 def test_a_state_without_stacked_axes_restores_an_older_checkpoint():
   scaler = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
   tx = fs.chain(
-      fs.fp16_loss_scale(scaler, grad_range=True),
-      fs.clip_by_unscaled_norm(1.0),
-      optax.sgd(0.1),
-    )
+    fs.fp16_loss_scale(scaler, grad_range=True),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.sgd(0.1),
+  )
   target = tx.init(OLD_PARAMS)
   fields = "scaler prev_loss_scale overflow skipped_steps "
   fields += "consecutive_skipped_steps grad_norm leaf_nonfinite "

@@ -19,9 +19,9 @@ def test_every_device_drops_the_same_microbatch():
   params = {"shard": jnp.zeros(8), "rep": jnp.zeros(3)}
   tx = fs.accumulate_gradients(
     fs.chain(
-        fs.fp16_loss_scale(fs.static_scaler(1.0), partition_specs=SPECS),
-        optax.sgd(1.0),
-      ),
+      fs.fp16_loss_scale(fs.static_scaler(1.0), partition_specs=SPECS),
+      optax.sgd(1.0),
+    ),
     2,
     on_microbatch_overflow="drop_microbatch",
     partition_specs=SPECS,

@@ -651,13 +651,13 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
   # The same scaler as make_tx's: the state _shard_map_update traces with
   # is that chain's (a state of another scaler is refused first).
   clip_only = fs.chain(
-      fs.fp16_loss_scale(
-        fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
-        partition_specs=layout.specs,
-      ),
-      fs.clip_by_unscaled_norm(1.0, partition_specs=typo),
-      optax.adam(LR),
-    )
+    fs.fp16_loss_scale(
+      fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
+      partition_specs=layout.specs,
+    ),
+    fs.clip_by_unscaled_norm(1.0, partition_specs=typo),
+    optax.adam(LR),
+  )
   with pytest.raises(
     ValueError, match="clip_by_unscaled_norm: partition_specs .* 'experts'"
   ):
@@ -695,10 +695,10 @@ def test_device_varying_gradients_without_partition_specs_are_named(varying):
   about lax.cond branches or out_specs)."""
   mesh = make_mesh(DATA_EXPERT)
   tx = fs.chain(
-      fs.fp16_loss_scale(fs.torch_scaler()),
-      fs.clip_by_unscaled_norm(MAX_NORM),
-      optax.adam(LR),
-    )
+    fs.fp16_loss_scale(fs.torch_scaler()),
+    fs.clip_by_unscaled_norm(MAX_NORM),
+    optax.adam(LR),
+  )
   params = {
     "f16": np.ones((8, 4), np.float32),
     "f32": np.ones((8, 4), np.float32),

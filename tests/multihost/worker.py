@@ -37,10 +37,10 @@ SPECS = {"w": P("data"), "b": P()}
 def make_tx(partition_specs):
   scaler = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
   return fs.chain(
-      fs.fp16_loss_scale(scaler, partition_specs=partition_specs),
-      fs.clip_by_unscaled_norm(1.0, partition_specs=partition_specs),
-      optax.sgd(0.1),
-    )
+    fs.fp16_loss_scale(scaler, partition_specs=partition_specs),
+    fs.clip_by_unscaled_norm(1.0, partition_specs=partition_specs),
+    optax.sgd(0.1),
+  )
 
 
 def host_grads(t):

@@ -114,8 +114,8 @@ def replay_args(optimizer, params0, records, scaler, clip):
   """
   inner = _optax_optimizer(optimizer)
   tx = fs.chain(
-      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(clip), inner
-    )
+    fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(clip), inner
+  )
   params = [
     jnp.asarray(p.astype(np.float16).astype(np.float32)) for p in params0
   ]  # DeepSpeed's masters

@@ -147,10 +147,10 @@ def test_accumulation_matches_torch_amp_recipe(seed):
   )
   tx = fs.accumulate_gradients(
     fs.chain(
-        fs.fp16_loss_scale(fs.torch_scaler(**TORCH_SCALER)),
-        fs.clip_by_unscaled_norm(TORCH_MAX_NORM),
-        optax.adam(lr, b1=betas[0], b2=betas[1], eps=eps),
-      ),
+      fs.fp16_loss_scale(fs.torch_scaler(**TORCH_SCALER)),
+      fs.clip_by_unscaled_norm(TORCH_MAX_NORM),
+      optax.adam(lr, b1=betas[0], b2=betas[1], eps=eps),
+    ),
     K,
   )
   params = [jnp.asarray(p) for p in params0]
@@ -238,8 +238,8 @@ def _ds_case(seed, fused, optimizer):
   )
   tx = fs.accumulate_gradients(
     fs.chain(
-        fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(DS_CLIP), inner
-      ),
+      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(DS_CLIP), inner
+    ),
     K,
   )
   params = [

@@ -104,8 +104,8 @@ def replay_args(optimizer, params0, records, scaler, max_norm, *, follow_peer):
       LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY
     )
   tx = fs.chain(
-      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
-    )
+    fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
+  )
   params = [jnp.asarray(p) for p in params0]
   grads = [
     jnp.asarray(np.stack([r.grads[i] for r in records]))
