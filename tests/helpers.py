@@ -90,7 +90,6 @@ def guarded(scaler, *tail, **loss_scale_kwargs):
   """``chain(fp16_loss_scale(scaler, **loss_scale_kwargs),
   *tail)``: the guarded chain, ``tail`` (a clip, an optimizer) after the
   loss scale."""
-  import optax
 
   import fp16_scaling as fs
 

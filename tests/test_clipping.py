@@ -5,7 +5,6 @@ pass.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import fp16_scaling as fs

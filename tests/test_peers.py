@@ -7,7 +7,6 @@ dict. The peers' own code is run against these in tests/peers/.
 """
 
 import jax.numpy as jnp
-import optax
 import pytest
 
 import fp16_scaling as fs

@@ -11,7 +11,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import fp16_scaling as fs
 
