@@ -356,7 +356,7 @@ def make_optimizer(cfg: Config, name: str):
       fs.fp16_loss_scale(SCALERS[name](), stacked_axes=stacked),
       optax.adam(cfg.lr),
     )
-  return fs.accumulate_gradients(tx, cfg.micro, stacked_axes=stacked)
+  return fs.accumulate_gradients(tx, cfg.micro)
 
 
 def make_steps(cfg: Config, tx, dtype):

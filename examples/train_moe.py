@@ -152,9 +152,7 @@ def build(mesh, init_scale, window, max_norm, lr):
         fs.deepspeed_scaler(init_scale=init_scale, scale_window=window),
         partition_specs=specs,
       ),
-      fs.clip_by_unscaled_norm(
-        max_norm, expert_mask=expert_mask, partition_specs=specs
-      ),
+      fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask),
       optax.adamw(lr, weight_decay=1e-4),
     )
   state_specs = optax.tree_map_params(

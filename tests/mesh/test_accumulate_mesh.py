@@ -24,7 +24,6 @@ def test_every_device_drops_the_same_microbatch():
     ),
     2,
     on_microbatch_overflow="drop_microbatch",
-    partition_specs=SPECS,
   )
   state = tx.init(params)
   # Leaves of the parameters' length are split like them; the rest is
