@@ -66,7 +66,7 @@ def _in_step(tx):
     loss, grads = _microbatched(opt_state)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, updates, grads
+    return params, opt_state, updates, (loss, grads)
 
   return step
 
@@ -95,28 +95,35 @@ def test_one_bad_microbatch_skips_the_whole_step_exactly():
 
 
 def test_clean_step_gradients_are_accumulate_gradients_window_mean():
-  """The mean of the 4 microbatch gradients, optax's in the fori_loop carry
-  (sum, then / 4) against accumulate_gradients' (each / 4, then summed),
-  both float32: 4 float32 values summed in possibly another order, within 3
-  roundings of 2**-24 of sum|g_i| / 4 each, so 2 * 3 * 2**-24 of it."""
+  """The mean of the 4 microbatch gradients (and losses), optax's in the
+  loop carry (sum, then / 4) against accumulate_gradients' (each / 4, then
+  summed), both float32: 4 float32 values summed in possibly another order,
+  each within 3 roundings of 2**-24 of sum|g_i| / 4, so 2 * 3 * 2**-24 of
+  it apart."""
   batch = _batch(4)
   tx = _tx(optax.sgd(1.0), max_norm=1e9)  # no clip: updates = -mean / S
   params, state = _params(), tx.init(_params())
-  _, _, updates, grads = _in_step(tx)(params, state, batch)
+  _, _, updates, (loss, grads) = _in_step(tx)(params, state, batch)
 
   acc = fs.accumulate_gradients(_tx(optax.sgd(1.0), max_norm=1e9), K)
 
   @jax.jit
   def micro(params, acc_state, mb):
-    _, g = fs.value_and_grad(_loss, acc_state)(params, mb)
+    value, g = fs.value_and_grad(_loss, acc_state)(params, mb)
     out, acc_state = acc.update(g, acc_state, params)
-    return out, acc_state, g
+    return out, acc_state, (value, g)
 
-  acc_state, per_mb = acc.init(params), []
+  acc_state, per_mb, losses = acc.init(params), [], []
   for i in range(K):
     mb = jax.tree.map(lambda a, i=i: a[i::K], batch)
-    acc_updates, acc_state, g = micro(params, acc_state, mb)
+    acc_updates, acc_state, (value, g) = micro(params, acc_state, mb)
     per_mb.append(g)
+    losses.append(float(value))
+  # The loss is averaged too (MEAN on the (loss, grads) pair), against the
+  # float64 mean of the same 4 float32 losses: 3 float32 adds of positive
+  # values, each within 2**-24 of a partial sum <= the sum; / 4 is exact.
+  mean_loss = sum(losses) / K
+  assert abs(float(loss) - mean_loss) <= 3 * 2.0**-24 * mean_loss
   assert bool(fs.scale_metrics(acc_state)["window_ended"])
   # The window's step and the in-step one applied the same sgd(1.0) step on
   # the same clean mean: -mean / S either way (S a power of two: exact).
