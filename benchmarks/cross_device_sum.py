@@ -32,6 +32,7 @@ import re
 import sys
 
 N = 8
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # N simulated CPU devices
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + f" --xla_force_host_platform_device_count={N}"
