@@ -404,10 +404,3 @@ def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
   np.testing.assert_allclose(
     updates["w"], [sum(kept) / len(kept)] * 2, rtol=1e-6
   )
-
-
-def test_accumulate_inside_skip_on_overflow_names_the_right_nesting():
-  inner = optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.sgd(1.0))
-  tx = fs.skip_on_overflow(fs.accumulate_gradients(inner, 2))
-  with pytest.raises(ValueError, match=r"accumulate_gradients\(skip_on_overf"):
-    tx.init({"w": jnp.zeros(2)})
