@@ -296,9 +296,9 @@ def test_gradients_whose_tree_differs_from_the_params():
 
 
 def test_tx_without_a_loss_scale():
-  tx = fs.accumulate_gradients(optax.sgd(1.0), 2)
-  with pytest.raises(ValueError, match="fp16_loss_scale"):
-    tx.init(_params())
+  # Refused when built: the window's step must be an fs.chain.
+  with pytest.raises(TypeError, match=r"fs\.chain\(fs\.fp16_loss_scale"):
+    fs.accumulate_gradients(optax.sgd(1.0), 2)
 
 
 def test_float32_microbatches_keep_the_norm_rescue():
