@@ -15,6 +15,8 @@ count against the steps fp16_scaling applied. Then the designed differences
 state into the peer and back.
 """
 
+import dataclasses
+import inspect
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"  # before keras is first imported
@@ -416,3 +418,45 @@ def test_keras_state_into_keras_and_back():
   again = run_fs(scaler, mags, nans, loaded)[0], keras_run.run(mags, nans)
   assert_same(again[0][:3], again[1][:3], params=False)
   assert 0 < tracker < 6
+
+
+def test_a_float16_loss_scale_runs_in_float32():
+  # jmp#47: a float16 loss_scale (jmp's own docstring suggests the half
+  # dtype) fails in adjust, where min_loss_scale is float32. fs.jmp_scaler
+  # takes its value and runs the scale in float32.
+  with pytest.raises(TypeError, match="lax.select requires"):
+    jmp.DynamicLossScale(jnp.float16(2**15)).adjust(jnp.bool_(True))
+  assert fs.jmp_scaler(loss_scale=jnp.float16(2**15)) == fs.jmp_scaler()
+
+
+def _params(fn, leave_out=()):
+  return {
+    name: p
+    for name, p in inspect.signature(fn).parameters.items()
+    if name not in ("self", *leave_out)
+  }
+
+
+def test_presets_take_the_peers_names_and_defaults():
+  # jmp: DynamicLossScale's fields; its defaults, and for loss_scale (which
+  # jmp requires) the 2**15 of its docstring.
+  ours = _params(fs.jmp_scaler)
+  fields = {f.name: f for f in dataclasses.fields(jmp.DynamicLossScale)}
+  assert set(ours) == set(fields)
+  assert all(p.kind is p.KEYWORD_ONLY for p in ours.values())
+  assert ours["period"].default == fields["period"].default
+  assert ours["factor"].default == fields["factor"].default
+  assert ours["counter"].default == fields["counter"].default_factory()
+  floor = fields["min_loss_scale"].default_factory()
+  assert ours["min_loss_scale"].default == floor
+  assert ours["loss_scale"].default == 2.0**15
+  # Keras: LossScaleOptimizer's scale arguments, with its defaults.
+  ours = _params(fs.keras_scaler)
+  theirs = _params(
+    keras.optimizers.LossScaleOptimizer.__init__,
+    ("inner_optimizer", "name", "kwargs"),
+  )
+  assert set(ours) == set(theirs)
+  assert all(p.kind is p.KEYWORD_ONLY for p in ours.values())
+  for name, p in ours.items():
+    assert p.default == theirs[name].default, name
