@@ -75,6 +75,7 @@ def test_porting_keras_page_runs_and_the_loops_agree():
   scales = [t[0] for t in theirs]
   assert scales == [o[0] for o in ours]
   skips = [t < s for s, t in zip([2.0**15] + scales, scales)]
+  print(f"\n{len(scales)} steps, skipped: {list(np.flatnonzero(skips))}")
   assert skips[BAD] and 2 <= sum(skips) <= 10, sum(skips)
   # The same trainable variables, bit for bit, after every step.
   for t, o in zip(theirs, ours):
