@@ -327,13 +327,10 @@ def step_state(
   ``measurement`` read; ``value`` is the loss (``value=``), or None.
 
   Raises:
-    ValueError: a state of another configuration; gradients of another tree
-      than ``params``'.
+    ValueError: gradients of another tree than ``params``'.
     TypeError: a ``value`` that is not a floating scalar.
   """
   scaler = config.scaler
-  key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
-  _check_built_here(state.leaf_paths, scaler, config.partition_specs, key)
   _check_gradient_tree(updates, params)
   if value is not None:
     value = _validate.scalar_loss(value)
@@ -355,6 +352,15 @@ def step_state(
     _log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
   return _donation.written_over(state, new_state)
+
+
+def check_state(config: ScaleConfig, state: LossScaleState) -> None:
+  """Raises ValueError when ``state`` was built by another configuration
+  (its static ``leaf_paths`` say which), before anything is read with
+  ``config``."""
+  key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
+  specs = config.partition_specs
+  _check_built_here(state.leaf_paths, config.scaler, specs, key)
 
 
 def _check_built_here(paths: LeafPaths, scaler, specs, key) -> None:
