@@ -1,5 +1,7 @@
-"""``fp16_loss_scale``: detect overflow, unscale by ``prev_loss_scale``, and
-step the loss scale for the next step (docs/design.md, "State").
+"""``fp16_loss_scale``: its configuration, and what :func:`chain` does with
+it each step: record the overflow, the norm and the kind from the one
+measurement, and step the loss scale for the next step (docs/design.md,
+"State").
 """
 
 import dataclasses
