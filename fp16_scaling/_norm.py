@@ -47,14 +47,34 @@ class Norms(NamedTuple):
 
 
 def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
-  """Raises TypeError for a non-floating leaf (integer or bool gradients)."""
+  """Raises TypeError for a non-floating leaf (integer or bool gradients),
+  or one that is not an array at all (an Equinox module's functions)."""
   for i, x in enumerate(leaves):
+    if not hasattr(x, "dtype") and not isinstance(x, (int, float, complex)):
+      raise TypeError(
+        f"{what} must be arrays of floating point; leaf {i} is a "
+        f"{type(x).__name__} ({_short(x)}), not an array. An Equinox "
+        "module's activation functions and other non-array fields are "
+        "leaves of its tree: pass eqx.filter(model, eqx.is_inexact_array) "
+        "to tx.init, and gradients of that filtered tree to tx.update (as "
+        "eqx.filter_grad makes them); elsewhere, keep only the arrays in "
+        "the params tree"
+      )
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
         f"{what} must be floating point (float16, bfloat16, float32 or "
-        f"float64); leaf {i} has dtype {dtype}"
+        f"float64); leaf {i} has dtype {dtype}. Keep integer and bool "
+        "arrays (step counters, masks) out of the tree the optimizer "
+        "sees, e.g. eqx.filter(model, eqx.is_inexact_array) or an "
+        "optax.masked optimizer"
       )
+
+
+def _short(x) -> str:
+  """``repr(x)``, cut to a line."""
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_wide(x) -> bool:

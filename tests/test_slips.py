@@ -8,6 +8,7 @@ rows for fully non-finite leaves."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -177,3 +178,75 @@ def test_the_newcomers_stale_sync_is_refused():
 
   with pytest.raises(ValueError, match="has not stepped since tx.init"):
     step(s0, s1)
+
+
+# ---------------------- 5: a cast audit of a checkpoint that holds an inf
+
+
+def test_cast_report_counts_values_already_inf_or_nan_and_lists_them_first():
+  params = {
+    "a": np.array([1.0, 7e4, 2.0], np.float32),  # one past float16's range
+    "b": np.array([np.inf, 1.0, np.nan, -np.inf], np.float32),
+    "c": np.array([3.0], np.float32),
+  }
+  report = fs.cast_report(params, "float16")
+  assert report.nonfinite == ("['b']",)
+  assert report.leaves["['b']"].nonfinite == 3  # inf, nan, -inf: by hand
+  assert report.leaves["['a']"].nonfinite == 0
+  assert list(report.leaves)[0] == "['b']"  # listed first
+  text = str(report)
+  assert text.startswith("NOT CLEAN: 3 values are already inf or NaN")
+  assert "Restore an earlier checkpoint" in text
+  # A clean checkpoint's report says none of it.
+  clean = str(fs.cast_report({"c": params["c"]}, "float16"))
+  assert "NOT CLEAN" not in clean and "already" not in clean
+
+
+def test_cast_report_inside_jit_speaks_of_a_params_tree():
+  with pytest.raises(TypeError) as e:
+    jax.jit(lambda p: fs.cast_report(p, "float16") and p)(jnp.ones(2))
+  msg = str(e.value)
+  assert "params holds tracers" in msg
+  assert "fs.cast_report(params, jnp.float16)" in msg
+  assert "scale_metrics" not in msg and "opt_state" not in msg
+
+
+# ----------------------------- 6: tx.init on an unfiltered Equinox module
+
+
+def test_init_on_an_unfiltered_equinox_module_names_eqx_filter():
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.PRNGKey(0))
+  tx = fs.chain(
+    fs.fp16_loss_scale(fs.torch_scaler()),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.adam(1e-3),
+  )
+  with pytest.raises(TypeError) as e:
+    tx.init(model)
+  msg = str(e.value)
+  assert "not an array" in msg and "custom_jvp" in msg  # eqx's relu
+  assert "eqx.filter(model, eqx.is_inexact_array)" in msg
+  tx.init(eqx.filter(model, eqx.is_inexact_array))  # the fix it names
+
+
+# ------------------ 7: the report's range rows and fully non-finite leaves
+
+
+def test_range_rows_put_non_finite_leaves_apart():
+  tx = fs.chain(
+    fs.fp16_loss_scale(fs.static_scaler(4.0), grad_range=True), optax.sgd(1)
+  )
+  p = {"a": jnp.ones(2), "b": jnp.ones(3), "z": jnp.ones(2)}
+  grads = {
+    "a": jnp.array([jnp.inf, jnp.nan]),  # no finite value at all
+    "b": jnp.array([1.0, 2.0, 3.0]),
+    "z": jnp.zeros(2),  # all zero: +inf headroom, rightly
+  }
+  _, state = tx.update(grads, tx.init(p), p)
+  text = str(fs.overflow_report(state))
+  rows = text[text.index("Gradient range") :].splitlines()[1:]
+  # b (log2(65504 / (0.75 * 4)) = 14.4 bits) before z (inf), then a apart.
+  assert rows[0].split()[-1] == "['b']" and rows[1].split()[-1] == "['z']"
+  assert rows[2].startswith("  Not ranked, held an inf or NaN")
+  assert rows[3].split() == ["none", "-", "0.0%", "['a']"]
