@@ -284,7 +284,7 @@ def stacked_under(*names: Any, axis: int = 0) -> StackedUnder:
     axis: their layer axis (MaxText stacks on axis 1).
 
   Returns:
-    A :class:`StackedUnder`: a callable mapping the params to a full
+    A frozen callable (``StackedUnder``) mapping the params to a full
     ``stacked_axes`` tree.
 
   Raises:
