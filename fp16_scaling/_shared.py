@@ -37,6 +37,10 @@ def _member(opt_state: Any, i: int) -> LossScaleState:
       "between windows its state reports the last window's overflow"
     )
   ls = _lookup.loss_scale_state(opt_state, what)
+  if _in_variables(opt_state):
+    # nnx writes its Variables in place and keeps the state's static part
+    # as tx.init built it: its mark says nothing of the steps since.
+    return ls._replace(leaf_paths=ls.leaf_paths.marked(None))
   if ls.leaf_paths.stepped is False:
     raise ValueError(
       f"sync_loss_scales: optimizer state {i} has not stepped since tx.init "
@@ -47,6 +51,16 @@ def _member(opt_state: Any, i: int) -> LossScaleState:
       "s0, s1 = fs.sync_loss_scales(s0, s1)"
     )
   return ls
+
+
+def _in_variables(opt_state: Any) -> bool:
+  """Whether ``opt_state``'s loss-scale state holds nnx Variables."""
+  variable = _nnx_variable_type()
+  if variable is None:
+    return False
+  held = _lookup.all_with_path(opt_state, LossScaleState)[0][1]
+  is_var = lambda x: isinstance(x, variable)
+  return any(map(is_var, jax.tree.leaves(held, is_leaf=is_var)))
 
 
 def _set_in_place(opt: Any, new: LossScaleState) -> None:
