@@ -164,6 +164,60 @@ def test_a_second_sync_of_states_that_did_not_step_is_refused():
   fs.sync_loss_scales(_as_after_update(s0), _as_after_update(s1))
 
 
+def _marking(monkeypatch):
+  """tx.init and tx.update marking their states as the chain's rewrite is
+  to: init not stepped, update stepped, set after ``written_over`` (whose
+  tree map keeps the old state's static part)."""
+  from fp16_scaling import _loss_scale
+
+  paths, written_over = (
+    _loss_scale._leaf_paths,
+    _loss_scale._donation.written_over,
+  )
+
+  def marked(old, new):
+    out = written_over(old, new)
+    if isinstance(out, fs.LossScaleState):
+      out = out._replace(leaf_paths=out.leaf_paths.marked(True))
+    return out
+
+  monkeypatch.setattr(
+    _loss_scale, "_leaf_paths", lambda *a: paths(*a).marked(False)
+  )
+  monkeypatch.setattr(_loss_scale._donation, "written_over", marked)
+
+
+def test_stale_sync_is_refused_once_init_and_update_mark(monkeypatch):
+  _marking(monkeypatch)
+  tx0, tx1 = chain(), chain()
+  p = jnp.ones(2)
+
+  def updated(s0, s1, bad):
+    _, n0 = tx0.update(jnp.array([1.0, jnp.where(bad, jnp.inf, 2.0)]), s0, p)
+    _, n1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
+    return n0, n1
+
+  good = jax.jit(lambda s0, s1, bad: fs.sync_loss_scales(*updated(s0, s1, bad)))
+  stale = jax.jit(
+    lambda s0, s1: (updated(s0, s1, True), fs.sync_loss_scales(s0, s1))[1]
+  )
+  s0, s1 = tx0.init(p), tx1.init(p)
+  for bad in (False, True, False):
+    s0, s1 = good(s0, s1, bad)
+  # torch's rule by hand: 2^10, one back-off on the overflow, no growth yet.
+  assert float(fs.current_scale(s0)) == float(fs.current_scale(s1)) == 512.0
+  (c0, _), _ = jax.lax.scan(
+    lambda c, bad: (good(*c, bad), None),
+    (tx0.init(p), tx1.init(p)),
+    jnp.array([False, True]),
+  )
+  assert float(fs.current_scale(c0)) == 512.0
+  with pytest.raises(ValueError, match="Sync the states tx.update returned"):
+    stale(tx0.init(p), tx1.init(p))  # the newcomer's program, at trace time
+  with pytest.raises(ValueError, match="has not stepped since"):
+    fs.sync_loss_scales(s0, s1)  # a second sync of the same states
+
+
 @pytest.mark.xfail(
   strict=True,
   reason="tx.init and tx.update do not mark their states yet (the chain's "
