@@ -287,6 +287,13 @@ def test_init_on_an_unfiltered_equinox_module_names_eqx_filter():
   assert "not an array" in msg and "custom_jvp" in msg  # eqx's relu
   assert "eqx.filter(model, eqx.is_inexact_array)" in msg
   tx.init(eqx.filter(model, eqx.is_inexact_array))  # the fix it names
+  # Given the tree (as the callers are to pass it), the path is named too.
+  from fp16_scaling import _norm
+
+  with pytest.raises(
+    TypeError, match=r"leaf 4 \(\.activation\) is a custom_jvp"
+  ):
+    _norm.check_float_leaves(jax.tree.leaves(model), "params", tree=model)
 
 
 # ------------------ 7: the report's range rows and fully non-finite leaves
