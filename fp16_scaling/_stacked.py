@@ -73,8 +73,10 @@ class Layout:
 
 
 def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
-  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim,
-  one L for all, and (under ``shard_map``) not split over a mesh axis."""
+  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim
+  and where its partition names (if any) put ``"layers"``, one L for all,
+  and (under ``shard_map``) not split over a mesh axis; a
+  :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
   key = check(stacked_axes, what)
@@ -95,7 +97,9 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   if partition_specs is not None and names:
     specs = _sharding._leaf_specs(partition_specs, tree, what)
   boxes = _partition_names(tree, len(names))
-  layer_names = {"layers"} | set(getattr(stacked_axes, "names", ()))
+  layer_names = {"layers"}
+  if isinstance(stacked_axes, StackedUnder):
+    layer_names |= set(stacked_axes.names)
   axes, found = [], {}
   for i, (name, (_, x), a, spec) in enumerate(
     zip(names, with_paths, per_leaf, specs)
