@@ -314,6 +314,8 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   specs = config.partition_specs
   _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
   paths = _leaf_paths(params, config.scaler, specs, config.layout(params))
+  # Not stepped yet: sync_loss_scales refuses it until an update marks it.
+  paths = paths.marked(False)
   return _initial_state(config.scaler.init(), paths, config.grad_range)
 
 
@@ -353,7 +355,9 @@ def step_state(
   if config.log_overflows:
     _log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
-  return _donation.written_over(state, new_state)
+  new_state = _donation.written_over(state, new_state)
+  # Marked after the tree.map, which keeps its first tree's static part.
+  return new_state._replace(leaf_paths=new_state.leaf_paths.marked(True))
 
 
 def check_state(config: ScaleConfig, state: LossScaleState) -> None:

@@ -66,8 +66,8 @@ def test_stacked_under_takes_a_list_and_equal_calls_are_one_spec():
   grads = jax.tree.map(jnp.ones_like, params)
   _, state = chain(stacked_axes=b).update(grads, state, params)
   assert len(state[0].leaf_paths.paths) == 2 * L + 1
-  # And under accumulate_gradients, as docs/rl.md words it.
-  tx = fs.accumulate_gradients(chain(stacked_axes=a), 2, stacked_axes=b)
+  # And under accumulate_gradients, which reads the chain's.
+  tx = fs.accumulate_gradients(chain(stacked_axes=a), 2)
   inner = tx.init(params).inner_state[0]
   assert inner.leaf_paths.stacked.axes == (None, 0, 0)  # head, b, w
 
@@ -218,12 +218,6 @@ def test_stale_sync_is_refused_once_init_and_update_mark(monkeypatch):
     fs.sync_loss_scales(s0, s1)  # a second sync of the same states
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="tx.init and tx.update do not mark their states yet (the chain's "
-  "rewrite will: init stepped=False, update stepped=True); until then a "
-  "stale sync cannot be told apart",
-)
 def test_the_newcomers_stale_sync_is_refused():
   tx0, tx1 = chain(), chain()
   p = jnp.ones(2)
