@@ -309,7 +309,7 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   register_with_flax()
   params = _gradient_tree(params)
   leaves = jax.tree.leaves(params)
-  _norm.check_float_leaves(leaves, "fp16_loss_scale params")
+  _norm.check_float_leaves(leaves, "fp16_loss_scale params", params)
   _warn_float16_params(leaves)
   specs = config.partition_specs
   _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
