@@ -26,6 +26,7 @@ from fp16_scaling._scaler import megatron_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
+from fp16_scaling._select import select_on_overflow
 from fp16_scaling._shared import sync_loss_scales
 from fp16_scaling._skip import chain
 from fp16_scaling._skip import skip_on_overflow
@@ -77,6 +78,7 @@ __all__ = [
   "scale_metrics",
   "scaler_from_state_dict",
   "scaler_state_dict",
+  "select_on_overflow",
   "set_loss_scale",
   "skip_on_overflow",
   "stacked_under",
