@@ -17,6 +17,8 @@ from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
 from fp16_scaling._metrics import layer_grad_norms
 from fp16_scaling._metrics import scale_metrics
+from fp16_scaling._policy import Policy
+from fp16_scaling._policy import get_policy
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
 from fp16_scaling._scaler import deepspeed_scaler
@@ -55,6 +57,7 @@ __all__ = [
   "MinLossScaleError",
   "OVERFLOW_KINDS",
   "OverflowReport",
+  "Policy",
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
@@ -69,6 +72,7 @@ __all__ = [
   "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",
+  "get_policy",
   "headroom_scaler",
   "layer_grad_norms",
   "megatron_scaler",
