@@ -11,6 +11,8 @@ from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
 from fp16_scaling._grad import value_and_grad
+from fp16_scaling._jax_presets import jmp_scaler
+from fp16_scaling._jax_presets import keras_scaler
 from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
@@ -74,6 +76,8 @@ __all__ = [
   "from_deepspeed_config",
   "get_policy",
   "headroom_scaler",
+  "jmp_scaler",
+  "keras_scaler",
   "layer_grad_norms",
   "megatron_scaler",
   "no_scaler",
