@@ -163,6 +163,11 @@ def _guarded():
   )
 
 
+def _flags(opt_state):
+  m = fs.scale_metrics(opt_state)
+  return {"overflow": m["overflow"], "overflow_kind": m["overflow_kind"]}
+
+
 def _all_finite(tree):
   return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
 
@@ -203,13 +208,13 @@ def _linen_run(digits, *, select=True, leave_out_bad=False):
     if select:
       new_stats = fs.select_on_overflow(opt_state, new_stats, stats)
       new_ema = fs.select_on_overflow(opt_state, new_ema, ema)
-    return params, new_stats, new_ema, opt_state
+    return params, new_stats, new_ema, opt_state, _flags(opt_state)
 
   history = []
   for x, y in _batches(digits, leave_out_bad=leave_out_bad):
     before = (stats, ema)
-    params, stats, ema, opt_state = step(params, stats, ema, opt_state, x, y)
-    history.append((before, (stats, ema), fs.scale_metrics(opt_state)))
+    params, stats, ema, opt_state, m = step(params, stats, ema, opt_state, x, y)
+    history.append((before, (stats, ema), m))
   logits = model.apply(
     {"params": params, "batch_stats": stats}, digits[2], train=False
   )
@@ -273,7 +278,7 @@ def _nnx_run(digits, *, select=True, leave_out_bad=False):
   def plain_step(model, opt, x, y):
     loss, grads = fs.value_and_grad(loss_fn, opt)(model, x, y)
     opt.update(model, grads, value=loss)
-    return fs.scale_metrics(opt.opt_state)
+    return _flags(opt.opt_state)
 
   history = []
   for x, y in _batches(digits, leave_out_bad=leave_out_bad):
