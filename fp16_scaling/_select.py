@@ -110,6 +110,8 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
         f"{jax.tree_util.keystr(path[0])}: {jnp.result_type(n)}"
         f"{list(jnp.shape(n))} and {jnp.result_type(o)}{list(jnp.shape(o))}"
       )
+  if not new_leaves:  # nothing to select (a model without BatchStat)
+    return new
   keep = skipped(opt_state)
 
   def select(n, o):
