@@ -117,7 +117,7 @@ def test_mismatched_trees_are_refused_by_name():
       state, {"a": jnp.zeros(2)}, {"a": jnp.zeros(2, jnp.float16)}
     )
   with pytest.raises(ValueError, match="fp16_loss_scale|LossScaleState"):
-    fs.select_on_overflow(optax.sgd(1.0).init({}), {}, {})
+    fs.select_on_overflow(optax.sgd(1.0).init({}), OLD, OLD)
 
 
 # --- BatchNorm steps on sklearn's digits, one forward overflow --------------
