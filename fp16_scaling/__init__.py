@@ -20,6 +20,8 @@ from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
 from fp16_scaling._metrics import layer_grad_norms
 from fp16_scaling._metrics import scale_metrics
+from fp16_scaling._policy import Policy
+from fp16_scaling._policy import get_policy
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
 from fp16_scaling._scaler import deepspeed_scaler
@@ -29,6 +31,7 @@ from fp16_scaling._scaler import megatron_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
+from fp16_scaling._select import select_on_overflow
 from fp16_scaling._shared import sync_loss_scales
 from fp16_scaling._stacked import stacked_under
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
@@ -55,6 +58,7 @@ __all__ = [
   "MinLossScaleError",
   "OVERFLOW_KINDS",
   "OverflowReport",
+  "Policy",
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
@@ -69,6 +73,7 @@ __all__ = [
   "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",
+  "get_policy",
   "headroom_scaler",
   "jmp_scaler",
   "keras_scaler",
@@ -80,6 +85,7 @@ __all__ = [
   "scale_metrics",
   "scaler_from_state_dict",
   "scaler_state_dict",
+  "select_on_overflow",
   "set_loss_scale",
   "stacked_under",
   "static_scaler",
