@@ -1,4 +1,4 @@
-"""docs/porting.md's ``shard_map`` DDP port against torch's
+"""docs/porting-ddp.md's ``shard_map`` DDP port against torch's
 ``DistributedDataParallel``, two ranks on CPU (gloo).
 
 DDP: each rank takes the mean loss of its own rows under float16 autocast,
@@ -67,7 +67,7 @@ def run_ours(x, y, params):
     out_specs=P(),
     check_vma=False,
   )
-  def ddp_step(params, opt_state, x, y):  # as in docs/porting.md
+  def ddp_step(params, opt_state, x, y):  # as in docs/porting-ddp.md
     loss, grads = fs.value_and_grad(mse, opt_state)(params, x, y)
     grads, loss = jax.lax.pmean((grads, loss), "data")
     updates, opt_state = tx.update(grads, opt_state, params, value=loss)
