@@ -1,5 +1,6 @@
-"""Error bounds for a torch Adam replay against optax's, derived from the
-computation, not measured (tests/peers/test_torch.py).
+"""Error bounds for a torch (or DeepSpeed) optimizer replay against optax's,
+derived from the computation, not measured (tests/peers/test_torch.py,
+tests/peers/test_deepspeed.py).
 
 Both sides are given the same scaled float32 gradients, so their parameters
 part only through float32 arithmetic done in different orders, and through
@@ -35,6 +36,16 @@ import numpy as np
 U = 2.0**-24
 
 
+def _clip(norm, max_norm, norm_rtol):
+  """The clip's multiplier (torch's and DeepSpeed's: ``max_norm / (norm +
+  1e-6)``, at most 1) and the relative bound ``r`` on the two sides' clipped
+  gradients."""
+  # Where either side's clip may bind (below, both multiply by 1).
+  if norm * (1 + norm_rtol) + 1e-6 >= max_norm:
+    return min(1.0, max_norm / (norm + 1e-6)), 8 * U + norm_rtol + 1e-6 / norm
+  return 1.0, 8 * U
+
+
 def adam_param_bounds(
   records,
   params0,
@@ -46,9 +57,12 @@ def adam_param_bounds(
   norm_rtol,
   weight_decay=0.0,
   follow_peer=False,
+  count_offset=0,
 ):
   """Per parameter, ``(steps, *shape)`` bounds on |ours - torch's| after
-  each step of ``records`` (``oracles.run_torch_amp``'s)."""
+  each step of ``records`` (``oracles.run_torch_amp``'s, or
+  ``run_ds_fp16_optimizer``'s: its Adam counts one step on zero gradients
+  before the first, ``count_offset=1``)."""
   b1, b2 = betas
   zeros = [np.zeros(np.shape(p)) for p in params0]
   m, m_abs, v, e_m, e_v, d = ([z.copy() for z in zeros] for _ in range(6))
@@ -61,13 +75,9 @@ def adam_param_bounds(
         out[i].append(zeros[i] if follow_peer else d[i].copy())
       continue
     k += 1
-    c, r = 1.0, 8 * U
-    # Where either side's clip may bind (below, both multiply by 1).
-    if rec.norm * (1 + norm_rtol) + 1e-6 >= max_norm:
-      c = min(1.0, max_norm / (rec.norm + 1e-6))
-      r += norm_rtol + 1e-6 / rec.norm
+    c, r = _clip(rec.norm, max_norm, norm_rtol)
     r_max = max(r_max, r)
-    bc1, bc2 = 1 - b1**k, 1 - b2**k
+    bc1, bc2 = 1 - b1 ** (k + count_offset), 1 - b2 ** (k + count_offset)
     for i in range(len(params0)):
       g = np.asarray(rec.grads[i], np.float64) / rec.scale_before * c
       m[i] = b1 * m[i] + (1 - b1) * g
@@ -92,4 +102,35 @@ def adam_param_bounds(
       d[i] = step if follow_peer else d[i] + step
       out[i].append(d[i].copy())
       before[i] = p
+  return [np.stack(o) for o in out]
+
+
+def sgd_momentum_param_bounds(
+  records, params0, *, lr, momentum, max_norm, norm_rtol
+):
+  """As ``adam_param_bounds``, for SGD with momentum (torch's and optax's:
+  ``b = mu b + g``, ``p -= lr b``): the buffer moves by at most ``r b_abs``
+  (``b_abs`` the same filter of ``|g|``) from the inputs, and by its own 2
+  roundings a step, carried by the filter; the step rounds ``lr b`` and the
+  sum. Free-running: the bounds add up."""
+  zeros = [np.zeros(np.shape(p)) for p in params0]
+  b_abs, b, e_b, d = ([z.copy() for z in zeros] for _ in range(4))
+  out = [[] for _ in params0]
+  r_max = 0.0
+  for rec in records:
+    if rec.skipped:
+      for i in range(len(params0)):
+        out[i].append(d[i].copy())
+      continue
+    c, r = _clip(rec.norm, max_norm, norm_rtol)
+    r_max = max(r_max, r)
+    for i in range(len(params0)):
+      g = np.asarray(rec.grads[i], np.float64) / rec.scale_before * c
+      b[i] = momentum * b[i] + g
+      b_abs[i] = momentum * b_abs[i] + np.abs(g)
+      e_b[i] = momentum * e_b[i] + 2 * U * b_abs[i]
+      p = np.abs(np.asarray(rec.params[i], np.float64))
+      d[i] = d[i] + lr * (r_max * b_abs[i] + 2 * e_b[i])
+      d[i] = d[i] + 2 * U * (p + lr * np.abs(b[i]))
+      out[i].append(d[i].copy())
   return [np.stack(o) for o in out]
