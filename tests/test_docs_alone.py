@@ -1,21 +1,19 @@
 """The docs sections a README link points a reader to run when pasted
 alone, each in a fresh namespace: their blocks bring their own imports
-and data, not those of the sections before them."""
+and data, not those of the sections before them. (Each porting page,
+linked from docs/porting.md, runs alone in tests/test_docs_porting.py.)"""
 
 import docs_snippets
 import pytest
 
 SECTIONS = [
   ("design.md", "## In place"),  # README: docs/design.md#in-place
-  ("porting.md", "## Equinox"),  # README: "Porting ... Equinox"
   ("stacked.md", "## The recipes"),  # README: "scanned layers"
 ]
 
 
 @pytest.mark.parametrize("page, heading", SECTIONS)
 def test_section_runs_pasted_alone(page, heading):
-  if heading == "## Equinox":
-    pytest.importorskip("equinox")
   if page == "stacked.md":
     pytest.importorskip("flax.nnx")
   blocks = docs_snippets.section_blocks(page, heading)
