@@ -166,7 +166,7 @@ def test_chained_norm_with_expert_groups_matches_deepspeed(structure, draw):
 
 def test_non_finite_expert_gradient():
   # DeepSpeed answers its sentinel -1.0 (and its step skips); fp16_scaling
-  # reports an overflow (and skip_on_overflow skips), 0.0 for the norms that
+  # reports an overflow (and fs.chain skips), 0.0 for the norms that
   # do not exist, and the true norm of the shared leaves, which stayed finite.
   rng = np.random.default_rng([SEED, 99])
   expert, shared = _gradient_set(0, rng)
