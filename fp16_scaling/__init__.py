@@ -10,6 +10,7 @@ from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
+from fp16_scaling._float32 import float32
 from fp16_scaling._grad import value_and_grad
 from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
@@ -68,6 +69,7 @@ __all__ = [
   "current_scale",
   "deepspeed_scaler",
   "flax_scaler",
+  "float32",
   "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",
