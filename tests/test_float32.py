@@ -313,4 +313,33 @@ def test_measured_log_softmax_errors_are_the_pages(std):
 
 
 def test_page_code_runs():
-  assert docs_snippets.run_page("float32-ops.md", {}) == 1
+  pytest.importorskip("flax.nnx")
+  ns = {}
+  assert docs_snippets.run_page("float32-ops.md", ns) == 2
+  # The page's NNX attention: projections in float16, the attention's
+  # products and softmax in float32, float16 out.
+  nnx = ns["nnx"]
+
+  def read(module):  # a new function per module: make_jaxpr caches by it
+    graphdef, state = nnx.split(module)
+    run = lambda st, x: nnx.merge(graphdef, st)(x, deterministic=False)
+    return jax.make_jaxpr(run)(state, ns["tokens"])
+
+  jaxpr = read(ns["mha"])
+  eqns = _eqns(jaxpr.jaxpr, [])
+  assert jaxpr.out_avals[0].dtype == F16
+  assert _operands_of(eqns, "exp") == [{F32}]
+  dots = _operands_of(eqns, "dot_general")
+  assert dots.count({F32}) == 2 and dots.count({F16}) == 4, dots
+  # Without the wrapper's dtype=None the softmax is float16 again.
+  plain = nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=16,
+    dtype=F16,
+    dropout_rate=0.1,
+    attention_fn=fs.float32(nnx.dot_product_attention, keep_dtype=True),
+    decode=False,
+    rngs=nnx.Rngs(0),
+  )
+  eqns = _eqns(read(plain).jaxpr, [])
+  assert _operands_of(eqns, "exp") == [{F16}]

@@ -111,6 +111,36 @@ def test_a_jmp_policy_is_read_as_an_fs_policy():
   assert str(ours) == str(theirs) == "p=full,c=bf16,o=f16"
 
 
+def test_value_and_grad_takes_a_jmp_policy_as_an_fs_policy():
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}
+  x = jnp.linspace(0.0, 2.0, 6).reshape(2, 3)
+  tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(2.0**8)), optax.sgd(0.1))
+  state = tx.init(params)
+
+  def loss(p, x):
+    return jnp.mean(jnp.tanh(x.astype(p["w"].dtype) @ p["w"] + p["b"]) ** 2)
+
+  spec = "p=f32,c=f16,o=f32"
+  results = [
+    jax.jit(
+      lambda p, s, x, policy=policy: fs.value_and_grad(loss, s, policy=policy)(
+        p, x
+      )
+    )(params, state, x)
+    for policy in (jmp.get_policy(spec), fs.get_policy(spec), spec)
+  ]
+  for value, grads in results[1:]:
+    assert _bits(value) == _bits(results[0][0])
+    assert _bits(grads) == _bits(results[0][1])
+  assert {g.dtype for g in jax.tree.leaves(results[0][1])} == {
+    jnp.dtype(jnp.float32)
+  }
+
+
+def _bits(tree):
+  return [(x.dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
+
+
 # ---------------------------------------------------------------------------
 # Haiku: hk.mixed_precision.set_policy takes an fs.Policy.
 
