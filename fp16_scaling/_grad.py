@@ -98,7 +98,9 @@ def value_and_grad(
   its output dtype. The other arguments (an RL loss's advantages, old
   log-probabilities, labels) reach ``fun`` as they are, and ``aux`` is
   returned as ``fun`` gave it. A cast touches floating arrays only (see
-  :class:`Policy`).
+  :class:`Policy`). An NNX module's ``nnx.Param``s are cast in a copy that
+  ``fun`` sees; its other state (batch statistics, RNG counts) keeps its
+  dtype, and what ``fun`` writes there reaches the module.
 
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
@@ -109,7 +111,7 @@ def value_and_grad(
       takes nnx Modules).
     argnums: as for ``jax.value_and_grad``.
     has_aux: as for ``jax.value_and_grad``.
-    policy: an :class:`Policy`, a ``jmp.Policy`` (any object with
+    policy: a :class:`Policy`, a ``jmp.Policy`` (any object with
       ``param_dtype``, ``compute_dtype`` and ``output_dtype``) or a policy
       string (``"p=f32,c=f16,o=f32"``); None casts nothing.
     cast_args: more argument positions (ints) or keyword names (strings)
@@ -129,7 +131,8 @@ def value_and_grad(
       the state, from the carried state (one built outside the body is not
       caught). Also for a state that holds no scale (params, ``tx``, a
       ``jax.eval_shape`` state); ``cast_args`` without a ``policy`` or not
-      ints and strings; and, at the call, a differentiated argument
+      ints and strings, or naming an argument the call does not give;
+      and, at the call, a differentiated argument
       holding a floating leaf of another dtype than the policy's
       ``param_dtype`` (parameters cast already: a double cast), named by
       its path, or an NNX module that casts itself (``dtype=`` set).
@@ -226,6 +229,12 @@ def _cast_inputs(policy, nums, cast_args, args, kw):
         f"fs.value_and_grad: cast_args names argument {c}, but fun was "
         f"called with {n} positional arguments"
       )
+  missing = [c for c in cast_args if isinstance(c, str) and c not in kw]
+  if missing:
+    raise ValueError(
+      f"fs.value_and_grad: cast_args names the keyword {missing[0]!r}, but "
+      f"fun was called without it (keywords given: {sorted(kw)})"
+    )
   where = {c % n for c in (*nums, *cast_args) if isinstance(c, int)}
   args, after = list(args), []
   for i in sorted(where):

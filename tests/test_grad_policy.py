@@ -149,6 +149,9 @@ def test_bad_cast_args_are_refused():
   grad = fs.value_and_grad(mlp_loss, state, policy=POLICY, cast_args=(5,))
   with pytest.raises(ValueError, match="argument 5, but fun was called with 3"):
     grad(_mlp_params(), *_batch())
+  grad = fs.value_and_grad(mlp_loss, state, policy=POLICY, cast_args="obs")
+  with pytest.raises(ValueError, match="keyword 'obs', but fun was called"):
+    grad(_mlp_params(), *_batch())
   with pytest.raises(TypeError, match="policy must be an fs.Policy"):
     fs.value_and_grad(mlp_loss, state, policy=jnp.float16)
 
