@@ -218,6 +218,14 @@ def test_linen_gradients_are_the_hand_written_forms():
   )(params)
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+  # The policy's form runs the layers' products in float16.
+  jaxpr = jax.make_jaxpr(
+    lambda p, s: fs.value_and_grad(loss, s, policy=POLICY, cast_args=(1,))(
+      p, x, y
+    )
+  )(params, state)
+  dots = _dot_dtypes(jaxpr.jaxpr)  # forward and backward products
+  assert dots and dots <= {F16}, dots
   # A Linen module built with dtype=float16 casts its parameters and inputs
   # itself (Flax's promote_dtype): its products are float16 without a
   # policy, which cannot see it. Use one or the other.
@@ -225,6 +233,21 @@ def test_linen_gradients_are_the_hand_written_forms():
   dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
   assert len(dots) == 2
   assert all(v.aval.dtype == F16 for e in dots for v in e.invars)
+
+
+def _dot_dtypes(jaxpr):
+  """The operand dtypes of every dot_general in ``jaxpr`` and the jaxprs
+  inside its equations."""
+  found = set()
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      found |= {v.aval.dtype for v in e.invars}
+    for v in e.params.values():
+      for w in v if isinstance(v, (list, tuple)) else [v]:
+        inner = w if hasattr(w, "eqns") else getattr(w, "jaxpr", None)
+        if hasattr(inner, "eqns"):
+          found |= _dot_dtypes(inner)
+  return found
 
 
 def _nnx_model(nnx, dtype=None):
