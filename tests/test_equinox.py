@@ -98,3 +98,20 @@ def test_non_array_leaves_pass_through_as_in_filter_value_and_grad():
   assert (grads["act"], grads["n"], grads["idx"]) == (None, None, None)
   np.testing.assert_array_equal(grads["w"], ref_grads["w"])
   np.testing.assert_array_equal(grads["w"], [3.0 * 2.0**12, 0.0])
+
+
+def test_a_modules_float_field_is_left_as_equinox_leaves_it():
+  class Scaled(eqx.Module):
+    weight: jax.Array
+    alpha: float  # a Python float field: not an inexact array
+
+    def __call__(self, x):
+      return self.alpha * x @ self.weight
+
+  model = Scaled(jnp.ones((2, 2)), 0.5)
+  state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+  loss = lambda m: jnp.sum(m(jnp.array([1.0, 2.0])))
+  _, grads = fs.value_and_grad(loss, state)(model)
+  ref = eqx.filter_grad(lambda m: loss(m) * fs.current_scale(state))(model)
+  assert grads.alpha is None and ref.alpha is None
+  np.testing.assert_array_equal(grads.weight, ref.weight)

@@ -339,3 +339,36 @@ def test_an_nnx_module_that_casts_itself_is_refused_by_name():
     warnings.simplefilter("error")
     _, grads = fs.value_and_grad(_nnx_loss, optimizer)(model, x, y)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+
+
+# ---------------------------------------------------------------------------
+# Any pytree: what is not an inexact array passes through (issue 37).
+
+
+def test_a_plain_dicts_non_array_leaves_pass_through():
+  state = TX.init({"w": jnp.ones(2)})
+  seen = {}
+
+  def f(t):
+    seen.update(n=t["n"], act=t["act"], idx=t["idx"].dtype, none=t["none"])
+    return jnp.sum(t["act"](t["w"]) * t["n"]) + t["c"] * jnp.sum(t["idx"])
+
+  tree = {
+    "w": jnp.array([0.5, -1.0]),
+    "c": 0.25,  # a Python float: differentiated, as jax.grad does
+    "n": 3,
+    "act": jax.nn.relu,
+    "idx": jnp.arange(3),
+    "none": None,
+  }
+  value, grads = fs.value_and_grad(f, state)(tree)
+  assert seen == dict(n=3, act=jax.nn.relu, idx=jnp.int32, none=None)
+  # d/dw = n * relu'(w) = [3, 0]; d/dc = sum(idx) = 3: times the scale S.
+  np.testing.assert_array_equal(grads["w"], [3.0 * S, 0.0])
+  assert float(grads["c"]) == 3.0 * S
+  assert (grads["n"], grads["act"], grads["idx"], grads["none"]) == (None,) * 4
+  assert float(value) == 1.5 + 0.75
+  # With a policy too: the arrays cast, the rest untouched.
+  _, grads = fs.value_and_grad(f, state, policy=POLICY)(tree)
+  assert grads["w"].dtype == F32 and grads["n"] is None
+  assert seen["n"] == 3 and seen["idx"] == jnp.int32
