@@ -25,6 +25,12 @@ def _jmp_half_is_float16() -> bool:
   return jax.local_devices()[0].platform != "tpu"
 
 
+def _comparable(specs):
+  """``specs``, less those naming ``half`` where jmp's half is bfloat16 (a
+  TPU): there the one designed difference parts the two."""
+  return [s for s in specs if _jmp_half_is_float16() or "half" not in s]
+
+
 def _every_spec():
   """Every spec of jmp's grammar: one dtype name alone, and every non-empty
   set of keys (each under each of its aliases, in every order) with every
@@ -51,15 +57,14 @@ def _dtypes(policy):
 
 
 def test_every_spec_gives_jmps_three_dtypes():
-  assert _jmp_half_is_float16(), "the comparison below assumes jmp's f16 half"
   specs = list(_every_spec())
   assert len(specs) > 9000  # 10 + 3*2*10 + 3*4*2*100 + 8*1000 + 6*27
-  for spec in specs:
+  for spec in _comparable(specs):
     assert _dtypes(fs.get_policy(spec)) == _dtypes(jmp.get_policy(spec)), spec
 
 
 def test_the_string_form_is_jmps():
-  for spec in _every_spec():
+  for spec in _comparable(_every_spec()):
     assert str(fs.get_policy(spec)) == str(jmp.get_policy(spec)), spec
 
 
@@ -90,7 +95,7 @@ def test_casts_match_jmps_on_a_mixed_tree():
     "key": jax.random.PRNGKey(0),
     "none": None,
   }
-  for spec in ("p=f32,c=f16,o=f32", "p=bf16,c=f32,o=f16", "half"):
+  for spec in ("p=f32,c=f16,o=f32", "p=bf16,c=f32,o=f16", "f16"):
     ours, theirs = fs.get_policy(spec), jmp.get_policy(spec)
     for method in ("cast_to_param", "cast_to_compute", "cast_to_output"):
       a = getattr(ours, method)(tree)
