@@ -11,6 +11,7 @@ from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
+from fp16_scaling._float32 import float32
 from fp16_scaling._grad import value_and_grad
 from fp16_scaling._jax_presets import jmp_scaler
 from fp16_scaling._jax_presets import keras_scaler
@@ -70,6 +71,7 @@ __all__ = [
   "current_scale",
   "deepspeed_scaler",
   "flax_scaler",
+  "float32",
   "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",

@@ -2,6 +2,7 @@
 state inside the trace, and the unscaled loss.
 """
 
+import functools
 import sys
 from typing import Any, Callable, Sequence, Union
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from fp16_scaling import _validate
 from fp16_scaling._metrics import current_scale
+from fp16_scaling._policy import as_policy
 
 _STALE = (
   "fs.value_and_grad: the loss scale was read from a state that is not "
@@ -76,9 +78,29 @@ def value_and_grad(
   *,
   argnums: Union[int, Sequence[int]] = 0,
   has_aux: bool = False,
+  policy: Any = None,
+  cast_args: Sequence[Union[int, str]] = (),
   **kwargs: Any,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` of ``fun`` at the loss scale of ``state``.
+
+  Each differentiated argument may be any pytree: its inexact arrays (and
+  Python floats, as ``jax.grad`` takes them) are differentiated, and every
+  other leaf (integers, integer arrays, PRNG keys, functions, strings,
+  ``None``) is passed to ``fun`` as it is and gets ``None`` for a gradient,
+  as ``eqx.filter_value_and_grad`` does. An argument that holds an Equinox
+  module is split as Equinox splits it: its inexact arrays only.
+
+  With ``policy``, the casts happen inside the differentiated function, so
+  the gradients come back in the parameters' dtype: the differentiated
+  arguments (and the arguments ``cast_args`` names) are cast to the
+  policy's compute dtype before ``fun`` sees them, and ``fun``'s loss to
+  its output dtype. The other arguments (an RL loss's advantages, old
+  log-probabilities, labels) reach ``fun`` as they are, and ``aux`` is
+  returned as ``fun`` gave it. A cast touches floating arrays only (see
+  :class:`Policy`). An NNX module's ``nnx.Param``s are cast in a copy that
+  ``fun`` sees; its other state (batch statistics, RNG counts) keeps its
+  dtype, and what ``fun`` writes there reaches the module.
 
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
@@ -89,21 +111,33 @@ def value_and_grad(
       takes nnx Modules).
     argnums: as for ``jax.value_and_grad``.
     has_aux: as for ``jax.value_and_grad``.
+    policy: a :class:`Policy`, a ``jmp.Policy`` (any object with
+      ``param_dtype``, ``compute_dtype`` and ``output_dtype``) or a policy
+      string (``"p=f32,c=f16,o=f32"``); None casts nothing.
+    cast_args: more argument positions (ints) or keyword names (strings)
+      to cast to the compute dtype, e.g. the images of a batch; only with
+      ``policy``.
     **kwargs: passed to ``jax.value_and_grad``.
 
   Returns:
     A function with ``fun``'s arguments returning ``(value, grads)`` or
-    ``((value, aux), grads)``: ``value`` is ``fun``'s, unscaled; ``grads``
-    are those of ``fun * S``, to pass to ``tx.update`` as they are.
+    ``((value, aux), grads)``: ``value`` is ``fun``'s, unscaled (in the
+    policy's output dtype); ``grads`` are those of ``fun * S``, to pass to
+    ``tx.update`` as they are.
 
   Raises:
     ValueError: called inside ``jit`` with a state from outside any trace.
       Build it where the state is: inside a ``lax.scan`` body that carries
       the state, from the carried state (one built outside the body is not
       caught). Also for a state that holds no scale (params, ``tx``, a
-      ``jax.eval_shape`` state).
+      ``jax.eval_shape`` state); ``cast_args`` without a ``policy`` or not
+      ints and strings, or naming an argument the call does not give;
+      and, at the call, a differentiated argument
+      holding a floating leaf of another dtype than the policy's
+      ``param_dtype`` (parameters cast already: a double cast), named by
+      its path, or an NNX module that casts itself (``dtype=`` set).
     TypeError: ``fun``'s output does not fit ``has_aux``, or its loss is not
-      a floating scalar.
+      a floating scalar; a ``policy`` of another type.
 
   Warns:
     UserWarning: ``fun``'s loss is float16 (its cotangent, the scale,
@@ -119,12 +153,23 @@ def value_and_grad(
     >>> value, grads = fs.value_and_grad(loss, state)(params)
     >>> print(value, grads)  # the loss, and the gradients at scale 8
     5.0 [16. 32.]
+    >>> half = fs.value_and_grad(loss, state, policy="p=f32,c=f16,o=f32")
+    >>> value, grads = half(params)  # computed in float16
+    >>> print(value.dtype, grads.dtype)
+    float32 float32
   """
   nnx_optimizer = _is_nnx_optimizer(state)
   scale = _scale_of(state)
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  policy, cast = _cast_plan(policy, cast_args, nums)
 
   def scaled(*args, **kw):
+    if policy is not None:
+      args, kw, done = cast(args, kw)
     value, aux = _split_output(fun(*args, **kw), has_aux)
+    if policy is not None:
+      done()
+      value = policy.cast_to_output(value)
     return value.astype(jnp.float32) * scale, (value, aux)
 
   if nnx_optimizer:
@@ -139,6 +184,8 @@ def value_and_grad(
     traced = any(_is_traced(x) for x in jax.tree.leaves((args, kw)))
     if traced and not _is_traced(scale):
       raise ValueError(_STALE)
+    if policy is not None:
+      _refuse_double_cast(policy, args, nums)
     grads, (value, aux) = grad(*args, **kw)
     if value.dtype == jnp.float16:
       _validate.warn(_FLOAT16_LOSS)
@@ -147,34 +194,154 @@ def value_and_grad(
   return value_and_scaled_grad
 
 
+def _cast_plan(policy, cast_args, nums):
+  """``(policy, cast)``: the policy as a :class:`Policy` (or None), and
+  ``cast(args, kw) -> (args, kw, done)``, the casts inside the
+  differentiated function (``done()`` after ``fun``)."""
+  if policy is None:
+    if tuple(cast_args):
+      raise ValueError(
+        "fs.value_and_grad: cast_args names arguments to cast to the "
+        "compute dtype, but no policy= says which: pass policy= (e.g. "
+        "'p=f32,c=f16,o=f32') or drop cast_args"
+      )
+    return None, None
+  policy = as_policy(policy, "fs.value_and_grad: policy")
+  cast_args = (cast_args,) if isinstance(cast_args, (int, str)) else cast_args
+  cast_args = tuple(cast_args)
+  for c in cast_args:
+    if isinstance(c, bool) or not isinstance(c, (int, str)):
+      raise ValueError(
+        "fs.value_and_grad: cast_args must hold argument positions (ints) "
+        f"and keyword names (strings), got {c!r}"
+      )
+  return policy, functools.partial(_cast_inputs, policy, nums, cast_args)
+
+
+def _cast_inputs(policy, nums, cast_args, args, kw):
+  """``(args, kw, done)``: the differentiated arguments and those
+  ``cast_args`` names cast to the compute dtype; an NNX module's
+  ``nnx.Param``s only, in a copy whose other state (batch statistics, RNG
+  counts) ``done()`` writes back to the module ``fun`` was given."""
+  n = len(args)
+  for c in cast_args:
+    if isinstance(c, int) and not -n <= c < n:
+      raise ValueError(
+        f"fs.value_and_grad: cast_args names argument {c}, but fun was "
+        f"called with {n} positional arguments"
+      )
+  missing = [c for c in cast_args if isinstance(c, str) and c not in kw]
+  if missing:
+    raise ValueError(
+      f"fs.value_and_grad: cast_args names the keyword {missing[0]!r}, but "
+      f"fun was called without it (keywords given: {sorted(kw)})"
+    )
+  where = {c % n for c in (*nums, *cast_args) if isinstance(c, int)}
+  args, after = list(args), []
+  for i in sorted(where):
+    args[i] = _cast_one(policy, args[i], after)
+  kw = {
+    k: _cast_one(policy, v, after) if k in cast_args else v
+    for k, v in kw.items()
+  }
+  return tuple(args), kw, lambda: [f() for f in after]
+
+
+def _cast_one(policy, x, after):
+  """``x`` cast to the compute dtype (see :func:`_cast_inputs`)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None or not isinstance(x, nnx.Module):
+    return policy.cast_to_compute(x)
+  graphdef, params, rest = nnx.split(x, nnx.Param, ...)
+  copy = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
+  after.append(lambda: nnx.update(x, nnx.state(copy, nnx.Not(nnx.Param))))
+  return copy
+
+
+def _refuse_double_cast(policy, args, nums) -> None:
+  """A ValueError, naming the leaf, for a differentiated argument that
+  holds a floating array of another dtype than ``policy.param_dtype``
+  (cast already), or an NNX module that casts itself (``dtype=`` set)."""
+  nnx = sys.modules.get("flax.nnx")
+  for i in nums:
+    for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
+      dtype = getattr(x, "dtype", None)
+      if isinstance(x, (jax.Array, np.ndarray)) and dtype != policy.param_dtype:
+        if jnp.issubdtype(dtype, jnp.floating):
+          raise ValueError(
+            f"fs.value_and_grad(policy={policy}): argument {i} holds a "
+            f"{dtype.name} array at {jax.tree_util.keystr(path)}, not the "
+            f"policy's param_dtype {policy.param_dtype.name}: the "
+            "parameters look cast already, and the policy would cast them "
+            "again. Pass the parameters in their own dtype (the policy "
+            "casts them inside), or drop policy="
+          )
+    if nnx is not None and isinstance(args[i], nnx.Module):
+      for path, sub in nnx.iter_modules(args[i]):
+        if getattr(sub, "dtype", None) is not None:
+          raise ValueError(
+            f"fs.value_and_grad(policy={policy}): argument {i} holds an "
+            f"nnx.{type(sub).__name__} at {'/'.join(map(str, path))} with "
+            f"dtype={jnp.dtype(sub.dtype).name}, which casts its own "
+            "computation: with a policy too it is cast twice. Build the "
+            "model with dtype=None and keep policy=, or drop policy="
+          )
+
+
+def _differentiable(x) -> bool:
+  """An inexact array, or a Python float (not a bool): what ``jax.grad``
+  differentiates."""
+  inexact = isinstance(x, (jax.Array, np.ndarray, np.generic)) and (
+    jnp.issubdtype(x.dtype, jnp.inexact)
+  )
+  return inexact or (isinstance(x, float) and not isinstance(x, bool))
+
+
 def _arrays_only(grad, fun, argnums, kwargs) -> Callable[..., Any]:
-  """``grad``, with each Equinox module among the differentiated arguments
-  reduced to its inexact arrays (as ``eqx.filter_value_and_grad`` does: the
-  gradient holds None elsewhere), and any other leaf that is not an array
-  refused by name."""
+  """``grad``, with each differentiated argument reduced to what can be
+  differentiated (see :func:`_differentiable`; in an argument holding an
+  Equinox module, its inexact arrays only, as ``eqx.filter_value_and_grad``
+  takes them); the rest goes to ``fun`` as it is and its gradient is
+  None."""
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
   def call(*args, **kw):
-    eqx = sys.modules.get("equinox")  # the caller's, if it passed a module
     args, rest = list(args), {}
     for i in nums:
-      if eqx is not None and isinstance(args[i], eqx.Module):
-        args[i], rest[i] = eqx.partition(args[i], eqx.is_inexact_array)
-      for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic, float, int)):
-          raise TypeError(
-            f"fs.value_and_grad: argument {i} holds a {type(x).__name__} at "
-            f"{jax.tree_util.keystr(path)}, which is not an array and cannot "
-            "be differentiated. Pass an Equinox module as it is (its inexact "
-            "arrays are differentiated), or split the tree and pass its "
-            "arrays: eqx.partition(model, eqx.is_inexact_array)."
-          )
+      keep = _differentiable
+      if _holds_module(args[i]):
+        keep = lambda x: _differentiable(x) and not isinstance(x, float)
+      if not all(keep(x) for x in jax.tree.leaves(args[i])):
+        args[i], rest[i] = _partition(args[i], keep)
     if not rest:
       return grad(*args, **kw)
     whole = lambda a: [
-      eqx.combine(x, rest[i]) if i in rest else x for i, x in enumerate(a)
+      _combine(x, rest[i]) if i in rest else x for i, x in enumerate(a)
     ]
     split = lambda *a, **k: fun(*whole(a), **k)
     return jax.grad(split, argnums=argnums, has_aux=True, **kwargs)(*args, **kw)
 
   return call
+
+
+def _holds_module(tree) -> bool:
+  """Whether ``tree`` is or holds an Equinox module (of a loaded equinox)."""
+  eqx = sys.modules.get("equinox")
+  if eqx is None:
+    return False
+  is_module = lambda x: isinstance(x, eqx.Module)
+  return any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module)))
+
+
+def _partition(tree, keep):
+  """``(kept, rest)``: ``tree`` with None where ``keep`` is false, and its
+  complement (``eqx.partition``)."""
+  kept = jax.tree.map(lambda x: x if keep(x) else None, tree)
+  return kept, jax.tree.map(lambda x: None if keep(x) else x, tree)
+
+
+def _combine(kept, rest):
+  """The tree :func:`_partition` split (``eqx.combine``)."""
+  return jax.tree.map(
+    lambda a, b: b if a is None else a, kept, rest, is_leaf=lambda x: x is None
+  )

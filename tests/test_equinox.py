@@ -1,6 +1,6 @@
 """fs.value_and_grad on Equinox modules: training through it is bit for bit
 the by-hand eqx.filter_value_and_grad of loss * current_scale, overflow
-steps included; a non-array leaf elsewhere is refused by name."""
+steps included; non-array leaves pass through as Equinox passes them."""
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +70,46 @@ def test_equinox_training_is_bit_identical_to_filter_value_and_grad():
       assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
 
 
-def test_a_non_array_leaf_is_refused_with_the_fix():
+def test_non_array_leaves_pass_through_as_in_filter_value_and_grad():
+  # A plain dict (no Module) holding an int, a function and an integer
+  # array beside its float arrays: the float arrays are differentiated, the
+  # rest reach fun as they are and get None, as eqx.filter_value_and_grad
+  # gives them.
   state = TX.init({"w": jnp.ones(2)})
-  tree = {"w": jnp.ones(2), "act": jax.nn.relu}
-  f = lambda t: jnp.sum(t["act"](t["w"]))
-  with pytest.raises(
-    TypeError, match=r"custom_jvp at \['act'\].*eqx.partition"
-  ):
-    fs.value_and_grad(f, state)(tree)
+  tree = {
+    "w": jnp.array([0.5, -1.0]),
+    "act": jax.nn.relu,
+    "n": 3,
+    "idx": jnp.arange(2),
+    "none": None,
+  }
+
+  def f(t):
+    return jnp.sum(t["act"](t["w"]) * t["n"]) + jnp.sum(t["idx"])
+
+  value, grads = fs.value_and_grad(f, state)(tree)
+  ref_value, ref_grads = eqx.filter_value_and_grad(
+    lambda t: f(t) * fs.current_scale(state)
+  )(tree)
+  assert float(value) * 2.0**12 == float(ref_value)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  assert (grads["act"], grads["n"], grads["idx"]) == (None, None, None)
+  np.testing.assert_array_equal(grads["w"], ref_grads["w"])
+  np.testing.assert_array_equal(grads["w"], [3.0 * 2.0**12, 0.0])
+
+
+def test_a_modules_float_field_is_left_as_equinox_leaves_it():
+  class Scaled(eqx.Module):
+    weight: jax.Array
+    alpha: float  # a Python float field: not an inexact array
+
+    def __call__(self, x):
+      return self.alpha * x @ self.weight
+
+  model = Scaled(jnp.ones((2, 2)), 0.5)
+  state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+  loss = lambda m: jnp.sum(m(jnp.array([1.0, 2.0])))
+  _, grads = fs.value_and_grad(loss, state)(model)
+  ref = eqx.filter_grad(lambda m: loss(m) * fs.current_scale(state))(model)
+  assert grads.alpha is None and ref.alpha is None
+  np.testing.assert_array_equal(grads.weight, ref.weight)

@@ -1,0 +1,23 @@
+"""docs/precision-policy.md's blocks, run as written (the Haiku one in
+tests/peers/test_peer_docs_policy.py)."""
+
+import docs_snippets
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("flax.nnx")
+
+
+def test_policy_page_runs():
+  ns = {}
+  ran = docs_snippets.run_page("precision-policy.md", ns)
+  blocks = docs_snippets.blocks("precision-policy.md")
+  needs = [b for b in blocks if docs_snippets.NEEDS.match(b)]
+  assert len(needs) == 1 and ran == len(blocks) - 1 == 3
+  # What the page's RL step saw inside the loss: params and obs in float16,
+  # the advantages float32.
+  assert ns["seen"] == {
+    "params": jnp.float16,
+    "obs": jnp.float16,
+    "adv": jnp.float32,
+  }
