@@ -176,12 +176,12 @@ def main(argv=None):
   for shape in shapes:
     shape_keys = keys
     if lm_size(shape):
-      shape_keys = tuple(k for k in keys if k in PAIR)
-      left_out = [k for k in keys if k not in PAIR]
+      shape_keys = tuple(k for k in keys if k in lm_steps())
+      left_out = [k for k in keys if k not in lm_steps()]
       if left_out:
         notes.append(
-          f"{shape}: only floor (plain optax) and fp16 (fp16_scaling) have a "
-          f"train step; {', '.join(left_out)} not compiled"
+          f"{shape}: only {', '.join(lm_steps())} have a train step; "
+          f"{', '.join(left_out)} not compiled"
         )
     times = measure(shape, args.rounds, args.budget, shape_keys, print, options)
     lines, per_round, _ = summary(shape, times)
