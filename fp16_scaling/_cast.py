@@ -68,8 +68,9 @@ class CastReport(NamedTuple):
   nonfinite: Tuple[str, ...] = ()
 
   def __str__(self) -> str:
-    inf, sub, zero = (  # to_inf, to_subnormal, to_zero
-      sum(c[i] for c in self.leaves.values()) for i in (1, 2, 3)
+    inf, sub, zero = (
+      sum(getattr(c, field) for c in self.leaves.values())
+      for field in ("to_inf", "to_subnormal", "to_zero")
     )
     lines = []
     if self.nonfinite:
@@ -87,7 +88,8 @@ class CastReport(NamedTuple):
     ]
     for p, c in list(self.leaves.items())[: self.top]:
       extra = f" {c.nonfinite:>7}" if self.nonfinite else ""
-      lines.append(f"  {c[1]:>7} {c[2]:>7} {c[3]:>7} {c[4]:>10.3g}{extra}  {p}")
+      counts = f"{c.to_inf:>7} {c.to_subnormal:>7} {c.to_zero:>7}"
+      lines.append(f"  {counts} {c.max_abs:>10.3g}{extra}  {p}")
     if len(self.leaves) > self.top:
       lines.append(f"  ... and {len(self.leaves) - self.top} more leaves")
     if self.nonfinite:
@@ -163,7 +165,10 @@ def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
   }
   # Already non-finite first, then the most past the range, then max_abs.
   leaves = dict(
-    sorted(leaves.items(), key=lambda kv: (-kv[1][5], -kv[1][1], -kv[1][4]))
+    sorted(
+      leaves.items(),
+      key=lambda kv: (-kv[1].nonfinite, -kv[1].to_inf, -kv[1].max_abs),
+    )
   )
   overflowing = tuple(p for p, c in leaves.items() if c.to_inf)
   nonfinite = tuple(p for p, c in leaves.items() if c.nonfinite)

@@ -248,7 +248,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     (("['a']['w']",), {"['a']['w']": 1})
   """
   top = _validate.count("top", top)
-  _lookup.require_host(opt_state, "overflow_report")
+  _validate.require_host(opt_state, "overflow_report")
   ls = _lookup.loss_scale_state(opt_state)
   host = jax.device_get(ls._replace(leaf_paths=None))
   if np.ndim(host.overflow):
@@ -337,7 +337,7 @@ def raise_if_min_scale_reached(
   limits = {
     k: _validate.count(k, v) for k, v in limits.items() if v is not None
   }
-  _lookup.require_host(opt_state, "raise_if_min_scale_reached")
+  _validate.require_host(opt_state, "raise_if_min_scale_reached")
   ls = _lookup.loss_scale_state(opt_state)
   ls = jax.device_get(ls._replace(leaf_paths=None))
   # Summed, so that a batched (vmapped) state raises if any member would.

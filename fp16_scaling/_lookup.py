@@ -120,20 +120,6 @@ def scaler_state(state: Any, what: str = "opt_state") -> ScalerState:
   return loss_scale_state(state, what).scaler
 
 
-def require_host(opt_state: Any, helper: str) -> None:
-  """Raises TypeError when ``opt_state`` holds tracers: ``helper`` reads
-  concrete values on the host."""
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
-    raise TypeError(
-      f"{helper} runs on the host, outside jit: it reads concrete values, "
-      "and here opt_state holds tracers (it was called inside a jitted, "
-      "vmapped or scanned function). Call it on the state the step "
-      f"returned, e.g. params, opt_state = train_step(...); then "
-      f"{helper}(opt_state). Inside the step use fs.scale_metrics("
-      "opt_state), which is traceable, and return its values."
-    )
-
-
 def clip_state(opt_state: Any) -> Optional[ClipState]:
   """The first :class:`ClipState` in ``opt_state``, or None."""
   found = all_with_path(opt_state, ClipState)

@@ -7,8 +7,10 @@ import math
 import numbers
 import os
 import sys
+from typing import Any
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -240,3 +242,17 @@ def from_data(check, name: str, value, **kwargs):
 def boolean(name: str, value) -> bool:
   """A bool read from data: :func:`flag`, raising ValueError."""
   return from_data(flag, name, value)
+
+
+def require_host(opt_state: Any, helper: str) -> None:
+  """Raises TypeError when ``opt_state`` holds tracers: ``helper`` reads
+  concrete values on the host."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
+    raise TypeError(
+      f"{helper} runs on the host, outside jit: it reads concrete values, "
+      "and here opt_state holds tracers (it was called inside a jitted, "
+      "vmapped or scanned function). Call it on the state the step "
+      f"returned, e.g. params, opt_state = train_step(...); then "
+      f"{helper}(opt_state). Inside the step use fs.scale_metrics("
+      "opt_state), which is traceable, and return its values."
+    )

@@ -14,6 +14,8 @@ import math
 
 from helpers import F32_MAX
 from helpers import TINY
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -285,3 +287,45 @@ def test_data_checks_accept_their_edges_as_python_values():
     got = _validate.one_element("e", value)
     assert got == 4.0 and type(got) is float
   assert type(_validate.one_element("e", np.array([7]))) is int
+
+
+def _host_state():
+  tx = fs.chain(fs.fp16_loss_scale(fs.torch_scaler()))
+  return tx.init({"w": jnp.ones(2)})
+
+
+def test_require_host_names_the_helper_and_the_way_out():
+  state = _host_state()
+  _validate.require_host(state, "some_helper")  # concrete arrays: fine
+
+  def inside(s):
+    _validate.require_host(s, "some_helper")
+    return s
+
+  with pytest.raises(TypeError) as err:
+    jax.jit(inside)(state)
+  text = str(err.value)
+  assert text.startswith("some_helper runs on the host, outside jit")
+  assert "then some_helper(opt_state)" in text
+  assert "fs.scale_metrics(opt_state), which is traceable" in text
+  # vmap and scan trace too.
+  with pytest.raises(TypeError, match="^some_helper runs on the host"):
+    jax.vmap(inside)(jax.tree.map(lambda x: jnp.stack([x, x]), state))
+
+
+@pytest.mark.parametrize(
+  "helper",
+  [
+    lambda s: fs.overflow_report(s),
+    lambda s: fs.raise_if_min_scale_reached(s, max_floor_overflows=1),
+    lambda s: fs.scaler_state_dict(s),
+    lambda s: fs.to_peer_state_dict(s, "torch", fs.torch_scaler()),
+  ],
+  ids=["overflow_report", "raise_if_min", "state_dict", "to_peer"],
+)
+def test_host_helpers_under_jit_say_they_run_on_the_host(helper):
+  state = _host_state()
+  helper(state)  # on the host: fine
+  with pytest.raises(TypeError, match="runs on the host, outside jit") as e:
+    jax.jit(lambda s: helper(s) and None)(state)
+  assert "the state the step returned" in str(e.value)

@@ -157,7 +157,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
     >>> d["loss_scale"], d["growth_tracker"], d["config"]["growth_interval"]
     (1024.0, 0, 2000)
   """
-  _lookup.require_host(opt_state, "scaler_state_dict")
+  _validate.require_host(opt_state, "scaler_state_dict")
   ls = _lookup.loss_scale_state(opt_state)
   out = {"format": FORMAT, **_own_dict(ls)}
   if scaler is not None:
@@ -299,7 +299,7 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   scaler = check_scaler(scaler)
   if peer not in _EXPORTS:
     raise ValueError(f"peer must be one of {tuple(_EXPORTS)}, got {peer!r}")
-  _lookup.require_host(opt_state, "to_peer_state_dict")
+  _validate.require_host(opt_state, "to_peer_state_dict")
   state = _lookup.scaler_state(opt_state)
   if np.ndim(state.loss_scale):
     raise ValueError(
