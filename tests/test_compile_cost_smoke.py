@@ -39,7 +39,7 @@ def test_one_round_at_a_tiny_shape(capsys):
       "--rounds",
       "1",
       "--recipes",
-      "floor,fp16,apply_if_finite",
+      "floor,fp16,apply_if_finite,jmp",
     ]
   )
   out = capsys.readouterr().out
@@ -87,7 +87,8 @@ def test_compiler_options_reach_every_worker(monkeypatch, capsys):
   assert given == [{COPY_OPTION: True}] * 2
   assert f"Compiler options: {COPY_OPTION}=true" in out.splitlines()
   rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
-  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+  names = [r.split("|")[2].strip() for r in rows]
+  assert names == ["floor", "fp16", "apply_if_finite"]
 
 
 @pytest.mark.parametrize(
@@ -105,8 +106,9 @@ def test_bad_compiler_options_are_refused(option, error, capsys):
 
 def test_one_round_of_train_lms_whole_step(capsys):
   """``lm:tiny``: the whole train step of examples/train_lm.py --size tiny,
-  built by train_step_cost.py, with plain optax (the floor) and with
-  fp16_scaling. Other recipes have no train step and are left out."""
+  built by train_step_cost.py, with plain optax (the floor), with
+  fp16_scaling and with optax.apply_if_finite; jmp has no train step and
+  is left out."""
   assert "lm:medium" in compile_cost.DEFAULT_SHAPES
   steps = compile_cost.lm_steps()
   assert [steps[k].__name__ for k in ("floor", "fp16")] == [
@@ -121,18 +123,20 @@ def test_one_round_of_train_lms_whole_step(capsys):
       "--rounds",
       "1",
       "--recipes",
-      "floor,fp16,apply_if_finite",
+      "floor,fp16,apply_if_finite,jmp",
     ]
   )
   out = capsys.readouterr().out
   rows = [line for line in out.splitlines() if line.startswith("| lm:tiny |")]
-  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+  names = [r.split("|")[2].strip() for r in rows]
+  assert names == ["floor", "fp16", "apply_if_finite"]
   assert rows[0].split("|")[6].strip() == "1.000x"
   for cell in rows[1].split("|")[3:6]:  # trace + lower, compile, total
     assert float(cell) > 0
   assert 0.2 < float(rows[1].split("|")[6].strip().rstrip("x")) < 20
   assert "lm:tiny: per-round fp16/floor of total CPU time, median" in out
-  assert "apply_if_finite not compiled" in out
+  assert "lm:tiny: per-round apply_if_finite/floor" in out
+  assert "jmp not compiled" in out
 
 
 @pytest.mark.parametrize("shape", ["lm:huge", "lm:"])
