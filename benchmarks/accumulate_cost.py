@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Cost of an accumulating step: fp16_scaling against ``optax.MultiSteps``.
 
-``accumulate_gradients(skip_on_overflow(chain(fp16_loss_scale, clip,
-adamw)), K)`` against ``MultiSteps(chain(clip_by_global_norm, adamw), K)``
+``accumulate_gradients(chain(fp16_loss_scale, clip,
+adamw), K)`` against ``MultiSteps(chain(clip_by_global_norm, adamw), K)``
 on the same float16 gradients, donated, timed on a window's last
 microbatch and on the others (the counter set before every call), back to
 back in alternating order; bytes counted on the branch each call takes

@@ -47,9 +47,7 @@ def main(argv=None):
   params = {f"l{i}": jnp.ones(args.size) for i in range(args.leaves)}
   grads = jax.tree.map(lambda p: p * 0.01, params)
   txs = [
-    fs.skip_on_overflow(
-      optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adam(1e-3))
-    )
+    fs.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adam(1e-3))
     for _ in range(2)
   ]
   states = tuple(tx.init(params) for tx in txs)

@@ -352,13 +352,11 @@ def make_optimizer(cfg: Config, name: str):
   # The layer axis of every leaf under "layers": overflows, counts and
   # scale_metrics' nonfinite_layers are per layer (docs/stacked.md).
   stacked = fs.stacked_under("layers")
-  tx = fs.skip_on_overflow(
-    optax.chain(
+  tx = fs.chain(
       fs.fp16_loss_scale(SCALERS[name](), stacked_axes=stacked),
       optax.adam(cfg.lr),
     )
-  )
-  return fs.accumulate_gradients(tx, cfg.micro, stacked_axes=stacked)
+  return fs.accumulate_gradients(tx, cfg.micro)
 
 
 def make_steps(cfg: Config, tx, dtype):

@@ -10,8 +10,8 @@ Master parameters are float32. Each step casts them to float16, runs the
 forward and backward pass in float16 (the gradients come out in float16, as
 in DeepSpeed's or Apex's fp16 training) and hands those gradients to
 
-    skip_on_overflow(chain(fp16_loss_scale(scaler),
-                           clip_by_unscaled_norm(1.0), adamw))
+    chain(fp16_loss_scale(scaler),
+                           clip_by_unscaled_norm(1.0), adamw)
 
 which unscales them by the scale they were made with, skips the step on an
 overflow and updates the float32 masters. ``--precision fp32`` runs the same
@@ -312,13 +312,11 @@ def loss_fn(model, params, x, y):
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   scaler = SCALERS[cfg.scaler](cfg)
   stacked = fs.stacked_under("blocks") if cfg.scan else None
-  return fs.skip_on_overflow(
-    optax.chain(
+  return fs.chain(
       fs.fp16_loss_scale(scaler, stacked_axes=stacked),
       fs.clip_by_unscaled_norm(cfg.max_norm),  # by the *unscaled* norm
       optax.adamw(cfg.lr, weight_decay=1e-4),
     )
-  )
 
 
 def make_grad_fn(cfg: Config):

@@ -147,18 +147,14 @@ def build(mesh, init_scale, window, max_norm, lr):
   expert_mask = jax.tree_util.tree_map_with_path(
     lambda p, _: is_expert(p), params
   )
-  tx = fs.skip_on_overflow(
-    optax.chain(
+  tx = fs.chain(
       fs.fp16_loss_scale(
         fs.deepspeed_scaler(init_scale=init_scale, scale_window=window),
         partition_specs=specs,
       ),
-      fs.clip_by_unscaled_norm(
-        max_norm, expert_mask=expert_mask, partition_specs=specs
-      ),
+      fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask),
       optax.adamw(lr, weight_decay=1e-4),
     )
-  )
   state_specs = optax.tree_map_params(
     tx,
     lambda _, spec: spec,

@@ -5,6 +5,7 @@ README.md has the quickstart; docs/design.md, the design.
 
 from fp16_scaling._accumulate import accumulate_gradients
 from fp16_scaling._cast import cast_report
+from fp16_scaling._chain import chain
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
@@ -27,8 +28,6 @@ from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
 from fp16_scaling._shared import sync_loss_scales
-from fp16_scaling._skip import chain
-from fp16_scaling._skip import skip_on_overflow
 from fp16_scaling._stacked import stacked_under
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
 from fp16_scaling._states import AccumulationState
@@ -78,7 +77,6 @@ __all__ = [
   "scaler_from_state_dict",
   "scaler_state_dict",
   "set_loss_scale",
-  "skip_on_overflow",
   "stacked_under",
   "static_scaler",
   "sync_loss_scales",

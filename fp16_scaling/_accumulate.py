@@ -8,15 +8,14 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import jax
 from jax import lax
 import jax.numpy as jnp
-import optax
 
 from fp16_scaling import _donation
-from fp16_scaling import _lookup
 from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
-from fp16_scaling import _stacked
 from fp16_scaling import _validate
+from fp16_scaling._chain import OwnsStep
+from fp16_scaling._chain import Step
 from fp16_scaling._states import AccumulationState
 
 POLICIES = ("skip_step", "drop_microbatch")
@@ -35,7 +34,9 @@ def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
   if callable(every_k_schedule):
     try:
       first = every_k_schedule(0)
-    except Exception:  # a schedule that only takes arrays: checked in update
+    # A schedule that takes only arrays (it calls an array method, or jnp
+    # refuses the int) is checked on its first window, in update.
+    except (TypeError, AttributeError, ValueError):
       first = None
     if isinstance(first, numbers.Number) and not isinstance(first, bool):
       if first < 1:
@@ -49,13 +50,11 @@ def _checked_schedule(every_k_schedule) -> Callable[[jax.Array], Any]:
 
 
 def accumulate_gradients(
-  tx: optax.GradientTransformation,
+  tx: Step,
   every_k_schedule: Union[int, Callable[[jax.Array], Any]],
   *,
   on_microbatch_overflow: str = "skip_step",
-  partition_specs: Optional[Any] = None,
-  stacked_axes: Optional[Any] = None,
-) -> optax.GradientTransformationExtraArgs:
+) -> OwnsStep:
   """Accumulates microbatch gradients and runs the guarded chain once a window.
 
   Use it where ``optax.MultiSteps`` would go (docs/accumulation.md). The call
@@ -63,19 +62,15 @@ def accumulate_gradients(
   to ``tx`` and returns its updates; the others return ``-0.0`` updates.
 
   Args:
-    tx: the guarded chain, ``skip_on_overflow(optax.chain(fp16_loss_scale(
-      ...), clip_by_unscaled_norm(...), optimizer))``.
+    tx: the step, ``fs.chain(fp16_loss_scale(...),
+      clip_by_unscaled_norm(...), optimizer)``; its ``fp16_loss_scale``'s
+      ``partition_specs`` and ``stacked_axes`` hold here too.
     every_k_schedule: microbatches per window: an int >= 1, or a function of
       the number of windows ended so far returning one.
     on_microbatch_overflow: ``"skip_step"`` (default, as DeepSpeed and torch):
       an inf or NaN in any microbatch skips the window's step.
       ``"drop_microbatch"``: the clean microbatches are averaged; the window
       is skipped only when none is clean.
-    partition_specs: under ``shard_map`` with ``"drop_microbatch"``, the
-      gradients' ``PartitionSpec`` pytree (as for :func:`fp16_loss_scale`).
-    stacked_axes: as for :func:`fp16_loss_scale`; checked at ``init``
-      to equal that of ``tx``'s ``fp16_loss_scale``, which
-      records the window's mean per layer.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -84,17 +79,16 @@ def accumulate_gradients(
     on none) reaches ``tx`` as the window's mean loss.
 
   Raises:
+    TypeError: ``tx`` is not an :func:`chain`.
     ValueError: ``every_k_schedule`` below 1; an unknown
-      ``on_microbatch_overflow``; at ``init``, not one ``fp16_loss_scale`` in
-      ``tx``, or inside :func:`skip_on_overflow`; ``stacked_axes`` other
-      than ``tx``'s; at ``update``, gradients
-      whose tree or shapes differ from the params.
+      ``on_microbatch_overflow``; at ``update``, gradients whose tree or
+      shapes differ from the params.
     TypeError: at ``update``, a ``value`` that is not a floating scalar.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.accumulate_gradients(fs.skip_on_overflow(optax.chain(
-    ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))), 2)
+    >>> tx = fs.accumulate_gradients(fs.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0)), 2)
     >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
     >>> u, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, params)
@@ -112,19 +106,18 @@ def accumulate_gradients(
     _validate.choice("on_microbatch_overflow", on_microbatch_overflow, POLICIES)
     == "drop_microbatch"
   )
-  tx = optax.with_extra_args_support(tx)
-  key = _stacked.check(stacked_axes, "accumulate_gradients")
+  if not isinstance(tx, Step):
+    raise TypeError(
+      f"accumulate_gradients: tx must be the step fs.chain(fs.fp16_loss_scale"
+      f"(...), ..., optimizer), got {type(tx).__name__}: the window's mean "
+      "is measured once, at the scale its microbatches were made with, and "
+      "the window's step is skipped exactly on an overflow."
+    )
+  partition_specs = tx.scale.partition_specs
 
   def init_fn(params):
     _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
-    state = _initial_state(tx.init(params), params)
-    inner = _lookup.loss_scale_state(state.inner_state).leaf_paths.stacked
-    if key is not None and (inner is None or inner.key != key):
-      raise ValueError(
-        "accumulate_gradients: stacked_axes differ from those of tx's "
-        "fp16_loss_scale; pass the same stacked_axes to both"
-      )
-    return state
+    return _initial_state(tx.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _checked_microbatch(updates, state.acc_grads)
@@ -163,12 +156,11 @@ def accumulate_gradients(
       loss_nonfinite=~ends & losses.loss_nonfinite,
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return OwnsStep(init_fn, update_fn)
 
 
 def _initial_state(inner_state, params) -> AccumulationState:
-  """The state before the first microbatch (``inner_state`` checked)."""
-  _lookup.loss_scale_state(inner_state, "accumulate_gradients' tx state")
+  """The state before the first microbatch."""
   zero = lambda dtype: jnp.zeros([], dtype)
   return AccumulationState(
     mini_step=zero(jnp.int32),
@@ -282,11 +274,9 @@ def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
   summed, state, params = operands
 
   def run_inner(acc, inner_state, params):
-    mean = mean_of(acc)
-    # The one measurement of the mean, handed to the guarded chain.
-    m = _measure.measure_step(mean, inner_state, in_float16_range=in_range)
-    out = tx.update(mean, inner_state, params, measurement=m, **extra_args)
-    return out, m.overflow
+    # The step on the window's mean, measured once inside it.
+    out = tx.outcome(mean_of(acc), inner_state, params, extra_args, in_range)
+    return (out.updates, out.state), out.overflow
 
   (out_shape, _), _ = jax.eval_shape(
     run_inner, summed, state.inner_state, params

@@ -3,6 +3,8 @@ unscaled gradients' norm, expert and shared leaves together, each part also
 reported (DeepSpeed's unfused optimizer leaves the experts out; docs/peers.md).
 """
 
+import dataclasses
+import functools
 from typing import Any, Callable, Optional, Union
 
 import jax
@@ -13,9 +15,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
-from fp16_scaling import _stacked
 from fp16_scaling import _validate
-from fp16_scaling._measure import Handed
 from fp16_scaling._measure import measure
 from fp16_scaling._states import EXPERT
 from fp16_scaling._states import SHARED
@@ -59,18 +59,79 @@ def _expert_groups(expert_mask, tree) -> tuple:
     ) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class ClipConfig:
+  """What :func:`clip_by_unscaled_norm` was given, checked.
+
+  Attributes:
+    max_norm: the largest global norm let through.
+    expert_mask: the expert mask (pytree or callable), or None.
+    eps: added to the norm in the denominator.
+    partition_specs: the gradients' ``PartitionSpec`` pytree, or None.
+  """
+
+  max_norm: float
+  expert_mask: Any = None
+  eps: float = 1e-6
+  partition_specs: Any = None
+
+  def norms(self, measurement, tree) -> _norm.Norms:
+    """The unscaled norms of ``measurement``'s gradients (of ``tree``'s
+    structure), expert and shared leaves apart (no new pass)."""
+    return measurement.grouped(_expert_groups(self.expert_mask, tree), 2)
+
+  def factor(self, norms: _norm.Norms) -> jax.Array:
+    """float32 ``min(1, max_norm / (norm + eps))``."""
+    bound = jnp.float32(self.max_norm) / (norms.norm + jnp.float32(self.eps))
+    return jnp.minimum(jnp.float32(1), bound)
+
+
+class UnscaledClip(optax.GradientTransformation):
+  """What :func:`clip_by_unscaled_norm` returns: a clip of its input, with
+  its :class:`ClipConfig` for :func:`chain`."""
+
+  config: ClipConfig
+
+
+def clip_state(norms: _norm.Norms) -> ClipState:
+  """The :class:`ClipState` that records ``norms``."""
+  return ClipState(
+    grad_norm=norms.norm,
+    expert_grad_norm=norms.group_norms[EXPERT],
+    shared_grad_norm=norms.group_norms[SHARED],
+  )
+
+
+def init_state(config: ClipConfig, params) -> ClipState:
+  """The :class:`ClipState` before the first step, ``config`` checked on
+  ``params``."""
+  what = "clip_by_unscaled_norm"
+  _norm.check_float_leaves(jax.tree.leaves(params), f"{what} params")
+  _expert_groups(config.expert_mask, params)
+  _sharding.leaf_axes_from_specs(config.partition_specs, params, what)
+  # Three buffers: a donating step reuses each for its own field.
+  zero = lambda: jnp.zeros([], jnp.float32)
+  return ClipState(zero(), zero(), zero())
+
+
 def clip_by_unscaled_norm(
   max_norm: float,
   *,
   expert_mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
   eps: float = 1e-6,
   partition_specs: Optional[Any] = None,
-  stacked_axes: Optional[Any] = None,
-) -> optax.GradientTransformation:
-  """Clips gradients by their true global 2-norm.
+) -> UnscaledClip:
+  """Clips gradients by their global 2-norm, MoE-aware.
 
   The gradients are multiplied by ``max_norm / (norm + eps)`` when that is
-  below 1, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do.
+  below 1, as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed do; the
+  norm is of expert and shared leaves together, and the state reports each
+  part. Right after :func:`fp16_loss_scale` in :func:`chain`, the norm is
+  the true (unscaled) one, taken from the step's one measurement, and the
+  gradients are unscaled and clipped in one multiply. Anywhere else (in a
+  plain ``optax.chain``, under ``optax.masked`` or
+  ``optax.multi_transform``) it measures and clips what reaches it, as
+  ``optax.clip_by_global_norm`` does, and an inf or NaN leaf gives zeros.
 
   Args:
     max_norm: the largest global norm let through; positive.
@@ -78,20 +139,24 @@ def clip_by_unscaled_norm(
       pytree of bools with the gradients' structure or a prefix of it, or a
       callable that maps the gradients to one. The state reports each part.
     eps: added to the norm in the denominator; >= 0.
-    partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
-      pytree.
-    stacked_axes: as for :func:`fp16_loss_scale`, checked at ``init``
-      against the params (the global norm it clips by does not depend on
-      it), so that one value can be passed to every element.
+    partition_specs: under ``shard_map``, for a clip anywhere but right
+      after :func:`fp16_loss_scale`: the gradients' ``PartitionSpec``
+      pytree. Right after it, the clip uses ``fp16_loss_scale``'s, and
+      :func:`chain` refuses a second value.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a :class:`ClipState`.
+    An :class:`UnscaledClip` (an ``optax.GradientTransformation``) whose
+    state is a :class:`ClipState`.
+
+  Raises:
+    ValueError: ``max_norm`` not positive, ``eps`` negative.
+    TypeError: an ``expert_mask`` leaf that is not a Python bool.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(optax.chain(
+    >>> tx = fs.chain(
     ...     fs.fp16_loss_scale(fs.static_scaler(64.0)),
-    ...     fs.clip_by_unscaled_norm(1.0)))
+    ...     fs.clip_by_unscaled_norm(1.0))
     >>> params = jnp.zeros(2)
     >>> state = tx.init(params)
     >>> grads = jnp.array([3.0, 4.0]) * 64.0  # true norm 5, made at scale 64
@@ -99,61 +164,28 @@ def clip_by_unscaled_norm(
     >>> print(updates.round(6))  # norm 5 clipped to 1
     [0.6 0.8]
   """
-  max_norm = _validate.positive("max_norm", max_norm)
-  eps = _validate.non_negative("eps", eps)
-  _stacked.check(stacked_axes, "clip_by_unscaled_norm")
+  config = ClipConfig(
+    _validate.positive("max_norm", max_norm),
+    expert_mask,
+    _validate.non_negative("eps", eps),
+    partition_specs,
+  )
   if expert_mask is not None and not callable(expert_mask):
     _mask_leaves(expert_mask)
-
-  def init_fn(params):
-    _norm.check_float_leaves(
-      jax.tree.leaves(params), "clip_by_unscaled_norm params"
-    )
-    _expert_groups(expert_mask, params)
-    _sharding.leaf_axes_from_specs(
-      partition_specs, params, "clip_by_unscaled_norm"
-    )
-    _stacked.resolve(
-      stacked_axes, params, partition_specs, "clip_by_unscaled_norm"
-    )
-    # Three buffers: a donating step reuses each for its own field.
-    zero = lambda: jnp.zeros([], jnp.float32)
-    return ClipState(zero(), zero(), zero())
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    groups = _expert_groups(expert_mask, updates)
     what = "clip_by_unscaled_norm"
-    handed = isinstance(state, Handed)
-    if handed:
-      # Right after fp16_loss_scale: ``updates`` are the measured gradients,
-      # unscaled; the one pass has their sums. This clip's own specs are
-      # checked here (the measurement checked fp16_loss_scale's).
-      _sharding.leaf_axes_from_specs(partition_specs, updates, what)
-      state, measurement = state.state, state.measurement
-      norms = measurement.grouped(groups, 2)
-    else:
-      own = measure(updates, 1.0, partition_specs, what=what)
-      norms = own.grouped(groups, 2)
-      leaves = _norm.discard_if(norms.overflow, leaves)
-    factor = jnp.minimum(
-      jnp.float32(1), jnp.float32(max_norm) / (norms.norm + jnp.float32(eps))
-    )
-    if handed:
-      # ``updates`` are the measured gradients unscaled: unscale and clip
-      # them in one multiply, by the scale's inverse times the factor.
-      clipped = measurement.unscaled(measurement.grads, factor)
-    else:
-      clipped = [x * factor.astype(x.dtype) for x in leaves]
-    new_state = ClipState(
-      grad_norm=norms.norm,
-      expert_grad_norm=norms.group_norms[EXPERT],
-      shared_grad_norm=norms.group_norms[SHARED],
-    )
+    own = measure(updates, 1.0, config.partition_specs, what=what)
+    norms = config.norms(own, updates)
+    factor = config.factor(norms)
+    leaves = _norm.discard_if(norms.overflow, leaves)
+    clipped = [x * factor.astype(x.dtype) for x in leaves]
     # Write-only: each field reads its old value to keep its donated buffer.
-    return jax.tree.unflatten(treedef, clipped), _donation.written_over(
-      state, new_state
-    )
+    new_state = _donation.written_over(state, clip_state(norms))
+    return jax.tree.unflatten(treedef, clipped), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  tx = UnscaledClip(functools.partial(init_state, config), update_fn)
+  tx.config = config
+  return tx

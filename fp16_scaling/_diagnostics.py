@@ -218,8 +218,8 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(optax.chain(
-    ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0)))
+    >>> tx = fs.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))
     >>> params = {"a": {"w": jnp.ones(2)}, "b": jnp.ones(3)}
     >>> state = tx.init(params)
     >>> grads = {"a": {"w": jnp.array([jnp.inf, 0.0])}, "b": jnp.ones(3)}
@@ -301,7 +301,7 @@ def raise_if_min_scale_reached(
 
   Examples:
     >>> import jax.numpy as jnp, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(fs.fp16_loss_scale(
+    >>> tx = fs.chain(fs.fp16_loss_scale(
     ...     fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)))
     >>> state = tx.init({"w": jnp.ones(1)})
     >>> _, state = tx.update({"w": jnp.array([jnp.nan])}, state)

@@ -111,8 +111,8 @@ def value_and_grad(
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(optax.chain(
-    ...     fs.fp16_loss_scale(fs.static_scaler(8.0)), optax.sgd(1.0)))
+    >>> tx = fs.chain(
+    ...     fs.fp16_loss_scale(fs.static_scaler(8.0)), optax.sgd(1.0))
     >>> params = jnp.array([1.0, 2.0])
     >>> state = tx.init(params)
     >>> loss = lambda p: jnp.sum(p**2)

@@ -55,7 +55,7 @@ def _looks_untyped(x: Any) -> bool:
 
 
 _MULTISTEPS = (
-  "opt_state is optax.MultiSteps' state around skip_on_overflow: MultiSteps "
+  "opt_state is optax.MultiSteps' state around fs.chain: MultiSteps "
   "resets its accumulator by multiplying it by 0, so one inf or NaN "
   "microbatch poisons every later window (NaN * 0 is NaN), the scale halves "
   "every window and training stops. Use fp16_scaling.accumulate_gradients("
@@ -186,8 +186,7 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(
-    ...     optax.chain(fs.fp16_loss_scale(fs.torch_scaler())))
+    >>> tx = fs.chain(fs.fp16_loss_scale(fs.torch_scaler()))
     >>> state = fs.set_loss_scale(tx.init(jnp.zeros(2)), 512.0)
     >>> float(fs.current_scale(state))
     512.0

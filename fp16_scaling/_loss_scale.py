@@ -12,11 +12,11 @@ import numpy as np
 import optax
 
 from fp16_scaling import _donation
+from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 from fp16_scaling import _stacked
 from fp16_scaling import _validate
-from fp16_scaling._measure import Handed
 from fp16_scaling._measure import Measurement
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
@@ -25,7 +25,6 @@ from fp16_scaling._states import FORWARD
 from fp16_scaling._states import KINDS
 from fp16_scaling._states import NONE
 from fp16_scaling._states import PERSISTENT
-from fp16_scaling._states import RECIPE
 from fp16_scaling._states import UNKNOWN
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LeafPaths
@@ -34,10 +33,11 @@ from fp16_scaling._states import StackedRange
 from fp16_scaling._states import register_with_flax
 
 _UNGUARDED = (
-  "fp16_loss_scale ran outside skip_on_overflow (nothing measured the "
-  "gradients and handed it the measurement). In a bare optax.chain the "
-  "optimizer after it still runs on an overflow step and its momentum moves "
-  f"the parameters. Wrap the whole chain: {RECIPE}."
+  "fp16_loss_scale runs only as the first element of fs.chain: alone, or "
+  "in a plain optax.chain, nothing would skip the optimizer on an overflow "
+  "step, and its momentum would move the parameters. Write "
+  "fs.chain(fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), "
+  "optimizer) in place of optax.chain(...)."
 )
 
 
@@ -171,6 +171,50 @@ def _log_overflow(paths, skipped, kind, old, new, nonfinite):
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig:
+  """What :func:`fp16_loss_scale` was given, checked; :func:`chain` runs it.
+
+  Attributes:
+    scaler: the :class:`Scaler`.
+    partition_specs: the gradients' ``PartitionSpec`` pytree, or None.
+    grad_range: whether each leaf's :class:`GradRange` is recorded.
+    log_overflows: whether overflow steps print a line.
+    stacked_axes: the ``stacked_axes`` given, or None.
+  """
+
+  scaler: Scaler
+  partition_specs: Any = None
+  grad_range: bool = False
+  log_overflows: bool = False
+  stacked_axes: Any = None
+
+  def layout(self, tree) -> Optional[_stacked.Layout]:
+    """``stacked_axes`` resolved on ``tree`` (the params' or the gradients'
+    tree), or None without it."""
+    return _stacked.resolve(
+      self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
+    )
+
+  def measure(self, grads, scale, *, in_float16_range=False) -> Measurement:
+    """The step's one :class:`Measurement` of ``grads``, made at ``scale``."""
+    layout = self.layout(grads)
+    return _measure.measure(
+      grads,
+      scale,
+      self.partition_specs,
+      in_float16_range=in_float16_range,
+      layer_axes=None if layout is None else layout.axes,
+    )
+
+
+class LossScale(optax.GradientTransformationExtraArgs):
+  """What :func:`fp16_loss_scale` returns: its :class:`ScaleConfig`, for
+  :func:`chain`, and an ``init`` that refuses to run anywhere else."""
+
+  config: ScaleConfig
+
+
 def fp16_loss_scale(
   scaler: Scaler,
   *,
@@ -178,19 +222,23 @@ def fp16_loss_scale(
   grad_range: bool = False,
   log_overflows: bool = False,
   stacked_axes: Optional[Any] = None,
-) -> optax.GradientTransformationExtraArgs:
-  """Loss scaling for float16 training, as the first element of a chain.
+) -> LossScale:
+  """Loss scaling for float16 training, the first element of :func:`chain`.
 
-  Inside :func:`skip_on_overflow`, ``update`` takes the gradients of ``loss *
-  current_scale(opt_state)`` and returns them unscaled (at least float32),
-  records the overflowing leaves, the true norm and the overflow's kind
-  (pass ``value=loss`` to tell forward from backward), and steps ``scaler``.
+  In ``fs.chain(fp16_loss_scale(scaler), ...)``, each step takes the
+  gradients of ``loss * current_scale(opt_state)``, measures them once,
+  passes them on unscaled (at least float32), records the overflowing
+  leaves, the true norm and the overflow's kind (pass ``value=loss`` to
+  tell forward from backward), and steps ``scaler``. Outside
+  :func:`chain` (alone, or in a plain ``optax.chain``) ``init`` raises:
+  nothing there would skip the optimizer on an overflow step.
 
   Args:
     scaler: a :class:`Scaler` from a preset (several optimizers keep one
       scale with :func:`sync_loss_scales`).
     partition_specs: under ``shard_map``, the gradients' ``PartitionSpec``
-      pytree, so that overflow and norm are global.
+      pytree, so that overflow and norm are global. The clip right after
+      it and :func:`accumulate_gradients` use these too.
     grad_range: also record each leaf's :class:`GradRange` (two more
       reductions per leaf).
     log_overflows: print a DeepSpeed-style ``OVERFLOW! Skipping step`` line
@@ -202,22 +250,19 @@ def fp16_loss_scale(
       layer's norm too (docs/stacked.md).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`LossScaleState`.
+    A :class:`LossScale` (an ``optax.GradientTransformationExtraArgs``) for
+    :func:`chain`; there, its state is a :class:`LossScaleState`.
 
   Raises:
     TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool;
       ``stacked_axes`` holds other than ints and None.
-    RuntimeError: from ``update`` outside :func:`skip_on_overflow`.
-    ValueError: from ``update``: a state of another scaler, gradients of
-      another tree than the params'.
-    TypeError: from ``update``: a ``value`` that is not a floating scalar.
+    RuntimeError: from ``init`` or ``update``, outside :func:`chain`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(optax.chain(
+    >>> tx = fs.chain(
     ...     fs.fp16_loss_scale(fs.torch_scaler(init_scale=1024.0)),
-    ...     optax.sgd(1.0)))
+    ...     optax.sgd(1.0))
     >>> params = jnp.array([1.0, 2.0])
     >>> state = tx.init(params)
     >>> loss = lambda p: jnp.sum(p**2)
@@ -234,49 +279,82 @@ def fp16_loss_scale(
     Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
   check_scaler(scaler)
-  grad_range = _validate.flag("grad_range", grad_range)
-  log_overflows = _validate.flag("log_overflows", log_overflows)
-  stacked_key = _stacked.check(stacked_axes, "fp16_loss_scale")
+  config = ScaleConfig(
+    scaler,
+    partition_specs,
+    _validate.flag("grad_range", grad_range),
+    _validate.flag("log_overflows", log_overflows),
+    stacked_axes,
+  )
+  _stacked.check(stacked_axes, "fp16_loss_scale")
 
-  def init_fn(params):
-    register_with_flax()
-    params = _gradient_tree(params)
-    leaves = jax.tree.leaves(params)
-    _norm.check_float_leaves(leaves, "fp16_loss_scale params")
-    _warn_float16_params(leaves)
-    _sharding.leaf_axes_from_specs(partition_specs, params, "fp16_loss_scale")
-    what = "fp16_loss_scale"
-    stacked = _stacked.resolve(stacked_axes, params, partition_specs, what)
-    paths = _leaf_paths(params, scaler, partition_specs, stacked)
-    return _initial_state(scaler.init(), paths, grad_range)
+  def refuse(*args, **kwargs):
+    del args, kwargs
+    raise RuntimeError(_UNGUARDED)
 
-  def update_fn(updates, state, params=None, **extra):
-    if not isinstance(state, Handed):
-      raise RuntimeError(_UNGUARDED)
-    state, measurement = state
-    # The state must be this transformation's own; then the measurement,
-    # made with the state's partition specs, checked them on ``updates``.
-    _check_built_here(state.leaf_paths, scaler, partition_specs, stacked_key)
-    _check_gradient_tree(updates, params)
-    value = extra.get("value")
-    if value is not None:
-      value = _validate.scalar_loss(value)
-    leaves, treedef = jax.tree.flatten(updates)
-    _warn_bfloat16_grads(leaves, scaler)
-    grad_range_now = None
-    if grad_range or scaler.needs_grad_max:
-      stacked = state.leaf_paths.stacked is not None
-      grad_range_now = _grad_range(leaves, measurement, stacked)
-    new_state = _next_state(
-      scaler, state, measurement, value, grad_range_now, keep_range=grad_range
-    )
-    if log_overflows:
-      _log_if_overflow(state, new_state)
-    outputs = jax.tree.unflatten(treedef, measurement.unscaled(leaves))
-    # Write-only fields read their old values: each keeps its donated buffer.
-    return outputs, _donation.written_over(state, new_state)
+  tx = LossScale(refuse, refuse)
+  tx.config = config
+  return tx
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+def init_state(config: ScaleConfig, params) -> LossScaleState:
+  """The :class:`LossScaleState` before the first step, for ``params``.
+
+  Raises:
+    TypeError: a params leaf is not floating.
+    ValueError: ``partition_specs`` or ``stacked_axes`` do not fit.
+  """
+  register_with_flax()
+  params = _gradient_tree(params)
+  leaves = jax.tree.leaves(params)
+  _norm.check_float_leaves(leaves, "fp16_loss_scale params")
+  _warn_float16_params(leaves)
+  specs = config.partition_specs
+  _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
+  paths = _leaf_paths(params, config.scaler, specs, config.layout(params))
+  return _initial_state(config.scaler.init(), paths, config.grad_range)
+
+
+def step_state(
+  config: ScaleConfig,
+  state: LossScaleState,
+  measurement,
+  updates,
+  params,
+  value,
+) -> LossScaleState:
+  """The state after a step whose scaled gradients ``updates`` the
+  ``measurement`` read; ``value`` is the loss (``value=``), or None.
+
+  Raises:
+    ValueError: a state of another configuration; gradients of another tree
+      than ``params``'.
+    TypeError: a ``value`` that is not a floating scalar.
+  """
+  scaler = config.scaler
+  key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
+  _check_built_here(state.leaf_paths, scaler, config.partition_specs, key)
+  _check_gradient_tree(updates, params)
+  if value is not None:
+    value = _validate.scalar_loss(value)
+  leaves = measurement.grads
+  _warn_bfloat16_grads(leaves, scaler)
+  grad_range_now = None
+  if config.grad_range or scaler.needs_grad_max:
+    stacked = state.leaf_paths.stacked is not None
+    grad_range_now = _grad_range(leaves, measurement, stacked)
+  new_state = _next_state(
+    scaler,
+    state,
+    measurement,
+    value,
+    grad_range_now,
+    keep_range=config.grad_range,
+  )
+  if config.log_overflows:
+    _log_if_overflow(state, new_state)
+  # Write-only fields read their old values: each keeps its donated buffer.
+  return _donation.written_over(state, new_state)
 
 
 def _check_built_here(paths: LeafPaths, scaler, specs, key) -> None:

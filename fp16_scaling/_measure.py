@@ -1,5 +1,5 @@
-"""The one measurement of a step's gradients, and :class:`Handed`, which
-passes it to an element with its state (docs/design.md, "Data flow").
+"""The one measurement of a step's gradients, from which :func:`chain`
+unscales, clips and decides the skip (docs/design.md, "Data flow").
 """
 
 from typing import Any, NamedTuple, Optional, Sequence
@@ -7,7 +7,6 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from fp16_scaling import _lookup
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 
@@ -82,20 +81,6 @@ class Measurement(NamedTuple):
     )
 
 
-class Handed(NamedTuple):
-  """An element's state with the step's measurement, as
-  ``skip_on_overflow`` passes it to its own elements (``fp16_loss_scale``,
-  and a clip right after it); each returns its plain state.
-
-  Attributes:
-    state: the element's own state.
-    measurement: the step's :class:`Measurement`.
-  """
-
-  state: Any
-  measurement: Measurement
-
-
 def measure(
   grads: Any,
   scale: jax.Array,
@@ -144,29 +129,3 @@ def measure(
     in_float16_range,
     layer_axes,
   )
-
-
-def measure_step(
-  grads: Any, opt_state: Any, *, in_float16_range: bool = False
-) -> Measurement:
-  """:func:`measure` of ``grads`` as ``opt_state`` made them.
-
-  Args:
-    grads: the scaled gradients of the step.
-    opt_state: the guarded chain's state; its one ``LossScaleState`` gives
-      the scale and the partition specs its ``fp16_loss_scale`` was built
-      with.
-    in_float16_range: see :class:`Measurement`.
-
-  Returns:
-    The :class:`Measurement`.
-
-  Raises:
-    ValueError: ``opt_state`` holds no loss-scale state, or more than one.
-  """
-  ls = _lookup.loss_scale_state(opt_state)
-  scale = ls.scaler.loss_scale
-  specs, stacked = ls.leaf_paths.partition_specs, ls.leaf_paths.stacked
-  axes = stacked.axes if stacked is not None else None
-  kw = dict(in_float16_range=in_float16_range, layer_axes=axes)
-  return measure(grads, scale, specs, **kw)

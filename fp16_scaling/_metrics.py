@@ -73,8 +73,8 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(optax.chain(
-    ...     fs.fp16_loss_scale(fs.torch_scaler()), optax.sgd(0.1)))
+    >>> tx = fs.chain(
+    ...     fs.fp16_loss_scale(fs.torch_scaler()), optax.sgd(0.1))
     >>> state = tx.init({"w": jnp.ones(3)})
     >>> print(fs.current_scale(state))  # multiply the next loss by this
     65536.0
@@ -98,9 +98,9 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> tx = fs.skip_on_overflow(optax.chain(
+    >>> tx = fs.chain(
     ...     fs.fp16_loss_scale(fs.static_scaler(8.0)),
-    ...     fs.clip_by_unscaled_norm(1.0), optax.sgd(0.1)))
+    ...     fs.clip_by_unscaled_norm(1.0), optax.sgd(0.1))
     >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.array([0.6, 0.8]) * 8.0}  # made at scale 8

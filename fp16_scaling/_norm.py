@@ -186,9 +186,11 @@ def reduce_norms(
   if per_leaf is None:
     mark = lambda local: _marked(local, cap=needs_rescue)
     per_leaf = leaf_vector(sums, leaf_axes, lax.psum, mark)
+  unit_groups = leaf_groups
   if per_leaf.shape[0] != n:  # per unit: each stacked leaf's group per layer
-    leaf_groups = tuple(np.repeat(leaf_groups, [np.size(s) for s in sums]))
-  common, total = _group_sums(per_leaf, leaf_groups, num_groups)
+    unit_groups = tuple(np.repeat(leaf_groups, [np.size(s) for s in sums]))
+  common, total = _group_sums(per_leaf, unit_groups, num_groups)
+  # The rescue reads the leaves again: their groups are the per-leaf ones.
   if needs_rescue and not in_float16_range:
     groups = (leaf_groups, leaf_axes, num_groups)
     rescue = lambda _: _rescued_roots(leaves, *groups)

@@ -65,7 +65,8 @@ class Scaler:
     raise_at_min_scale: count overflows at the floor in ``min_scale_errors``.
     headroom_bits: if set, see :func:`headroom_scaler`.
     growth_margin_bits: with ``headroom_bits``, see :func:`headroom_scaler`.
-    max_scale: ceiling of the scale on growth.
+    max_scale: ceiling of the scale on every growth path (a scale that
+      would grow past it grows to it).
     history: with ``headroom_bits``, see :func:`headroom_scaler`.
 
   Examples:
@@ -179,7 +180,10 @@ class Scaler:
     tracker = counted + 1
     grow = tracker == self.growth_interval
     grown = scale * jnp.float32(self.growth_factor)
-    scale_after_clean = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+    # Growth stops at max_scale on every path (F32_MAX unless a preset sets
+    # it, where this is the isfinite check alone).
+    capped = jnp.minimum(grown, jnp.float32(self.max_scale))
+    scale_after_clean = jnp.where(grow & jnp.isfinite(grown), capped, scale)
     ring, position = state.grad_max_history, state.history_position
     if self.headroom_bits is not None:
       if grad_max is None:

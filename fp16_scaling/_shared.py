@@ -58,9 +58,9 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
-    >>> make = lambda: fs.skip_on_overflow(optax.chain(
+    >>> make = lambda: fs.chain(
     ...     fs.fp16_loss_scale(fs.torch_scaler(init_scale=8.0)),
-    ...     optax.sgd(1.0)))
+    ...     optax.sgd(1.0))
     >>> tx_a, tx_b = make(), make()
     >>> p = jnp.ones(2)
     >>> sa, sb = tx_a.init(p), tx_b.init(p)

@@ -14,11 +14,6 @@ from fp16_scaling._sharding import is_spec
 # LossScaleState.overflow_kind codes, indexes into KINDS.
 NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
 KINDS = ("none", "unknown", "forward", "backward", "persistent")
-# The guarded chain, as every message that names the right order quotes it.
-RECIPE = (
-  "skip_on_overflow(optax.chain(fp16_loss_scale(...), "
-  "clip_by_unscaled_norm(...), optimizer))"
-)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -87,16 +87,13 @@ def bits(tree) -> list:
 
 
 def guarded(scaler, *tail, **loss_scale_kwargs):
-  """``skip_on_overflow(chain(fp16_loss_scale(scaler, **loss_scale_kwargs),
-  *tail))``: the guarded chain, ``tail`` (a clip, an optimizer) after the
+  """``chain(fp16_loss_scale(scaler, **loss_scale_kwargs),
+  *tail)``: the guarded chain, ``tail`` (a clip, an optimizer) after the
   loss scale."""
-  import optax
 
   import fp16_scaling as fs
 
-  return fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(scaler, **loss_scale_kwargs), *tail)
-  )
+  return fs.chain(fs.fp16_loss_scale(scaler, **loss_scale_kwargs), *tail)
 
 
 def nested_params() -> dict:

@@ -242,12 +242,10 @@ def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
       ),
     )
 
-  inner = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(fs.static_scaler(1.0)),
-      scaled_by_value(),
-      optax.sgd(1.0),
-    )
+  inner = fs.chain(
+    fs.fp16_loss_scale(fs.static_scaler(1.0)),
+    scaled_by_value(),
+    optax.sgd(1.0),
   )
   tx = fs.accumulate_gradients(inner, lambda w: jnp.where(w < 1, 2, 3))
   params = {"w": jnp.zeros(2)}
@@ -391,9 +389,7 @@ def test_value_on_only_some_microbatches_reads_only_those():
 
 @pytest.mark.parametrize("policy", ["skip_step", "drop_microbatch"])
 def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
-  inner = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(fs.static_scaler(1.0)), _times_value())
-  )
+  inner = fs.chain(fs.fp16_loss_scale(fs.static_scaler(1.0)), _times_value())
   tx = fs.accumulate_gradients(inner, K, on_microbatch_overflow=policy)
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)

@@ -15,12 +15,10 @@ import fp16_scaling as fs
 O, C = True, False
 
 SCALER = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2, delayed_shift=2)
-TX = fs.skip_on_overflow(
-  optax.chain(
-    fs.fp16_loss_scale(SCALER),
-    fs.clip_by_unscaled_norm(1.0),
-    optax.adamw(1e-2),
-  )
+TX = fs.chain(
+  fs.fp16_loss_scale(SCALER),
+  fs.clip_by_unscaled_norm(1.0),
+  optax.adamw(1e-2),
 )
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
 
@@ -78,12 +76,10 @@ def test_orbax_round_trip_mid_run_is_bit_identical(tmp_path):
 
 
 # The same tail as TX behind torch's rule: the state's structure is TX's.
-TORCH_TX = fs.skip_on_overflow(
-  optax.chain(
-    fs.fp16_loss_scale(fs.torch_scaler(init_scale=2.0**8, growth_interval=2)),
-    fs.clip_by_unscaled_norm(1.0),
-    optax.adamw(1e-2),
-  )
+TORCH_TX = fs.chain(
+  fs.fp16_loss_scale(fs.torch_scaler(init_scale=2.0**8, growth_interval=2)),
+  fs.clip_by_unscaled_norm(1.0),
+  optax.adamw(1e-2),
 )
 
 
@@ -225,7 +221,7 @@ def test_host_helpers_on_a_batched_state():
 
 def test_min_scale_error_on_one_batch_member():
   scaler = fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0)
-  tx = fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler)))
+  tx = fs.chain(fs.fp16_loss_scale(scaler))
   state = jax.vmap(tx.init)(jnp.zeros((2, 3)))
 
   def upd(g, s):
@@ -243,9 +239,7 @@ def test_min_scale_error_on_one_batch_member():
 
 def test_nnx_optimizer_state_gives_plain_arrays():
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-  tx = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(SCALER), optax.sgd(0.1))
-  )
+  tx = fs.chain(fs.fp16_loss_scale(SCALER), optax.sgd(0.1))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   assert isinstance(fs.current_scale(opt.opt_state), jax.Array)
   assert not isinstance(fs.current_scale(opt.opt_state), nnx.Variable)

@@ -114,9 +114,7 @@ def _ours_run(cfgs, grads):
   def run_all(grads):
     out = []
     for cfg, g in zip(cfgs, grads):
-      tx = fs.skip_on_overflow(
-        optax.chain(fs.fp16_loss_scale(fs.flax_scaler(**cfg)), optax.sgd(0.1))
-      )
+      tx = fs.chain(fs.fp16_loss_scale(fs.flax_scaler(**cfg)), optax.sgd(0.1))
 
       def run(g, tx=tx):
         def step(state, g):

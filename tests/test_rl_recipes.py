@@ -45,9 +45,7 @@ def total_loss(params, batch):
 
 def _seen(grads_fn, scaler):
   """The gradient the optimizer applies, from ``grads_fn(opt_state)``."""
-  tx = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0))
-  )
+  tx = fs.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0))
   params, batch = _problem()
   state = tx.init(params)
 

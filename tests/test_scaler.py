@@ -231,3 +231,22 @@ def test_presets_refuse_positional_arguments(preset):
   # flax_scaler(2.0**15) once set growth_factor=32768 without a word.
   with pytest.raises(TypeError, match="positional"):
     preset(2.0**15)
+
+
+@pytest.mark.parametrize(
+  "max_scale, want",
+  [(2.0**5, [8.0, 16.0, 32.0, 32.0]), (24.0, [8.0, 16.0, 24.0, 24.0])],
+)
+def test_max_scale_bounds_the_growth_of_every_rule(max_scale, want):
+  """torch's rule, doubling every clean step, with a ceiling: a growth that
+  would pass it grows to it, and it holds (hand-derived)."""
+  import dataclasses
+
+  scaler = dataclasses.replace(
+    fs.torch_scaler(init_scale=4.0, growth_interval=1), max_scale=max_scale
+  )
+  state, seen = scaler.init(), []
+  for _ in range(4):
+    state = scaler.update(state, jnp.bool_(False))
+    seen.append(float(state.loss_scale))
+  assert seen == want

@@ -31,8 +31,8 @@ def _pair(scaler, opt0=None, opt1=None):
   opt0 = opt0 or optax.adam(2.0**-6)
   opt1 = opt1 or optax.sgd(2.0**-3, momentum=0.5)
   return (
-    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler), opt0)),
-    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler), opt1)),
+    fs.chain(fs.fp16_loss_scale(scaler), opt0),
+    fs.chain(fs.fp16_loss_scale(scaler), opt1),
   )
 
 

@@ -58,9 +58,7 @@ def _lookahead():
 
 
 def test_lookahead_matches_plain_lookahead_and_skips_exactly():
-  guarded = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(fs.static_scaler(SCALE)), _lookahead())
-  )
+  guarded = fs.chain(fs.fp16_loss_scale(fs.static_scaler(SCALE)), _lookahead())
   plain = _lookahead()
   ours_step, plain_step = _make_step(guarded, SCALE), _make_step(plain, 1.0)
   ours, plain_p = _params(), _params()
@@ -86,9 +84,7 @@ def test_lookahead_matches_plain_lookahead_and_skips_exactly():
 def test_other_mismatched_trees_keep_working_without_attribution():
   """A state built for 3 leaves fed 1: a warning, no per-leaf attribution,
   the overflow still decided and skipped."""
-  tx = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(fs.torch_scaler(init_scale=4.0)))
-  )
+  tx = fs.chain(fs.fp16_loss_scale(fs.torch_scaler(init_scale=4.0)))
   state = tx.init({"a": jnp.ones(2), "b": jnp.ones(1), "c": jnp.ones(1)})
   with pytest.warns(UserWarning, match="gradients have 1 leaves, the params"):
     updates, state = tx.update(jnp.array([jnp.inf, 1.0]), state)
@@ -99,7 +95,7 @@ def test_other_mismatched_trees_keep_working_without_attribution():
 
 
 def test_matching_trees_do_not_warn():
-  tx = fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(fs.no_scaler())))
+  tx = fs.chain(fs.fp16_loss_scale(fs.no_scaler()))
   state = tx.init({"a": jnp.ones(2)})
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -111,9 +107,7 @@ def test_gradients_of_another_tree_are_refused_naming_argnums():
   tree: refused at tx.update (eagerly and traced) with the fix, before
   optax.apply_updates fails on them. Lookahead's fast weights (above) and
   matching trees pass."""
-  tx = fs.skip_on_overflow(
-    optax.chain(fs.fp16_loss_scale(fs.static_scaler(SCALE)), optax.sgd(0.1))
-  )
+  tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(SCALE)), optax.sgd(0.1))
   params, batch = {"w": jnp.ones(2)}, {"x": jnp.ones(3), "y": jnp.ones(3)}
   state = tx.init(params)
   loss = lambda p, b: jnp.sum(p["w"]) * jnp.sum(b["x"] * b["y"])

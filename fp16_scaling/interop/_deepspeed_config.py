@@ -11,13 +11,13 @@ import optax
 
 from fp16_scaling import _validate
 from fp16_scaling._accumulate import accumulate_gradients
+from fp16_scaling._chain import chain
 from fp16_scaling._clipping import clip_by_unscaled_norm
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import deepspeed_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
-from fp16_scaling._skip import skip_on_overflow
 
 _FP16_KEYS = set(
   (
@@ -51,16 +51,26 @@ class DeepSpeedFP16(NamedTuple):
     partition_specs=None,
     stacked_axes=None,
   ) -> optax.GradientTransformationExtraArgs:
-    """``skip_on_overflow(chain(fp16_loss_scale, [clip], inner))``, inside
+    """``fs.chain(fp16_loss_scale, [clip], inner)``, inside
     ``accumulate_gradients(..., gradient_accumulation_steps)`` when that is
-    above 1."""
+    above 1.
+
+    Args:
+      inner: the optimizer (any optax transformation).
+      expert_mask: the clip's, as for :func:`clip_by_unscaled_norm`.
+      partition_specs: ``fp16_loss_scale``'s, as for it.
+      stacked_axes: ``fp16_loss_scale``'s, as for it.
+
+    Returns:
+      The step, an ``optax.GradientTransformationExtraArgs``.
+    """
     kw = dict(partition_specs=partition_specs, stacked_axes=stacked_axes)
     parts = [fp16_loss_scale(self.scaler, **kw)]
     if self.max_norm is not None:
-      kw.update(expert_mask=expert_mask)
-      parts.append(clip_by_unscaled_norm(self.max_norm, **kw))
-    parts.append(inner)
-    tx = skip_on_overflow(optax.chain(*parts))
+      parts.append(
+        clip_by_unscaled_norm(self.max_norm, expert_mask=expert_mask)
+      )
+    tx = chain(*parts, inner)
     if self.gradient_accumulation_steps > 1:
       tx = accumulate_gradients(tx, self.gradient_accumulation_steps)
     return tx

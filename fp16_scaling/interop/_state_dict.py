@@ -136,7 +136,7 @@ def scaler_state_dict(opt_state: Any, scaler: Optional[Scaler] = None) -> dict:
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> scaler = fs.torch_scaler(init_scale=1024.0)
-    >>> tx = fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler)))
+    >>> tx = fs.chain(fs.fp16_loss_scale(scaler))
     >>> d = fs.scaler_state_dict(tx.init(jnp.zeros(2)), scaler)
     >>> d["loss_scale"], d["growth_tracker"], d["config"]["growth_interval"]
     (1024.0, 0, 2000)

@@ -18,15 +18,12 @@ def test_every_device_drops_the_same_microbatch():
   mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
   params = {"shard": jnp.zeros(8), "rep": jnp.zeros(3)}
   tx = fs.accumulate_gradients(
-    fs.skip_on_overflow(
-      optax.chain(
-        fs.fp16_loss_scale(fs.static_scaler(1.0), partition_specs=SPECS),
-        optax.sgd(1.0),
-      )
+    fs.chain(
+      fs.fp16_loss_scale(fs.static_scaler(1.0), partition_specs=SPECS),
+      optax.sgd(1.0),
     ),
     2,
     on_microbatch_overflow="drop_microbatch",
-    partition_specs=SPECS,
   )
   state = tx.init(params)
   # Leaves of the parameters' length are split like them; the rest is

@@ -196,7 +196,6 @@ def make_tx(layout, partition_specs="layout"):
       MAX_NORM,
       expert_mask=expert_mask(layout),
       eps=0.0,
-      partition_specs=specs,
     ),
     optax.adam(LR),
     partition_specs=specs,
@@ -611,7 +610,7 @@ def test_specs_with_wrong_structure_are_refused():
   for name, tx in [
     (
       "fp16_loss_scale",
-      fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=wrong),
+      fs.chain(fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=wrong)),
     ),
     (
       "clip_by_unscaled_norm",
@@ -648,22 +647,22 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
   # clip's own specs below get the mesh-axis message).
   with pytest.raises(ValueError, match="this state was built with other"):
     _shard_map_update(layout, make_tx(layout, typo))
-  # The same scaler as make_tx's: the state _shard_map_update traces with
-  # is that chain's (a state of another scaler is refused first).
-  clip_only = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(
-        fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
-        partition_specs=layout.specs,
-      ),
-      fs.clip_by_unscaled_norm(1.0, partition_specs=typo),
-      optax.adam(LR),
-    )
+  # A clip of its own (not right after the scale, where it has no specs of
+  # its own) reads its specs under shard_map, and names the missing axis.
+  clip = fs.clip_by_unscaled_norm(1.0, partition_specs=typo)
+  mesh = make_mesh(layout)
+  fn = jax.shard_map(
+    lambda g: clip.update(g, clip.init(g))[0],
+    mesh=mesh,
+    in_specs=(layout.specs,),
+    out_specs=layout.specs,
   )
-  with pytest.raises(
-    ValueError, match="clip_by_unscaled_norm: partition_specs .* 'experts'"
-  ):
-    _shard_map_update(layout, clip_only)
+  with jax.set_mesh(mesh):
+    grads = place(scaled_grads(layout, 1, 1.0), full_specs(layout), mesh)
+    with pytest.raises(
+      ValueError, match="clip_by_unscaled_norm: partition_specs .* 'experts'"
+    ):
+      jax.eval_shape(fn, grads)
 
 
 def test_leaf_varying_over_an_axis_its_spec_replicates_is_refused():
@@ -696,12 +695,10 @@ def test_device_varying_gradients_without_partition_specs_are_named(varying):
   naming the leaf, the axis and partition_specs (it used to be JAX's,
   about lax.cond branches or out_specs)."""
   mesh = make_mesh(DATA_EXPERT)
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(fs.torch_scaler()),
-      fs.clip_by_unscaled_norm(MAX_NORM),
-      optax.adam(LR),
-    )
+  tx = fs.chain(
+    fs.fp16_loss_scale(fs.torch_scaler()),
+    fs.clip_by_unscaled_norm(MAX_NORM),
+    optax.adam(LR),
   )
   params = {
     "f16": np.ones((8, 4), np.float32),

@@ -22,16 +22,14 @@ def run(axis):
   shape[-1] = D
   params = {"W": jnp.ones(shape), "b": jnp.ones((L, D))}
   specs = {"W": P(None, None, "model"), "b": P(None, "model")}
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(
-        fs.static_scaler(2.0),
-        partition_specs=specs,
-        stacked_axes={"W": axis, "b": 0},
-        grad_range=True,
-      ),
-      optax.sgd(0.1),
-    )
+  tx = fs.chain(
+    fs.fp16_loss_scale(
+      fs.static_scaler(2.0),
+      partition_specs=specs,
+      stacked_axes={"W": axis, "b": 0},
+      grad_range=True,
+    ),
+    optax.sgd(0.1),
   )
   state = tx.init(params)
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0, jnp.float16), params)

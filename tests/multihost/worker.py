@@ -36,12 +36,10 @@ SPECS = {"w": P("data"), "b": P()}
 
 def make_tx(partition_specs):
   scaler = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2)
-  return fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(scaler, partition_specs=partition_specs),
-      fs.clip_by_unscaled_norm(1.0, partition_specs=partition_specs),
-      optax.sgd(0.1),
-    )
+  return fs.chain(
+    fs.fp16_loss_scale(scaler, partition_specs=partition_specs),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.sgd(0.1),
   )
 
 

@@ -4,11 +4,11 @@ step.
 The same gradient sequences go to DeepSpeed's ``FP16_Optimizer`` (fused) and
 ``FP16_UnfusedOptimizer`` over torch SGD with momentum or torch Adam, and to::
 
-    skip_on_overflow(chain(fp16_loss_scale(deepspeed_scaler(init, window, floor,
+    chain(fp16_loss_scale(deepspeed_scaler(init, window, floor,
     delayed_shift=1,
                                                             raise_error_at_min_scale=False)),
                            clip_by_unscaled_norm(clip_grad), <the same optimizer
-                           in optax>))
+                           in optax>)
 
 The peer casts each step's scaled gradient to float16
 (``oracles.run_ds_fp16_optimizer``), so overflows arise in that cast, as in
@@ -113,10 +113,8 @@ def replay_args(optimizer, params0, records, scaler, clip):
   [T, ...]), scale before, prev_loss_scale, loss_scale, overflow, grad_norm.
   """
   inner = _optax_optimizer(optimizer)
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(clip), inner
-    )
+  tx = fs.chain(
+    fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(clip), inner
   )
   params = [
     jnp.asarray(p.astype(np.float16).astype(np.float32)) for p in params0

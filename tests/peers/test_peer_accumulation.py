@@ -7,8 +7,8 @@ Windows of K float16 microbatch gradients go through torch's recipe
 ``test_deepspeed.py``), run by the peers (``oracles_accumulate``), and the
 very same microbatch gradients go to::
 
-    accumulate_gradients(skip_on_overflow(chain(fp16_loss_scale(...),
-                         clip_by_unscaled_norm(...), <the same optimizer>)), K)
+    accumulate_gradients(chain(fp16_loss_scale(...),
+                         clip_by_unscaled_norm(...), <the same optimizer>), K)
 
 in one ``lax.scan``. Window by window: the same skipped windows, the same
 scale before and after, the same reported norm and the same master
@@ -146,12 +146,10 @@ def test_accumulation_matches_torch_amp_recipe(seed):
     **TORCH_SCALER,
   )
   tx = fs.accumulate_gradients(
-    fs.skip_on_overflow(
-      optax.chain(
-        fs.fp16_loss_scale(fs.torch_scaler(**TORCH_SCALER)),
-        fs.clip_by_unscaled_norm(TORCH_MAX_NORM),
-        optax.adam(lr, b1=betas[0], b2=betas[1], eps=eps),
-      )
+    fs.chain(
+      fs.fp16_loss_scale(fs.torch_scaler(**TORCH_SCALER)),
+      fs.clip_by_unscaled_norm(TORCH_MAX_NORM),
+      optax.adam(lr, b1=betas[0], b2=betas[1], eps=eps),
     ),
     K,
   )
@@ -239,10 +237,8 @@ def _ds_case(seed, fused, optimizer):
     raise_error_at_min_scale=False,
   )
   tx = fs.accumulate_gradients(
-    fs.skip_on_overflow(
-      optax.chain(
-        fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(DS_CLIP), inner
-      )
+    fs.chain(
+      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(DS_CLIP), inner
     ),
     K,
   )

@@ -51,13 +51,11 @@ def mse(params, x, y):
 
 
 def run_ours(x, y, params):
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(
-        fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=2)
-      ),
-      optax.adam(LR),
-    )
+  tx = fs.chain(
+    fs.fp16_loss_scale(
+      fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=2)
+    ),
+    optax.adam(LR),
   )
   mesh = Mesh(np.array(jax.devices()[:WORLD]), ("data",))
 

@@ -6,9 +6,9 @@ The same gradient sequences go to ``oracles.run_torch_amp`` (each step:
 ``clip_grad_norm_``, ``scaler.step``, ``scaler.update`` over float32 parameters)
 and to::
 
-    skip_on_overflow(chain(fp16_loss_scale(torch_scaler(...)),
+    chain(fp16_loss_scale(torch_scaler(...)),
     clip_by_unscaled_norm(max_norm),
-                           optax.adam(...) | optax.adamw(...)))
+                           optax.adam(...) | optax.adamw(...))
 
 fed the very scaled float32 gradients torch was given (``Step.grads``), one
 ``lax.scan`` for the whole sequence. Overflow steps come from NaN and inf
@@ -103,10 +103,8 @@ def replay_args(optimizer, params0, records, scaler, max_norm, *, follow_peer):
     inner = optax.adamw(
       LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY
     )
-  tx = fs.skip_on_overflow(
-    optax.chain(
-      fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
-    )
+  tx = fs.chain(
+    fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
   )
   params = [jnp.asarray(p) for p in params0]
   grads = [

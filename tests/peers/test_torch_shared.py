@@ -225,8 +225,7 @@ def run_ours(case_names):
     init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
   )
   txs = [
-    fs.skip_on_overflow(optax.chain(fs.fp16_loss_scale(scaler), opt))
-    for opt in _optimizers_optax()
+    fs.chain(fs.fp16_loss_scale(scaler), opt) for opt in _optimizers_optax()
   ]
 
   def run_one(name, params, xs):
