@@ -79,12 +79,15 @@ def test_the_rule_equals_the_numpy_reference_bit_for_bit(history):
     assert not np.array_equal(got, reference(2.0**16, g, o, 1))
 
 
-def test_history_1_is_the_old_state_and_rule():
+def test_history_1_is_the_old_state_and_the_default_has_a_window():
   # history=1 keeps no window: the state is the five counters, as before.
-  state = fs.headroom_scaler().init()
-  assert fs.headroom_scaler().history == 1
+  state = fs.headroom_scaler(history=1).init()
   assert state.grad_max_history is None and state.history_position is None
   assert len(jax.tree.leaves(state)) == 5
+  default = fs.headroom_scaler().init()
+  assert default.grad_max_history.shape == (256,)
+  assert default.grad_max_history.dtype == jnp.float32
+  assert default.history_position.dtype == jnp.int32
 
 
 def test_other_presets_state_is_unchanged():
@@ -224,7 +227,7 @@ def test_saved_and_restored_mid_run_continues_bit_for_bit(tmp_path):
 def test_a_state_saved_without_a_window_loads_into_one():
   # A dict from history=1 (or from before history existed) has no ring: it
   # loads into a history=8 state with an empty window, the scale kept.
-  one = fs.headroom_scaler(init_scale=2.0**12)
+  one = fs.headroom_scaler(init_scale=2.0**12, history=1)
   tx1 = guarded(one, fs.clip_by_unscaled_norm(1.0), optax.adam(1e-2))
   d = fs.scaler_state_dict(tx1.init(PARAMS))
   assert "grad_max_history" not in d
