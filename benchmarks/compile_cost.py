@@ -39,7 +39,9 @@ def lm_steps():
   import train_step_cost
 
   return dict(
-    floor=train_step_cost.plain_step, fp16=train_step_cost.scaled_step
+    floor=train_step_cost.plain_step,
+    fp16=train_step_cost.scaled_step,
+    apply_if_finite=lambda cfg: train_step_cost.plain_step(cfg, 2.0**12),
   )
 
 

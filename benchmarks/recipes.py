@@ -79,10 +79,10 @@ def fp16_tx(num_leaves, expert=False, headroom=False, **scale_kwargs):
   mask = [i % 2 == 1 for i in range(num_leaves)] if expert else None
   preset = fs.headroom_scaler if headroom else fs.deepspeed_scaler
   return fs.chain(
-      fs.fp16_loss_scale(preset(init_scale=LOSS_SCALE), **scale_kwargs),
-      fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
-      optax.adamw(LR, weight_decay=WEIGHT_DECAY),
-    )
+    fs.fp16_loss_scale(preset(init_scale=LOSS_SCALE), **scale_kwargs),
+    fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
+    optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+  )
 
 
 def clip_adamw():

@@ -28,22 +28,30 @@ import train_lm  # noqa: E402
 import fp16_scaling as fs  # noqa: E402
 
 
-def plain_step(cfg):
+def plain_step(cfg, scale=None):
   """The same model's step with plain optax and no loss scaling: float16
   gradients cast to float32, then ``chain(clip_by_global_norm, adamw)``.
-  Returns ``(tx, step)``, the step jitted with params and state donated."""
+  With a ``scale``, the loss is multiplied by it, the gradients divided,
+  and the chain runs inside ``optax.apply_if_finite``. Returns ``(tx,
+  step)``, the step jitted with params and state donated."""
   model = train_lm.make_model(cfg)
   tx = optax.chain(
     optax.clip_by_global_norm(cfg.max_norm),
     optax.adamw(cfg.lr, weight_decay=1e-4),
   )
+  if scale is not None:
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=5)
 
   def step(params, opt_state, x, y):
     half = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
-    loss, grads = jax.value_and_grad(
-      lambda p: train_lm.loss_fn(model, p, x, y)
-    )(half)
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    loss_fn = lambda p: train_lm.loss_fn(model, p, x, y)
+    if scale is None:
+      loss, grads = jax.value_and_grad(loss_fn)(half)
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    else:  # a static scale: the gradients of loss * scale, divided by it
+      loss, grads = jax.value_and_grad(lambda p: loss_fn(p) * scale)(half)
+      loss = loss / scale
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 

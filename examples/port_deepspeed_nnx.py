@@ -1,4 +1,5 @@
-"""A DeepSpeed fp16 recipe ported to a Flax NNX model (docs/porting.md).
+"""A DeepSpeed fp16 recipe ported to a Flax NNX model
+(docs/porting-deepspeed.md).
 
 A ``ds_config`` with ZeRO stage 2, 4 microbatches per step and clipping;
 float16 compute with float32 master weights; ``nnx.Optimizer.update(model,

@@ -88,7 +88,7 @@ DTYPES = {
   "float16": jnp.float16,
   "float32": jnp.float32,
 }
-SCALERS = {  # the RL frameworks' float16 recipes: docs/porting.md
+SCALERS = {  # the RL frameworks' float16 recipes: docs/porting-rl.md
   "bfloat16": lambda: fs.no_scaler(),
   "float16": lambda: fs.torch_scaler(growth_interval=400),  # verl FSDP
   "float32": lambda: fs.no_scaler(),
@@ -353,9 +353,9 @@ def make_optimizer(cfg: Config, name: str):
   # scale_metrics' nonfinite_layers are per layer (docs/stacked.md).
   stacked = fs.stacked_under("layers")
   tx = fs.chain(
-      fs.fp16_loss_scale(SCALERS[name](), stacked_axes=stacked),
-      optax.adam(cfg.lr),
-    )
+    fs.fp16_loss_scale(SCALERS[name](), stacked_axes=stacked),
+    optax.adam(cfg.lr),
+  )
   return fs.accumulate_gradients(tx, cfg.micro)
 
 

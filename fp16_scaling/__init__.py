@@ -12,12 +12,16 @@ from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
 from fp16_scaling._diagnostics import raise_if_min_scale_reached
 from fp16_scaling._grad import value_and_grad
+from fp16_scaling._jax_presets import jmp_scaler
+from fp16_scaling._jax_presets import keras_scaler
 from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
 from fp16_scaling._metrics import layer_grad_norms
 from fp16_scaling._metrics import scale_metrics
+from fp16_scaling._policy import Policy
+from fp16_scaling._policy import get_policy
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
 from fp16_scaling._scaler import deepspeed_scaler
@@ -27,6 +31,7 @@ from fp16_scaling._scaler import megatron_scaler
 from fp16_scaling._scaler import no_scaler
 from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
+from fp16_scaling._select import select_on_overflow
 from fp16_scaling._shared import sync_loss_scales
 from fp16_scaling._stacked import stacked_under
 from fp16_scaling._states import KINDS as OVERFLOW_KINDS
@@ -53,6 +58,7 @@ __all__ = [
   "MinLossScaleError",
   "OVERFLOW_KINDS",
   "OverflowReport",
+  "Policy",
   "ScaleMetrics",
   "Scaler",
   "ScalerState",
@@ -67,7 +73,10 @@ __all__ = [
   "load_scaler_state_dict",
   "fp16_loss_scale",
   "from_deepspeed_config",
+  "get_policy",
   "headroom_scaler",
+  "jmp_scaler",
+  "keras_scaler",
   "layer_grad_norms",
   "megatron_scaler",
   "no_scaler",
@@ -76,6 +85,7 @@ __all__ = [
   "scale_metrics",
   "scaler_from_state_dict",
   "scaler_state_dict",
+  "select_on_overflow",
   "set_loss_scale",
   "stacked_under",
   "static_scaler",

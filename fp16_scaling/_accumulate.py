@@ -116,7 +116,9 @@ def accumulate_gradients(
   partition_specs = tx.scale.partition_specs
 
   def init_fn(params):
-    _norm.check_float_leaves(jax.tree.leaves(params), "accumulate_gradients")
+    _norm.check_float_leaves(
+      jax.tree.leaves(params), "accumulate_gradients", params
+    )
     return _initial_state(tx.init(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp16_scaling import _lookup
 from fp16_scaling import _validate
 
 # The targets, as jax.numpy names them.
@@ -32,6 +31,8 @@ class LeafCast(NamedTuple):
       dtype's smallest normal): they keep fewer significant bits.
     to_zero: nonzero values the cast flushes to zero.
     max_abs: the largest finite magnitude in the leaf, before the cast.
+    nonfinite: values already inf or NaN, before any cast: a checkpoint
+      that holds one is broken whatever the dtype.
   """
 
   size: int
@@ -39,6 +40,7 @@ class LeafCast(NamedTuple):
   to_subnormal: int
   to_zero: int
   max_abs: float
+  nonfinite: int = 0
 
 
 class CastReport(NamedTuple):
@@ -48,11 +50,14 @@ class CastReport(NamedTuple):
     dtype: the target dtype's name, one of ``CAST_DTYPES``.
     max_finite: the target's largest finite value (65504 for float16).
     leaves: path -> :class:`LeafCast`, for every floating leaf (integer and
-      boolean leaves are not cast and not listed), the most values past the
-      range first, then the largest magnitude first.
+      boolean leaves are not cast and not listed): those already holding an
+      inf or NaN first, then the most values past the range, then the
+      largest magnitude.
     overflowing: the paths of the leaves with ``to_inf > 0``, in that
       order.
     top: how many leaves ``str()`` lists.
+    nonfinite: the paths of the leaves that already hold an inf or NaN
+      (``LeafCast.nonfinite > 0``), in that order.
   """
 
   dtype: str
@@ -60,22 +65,37 @@ class CastReport(NamedTuple):
   leaves: Dict[str, LeafCast]
   overflowing: Tuple[str, ...]
   top: int = 10
+  nonfinite: Tuple[str, ...] = ()
 
   def __str__(self) -> str:
     inf, sub, zero = (  # to_inf, to_subnormal, to_zero
       sum(c[i] for c in self.leaves.values()) for i in (1, 2, 3)
     )
-    lines = [
+    lines = []
+    if self.nonfinite:
+      bad = sum(c.nonfinite for c in self.leaves.values())
+      lines.append(
+        f"NOT CLEAN: {bad} values are already inf or NaN, before any cast, "
+        f"in {len(self.nonfinite)} of {len(self.leaves)} leaves."
+      )
+    lines += [
       f"Cast to {self.dtype} (largest finite {self.max_finite:g}): {inf} "
       f"values past the range in {len(self.overflowing)} of "
       f"{len(self.leaves)} leaves, {sub} subnormal, {zero} flushed to zero.",
       f"Per leaf, overflowing first (top {self.top}): to inf, to subnormal, "
-      "to zero, max |x|",
+      "to zero, max |x|" + (", already inf/NaN" if self.nonfinite else ""),
     ]
     for p, c in list(self.leaves.items())[: self.top]:
-      lines.append(f"  {c[1]:>7} {c[2]:>7} {c[3]:>7} {c[4]:>10.3g}  {p}")
+      extra = f" {c.nonfinite:>7}" if self.nonfinite else ""
+      lines.append(f"  {c[1]:>7} {c[2]:>7} {c[3]:>7} {c[4]:>10.3g}{extra}  {p}")
     if len(self.leaves) > self.top:
       lines.append(f"  ... and {len(self.leaves) - self.top} more leaves")
+    if self.nonfinite:
+      lines.append(
+        "What to do: the checkpoint already holds inf or NaN values (listed "
+        "first): no dtype or loss scale trains from it. Restore an earlier "
+        "checkpoint, or find the step or conversion that wrote them."
+      )
     if self.overflowing:
       lines.append(
         f"What to do: values past {self.max_finite:g} overflow the forward "
@@ -96,6 +116,7 @@ def _leaf_cast(x: np.ndarray, dtype, smallest_normal) -> LeafCast:
     int(np.sum((y > 0) & (y < smallest_normal))),
     int(np.sum(finite & (x != 0) & (y == 0))),
     float(np.max(np.abs(x[finite]), initial=0.0)),
+    int(np.sum(~finite)),
   )
 
 
@@ -105,8 +126,9 @@ def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
   A host function, for a checkpoint before training: a bfloat16-trained
   checkpoint may hold values past float16's 65504, which overflow the
   forward pass whatever the loss scale. The cast is the plain one
-  (round to nearest even, as ``x.astype(dtype)`` and XLA do); values
-  already inf or NaN are not counted.
+  (round to nearest even, as ``x.astype(dtype)`` and XLA do). Values
+  already inf or NaN are counted apart (``LeafCast.nonfinite``), their
+  leaves listed first, and the printed report opens with ``NOT CLEAN``.
 
   Args:
     params: a pytree of arrays (numpy or JAX, on the host or a device).
@@ -131,7 +153,7 @@ def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
   name = getattr(dtype, "__name__", str(dtype))  # a type, a dtype, a name
   name = _validate.choice("dtype", name, CAST_DTYPES)
   top = _validate.count("top", top)
-  _lookup.require_host(params, "cast_report")
+  _require_host(params)
   info = jnp.finfo(getattr(jnp, name))
   host = jax.tree.map(np.asarray, params)
   leaves = {
@@ -139,7 +161,22 @@ def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
     for path, x in jax.tree_util.tree_flatten_with_path(host)[0]
     if jnp.issubdtype(x.dtype, jnp.floating)
   }
-  # Most values past the range (to_inf) first, then the largest max_abs.
-  leaves = dict(sorted(leaves.items(), key=lambda kv: (-kv[1][1], -kv[1][4])))
+  # Already non-finite first, then the most past the range, then max_abs.
+  leaves = dict(
+    sorted(leaves.items(), key=lambda kv: (-kv[1][5], -kv[1][1], -kv[1][4]))
+  )
   overflowing = tuple(p for p, c in leaves.items() if c.to_inf)
-  return CastReport(name, float(info.max), leaves, overflowing, top)
+  nonfinite = tuple(p for p, c in leaves.items() if c.nonfinite)
+  return CastReport(name, float(info.max), leaves, overflowing, top, nonfinite)
+
+
+def _require_host(params: Any) -> None:
+  """Raises TypeError when ``params`` holds tracers."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+    raise TypeError(
+      "cast_report runs on the host, outside jit: it reads a parameter "
+      "tree's concrete values, and here params holds tracers (it was "
+      "called inside a jitted, vmapped or scanned function). Call it on "
+      "the checkpoint once it is loaded, before training: "
+      "print(fs.cast_report(params, jnp.float16))."
+    )

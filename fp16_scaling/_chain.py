@@ -164,6 +164,7 @@ def chain(*transforms: optax.GradientTransformation) -> Step:
 
   def outcome(updates, state, params, extra, in_float16_range) -> Outcome:
     ls = state[0]
+    _loss_scale.check_state(scale, ls)
     m = scale.measure(
       updates, ls.scaler.loss_scale, in_float16_range=in_float16_range
     )

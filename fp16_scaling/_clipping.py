@@ -106,7 +106,7 @@ def init_state(config: ClipConfig, params) -> ClipState:
   """The :class:`ClipState` before the first step, ``config`` checked on
   ``params``."""
   what = "clip_by_unscaled_norm"
-  _norm.check_float_leaves(jax.tree.leaves(params), f"{what} params")
+  _norm.check_float_leaves(jax.tree.leaves(params), f"{what} params", params)
   _expert_groups(config.expert_mask, params)
   _sharding.leaf_axes_from_specs(config.partition_specs, params, what)
   # Three buffers: a donating step reuses each for its own field.

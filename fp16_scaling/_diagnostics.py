@@ -180,15 +180,34 @@ class OverflowReport:
         f"{self.top}): max|g|, headroom bits at {_fmt_scale(self.scale)}, "
         "zero fraction"
       )
-      by_headroom = lambda kv: kv[1].headroom_bits
-      ranked = sorted(self.grad_range.items(), key=by_headroom)
-      for p, r in ranked[: self.top]:
-        lines.append(
-          f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "
-          f"{r.zero_fraction:6.1%}  {p}"
-        )
+      lines += self._range_rows()
     lines.append("What to do: " + self.advice())
     return "\n".join(lines)
+
+  def _range_rows(self) -> list:
+    """The gradient-range rows: the finite leaves by headroom, then apart
+    those that held an inf or NaN, whose range is of their finite values
+    only (none, for a leaf with no finite nonzero value)."""
+    bad = set(self.nonfinite_leaves)
+    by_headroom = lambda kv: kv[1].headroom_bits
+    finite = [kv for kv in self.grad_range.items() if kv[0] not in bad]
+    lines = [
+      f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "
+      f"{r.zero_fraction:6.1%}  {p}"
+      for p, r in sorted(finite, key=by_headroom)[: self.top]
+    ]
+    held = [(p, self.grad_range[p]) for p in self.nonfinite_leaves]
+    if held:
+      lines.append(
+        f"  Not ranked, held an inf or NaN on the last step ({len(held)}; "
+        "max|g| of their finite values):"
+      )
+    for p, r in held[: self.top]:
+      peak = f"{r.max_abs:10.3g}" if r.max_abs > 0 else "      none"
+      lines.append(f"  {peak}  {'-':>6}  {r.zero_fraction:6.1%}  {p}")
+    if len(held) > self.top:
+      lines.append(f"  ... and {len(held) - self.top} more")
+    return lines
 
 
 def _fmt_scale(s: float) -> str:

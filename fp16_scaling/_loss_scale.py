@@ -1,5 +1,7 @@
-"""``fp16_loss_scale``: detect overflow, unscale by ``prev_loss_scale``, and
-step the loss scale for the next step (docs/design.md, "State").
+"""``fp16_loss_scale``: its configuration, and what :func:`chain` does with
+it each step: record the overflow, the norm and the kind from the one
+measurement, and step the loss scale for the next step (docs/design.md,
+"State").
 """
 
 import dataclasses
@@ -307,11 +309,13 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   register_with_flax()
   params = _gradient_tree(params)
   leaves = jax.tree.leaves(params)
-  _norm.check_float_leaves(leaves, "fp16_loss_scale params")
+  _norm.check_float_leaves(leaves, "fp16_loss_scale params", params)
   _warn_float16_params(leaves)
   specs = config.partition_specs
   _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
   paths = _leaf_paths(params, config.scaler, specs, config.layout(params))
+  # Not stepped yet: sync_loss_scales refuses it until an update marks it.
+  paths = paths.marked(False)
   return _initial_state(config.scaler.init(), paths, config.grad_range)
 
 
@@ -327,13 +331,10 @@ def step_state(
   ``measurement`` read; ``value`` is the loss (``value=``), or None.
 
   Raises:
-    ValueError: a state of another configuration; gradients of another tree
-      than ``params``'.
+    ValueError: gradients of another tree than ``params``'.
     TypeError: a ``value`` that is not a floating scalar.
   """
   scaler = config.scaler
-  key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
-  _check_built_here(state.leaf_paths, scaler, config.partition_specs, key)
   _check_gradient_tree(updates, params)
   if value is not None:
     value = _validate.scalar_loss(value)
@@ -354,7 +355,18 @@ def step_state(
   if config.log_overflows:
     _log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
-  return _donation.written_over(state, new_state)
+  new_state = _donation.written_over(state, new_state)
+  # Marked after the tree.map, which keeps its first tree's static part.
+  return new_state._replace(leaf_paths=new_state.leaf_paths.marked(True))
+
+
+def check_state(config: ScaleConfig, state: LossScaleState) -> None:
+  """Raises ValueError when ``state`` was built by another configuration
+  (its static ``leaf_paths`` say which), before anything is read with
+  ``config``."""
+  key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
+  specs = config.partition_specs
+  _check_built_here(state.leaf_paths, config.scaler, specs, key)
 
 
 def _check_built_here(paths: LeafPaths, scaler, specs, key) -> None:

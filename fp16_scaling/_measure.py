@@ -112,7 +112,7 @@ def measure(
     ValueError: ``partition_specs`` does not fit ``grads``.
   """
   leaves = jax.tree.leaves(grads)
-  _norm.check_float_leaves(leaves, f"{what} gradients")
+  _norm.check_float_leaves(leaves, f"{what} gradients", grads)
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
   if layer_axes is not None and len(layer_axes) != len(leaves):
     layer_axes = None  # not the params' tree: _loss_scale._leaf_fitter warns

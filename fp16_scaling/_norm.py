@@ -4,7 +4,7 @@ over its mesh axes (docs/design.md, "The one pass", "What float16 holds").
 """
 
 import functools
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 from jax import lax
@@ -46,15 +46,44 @@ class Norms(NamedTuple):
   leaf_sums: jax.Array
 
 
-def check_float_leaves(leaves: Sequence[jax.Array], what: str) -> None:
-  """Raises TypeError for a non-floating leaf (integer or bool gradients)."""
-  for i, x in enumerate(leaves):
+def check_float_leaves(
+  leaves: Sequence[jax.Array], what: str, tree: Any = None
+) -> None:
+  """Raises TypeError for a non-floating leaf (integer or bool gradients),
+  or one that is not an array at all (an Equinox module's functions);
+  given the ``tree`` the leaves are of, the message names the leaf's path."""
+  paths = [None] * len(leaves)
+  if tree is not None:
+    with_paths = jax.tree_util.tree_leaves_with_path(tree)
+    if len(with_paths) == len(leaves):
+      paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  for i, (x, path) in enumerate(zip(leaves, paths)):
+    leaf = f"leaf {i}" + (f" ({path})" if path else "")
+    if not hasattr(x, "dtype") and not isinstance(x, (int, float, complex)):
+      raise TypeError(
+        f"{what} must be arrays of floating point; {leaf} is a "
+        f"{type(x).__name__} ({_short(x)}), not an array. An Equinox "
+        "module's activation functions and other non-array fields are "
+        "leaves of its tree: pass eqx.filter(model, eqx.is_inexact_array) "
+        "to tx.init, and gradients of that filtered tree to tx.update (as "
+        "eqx.filter_grad makes them); elsewhere, keep only the arrays in "
+        "the params tree"
+      )
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
         f"{what} must be floating point (float16, bfloat16, float32 or "
-        f"float64); leaf {i} has dtype {dtype}"
+        f"float64); {leaf} has dtype {dtype}. Keep integer and bool "
+        "arrays (step counters, masks) out of the tree the optimizer "
+        "sees, e.g. eqx.filter(model, eqx.is_inexact_array) or an "
+        "optax.masked optimizer"
       )
+
+
+def _short(x) -> str:
+  """``repr(x)``, cut to a line."""
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_wide(x) -> bool:

@@ -4,57 +4,136 @@ semantics: each optimizer keeps, measures and skips on its own scale, and
 decide together (docs/design.md, "One scale for several optimizers").
 """
 
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from fp16_scaling import _lookup
+from fp16_scaling._states import LossScaleState
 
 
-def _member(opt_state: Any, i: int):
+def _nnx_variable_type():
+  """``nnx.Variable`` of a loaded flax.nnx, or None."""
+  nnx = sys.modules.get("flax.nnx")
+  return getattr(nnx, "Variable", None)
+
+
+def _is_nnx_optimizer(x: Any) -> bool:
+  """Whether ``x`` is an ``nnx.Optimizer`` (of a loaded flax.nnx)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Optimizer)
+
+
+def _member(opt_state: Any, i: int) -> LossScaleState:
   """The loss-scale state of the ``i``-th optimizer state to sync."""
   what = f"sync_loss_scales' optimizer state {i}"
+  if _is_nnx_optimizer(opt_state):
+    opt_state = opt_state.opt_state
   if _lookup.accumulation_state(opt_state) is not None:
     raise ValueError(
       f"{what} is under accumulate_gradients, which is not supported: "
       "between windows its state reports the last window's overflow"
     )
-  return _lookup.loss_scale_state(opt_state, what)
+  ls = _lookup.loss_scale_state(opt_state, what)
+  if _in_variables(opt_state):
+    # nnx writes its Variables in place and keeps the state's static part
+    # as tx.init built it: its mark says nothing of the steps since.
+    return ls._replace(leaf_paths=ls.leaf_paths.marked(None))
+  if ls.leaf_paths.stepped is False:
+    raise ValueError(
+      f"sync_loss_scales: optimizer state {i} has not stepped since tx.init "
+      "or the last sync_loss_scales: these are the states from before "
+      "tx.update, and keeping their sync would freeze the scale and drop "
+      "the step's skips. Sync the states tx.update returned, once per step: "
+      "_, s0 = tx0.update(g0, s0, p0); _, s1 = tx1.update(g1, s1, p1); "
+      "s0, s1 = fs.sync_loss_scales(s0, s1)"
+    )
+  return ls
+
+
+def _in_variables(opt_state: Any) -> bool:
+  """Whether ``opt_state``'s loss-scale state holds nnx Variables."""
+  variable = _nnx_variable_type()
+  if variable is None:
+    return False
+  held = _lookup.all_with_path(opt_state, LossScaleState)[0][1]
+  is_var = lambda x: isinstance(x, variable)
+  return any(map(is_var, jax.tree.leaves(held, is_leaf=is_var)))
+
+
+def _set_in_place(opt: Any, new: LossScaleState) -> None:
+  """Writes ``new``'s arrays into the Variables of ``opt``'s (an
+  ``nnx.Optimizer``) loss-scale state, as NNX updates act in place."""
+  variable = _nnx_variable_type()
+  held = _lookup.all_with_path(opt.opt_state, LossScaleState)[0][1]
+  old = jax.tree.leaves(held, is_leaf=lambda x: isinstance(x, variable))
+  for var, value in zip(old, jax.tree.leaves(new), strict=True):
+    if isinstance(var, variable):
+      var.set_value(value)
+    elif var is not value:
+      raise TypeError(
+        "sync_loss_scales: this nnx.Optimizer keeps its loss-scale state's "
+        f"arrays outside nnx Variables ({type(var).__name__}), so it cannot "
+        "be synced in place; pass opt.opt_state and assign the result back"
+      )
+
+
+def _marked(opt_state: Any, stepped) -> Any:
+  """``opt_state`` with its loss-scale state marked as (not) stepped."""
+  return jax.tree.map(
+    lambda x: (
+      x._replace(leaf_paths=x.leaf_paths.marked(stepped))
+      if isinstance(x, LossScaleState)
+      else x
+    ),
+    opt_state,
+    is_leaf=lambda x: isinstance(x, LossScaleState),
+  )
 
 
 def sync_loss_scales(*opt_states: Any) -> tuple:
   """Sets the loss scales of several optimizers to one, as torch's one
   ``GradScaler`` for several optimizers steps once from all of them.
 
-  Call it once every optimizer has stepped (``tx.update``). Each optimizer
-  stepped its own scale on its own overflow; all of them are then set to
-  the scale state of an optimizer that overflowed, the one with the lowest
-  scale (the first of those), or when none did to the lowest scale of all.
-  From equal states before the step (every step but the first, when each
-  step ends with this call) that is ``Scaler.update(before, any overflow,
+  Call it once every optimizer has stepped (``tx.update``), on the states
+  ``tx.update`` returned, and keep what it returns. Each optimizer stepped
+  its own scale on its own overflow; all of them are then set to the scale
+  state of an optimizer that overflowed, the one with the lowest scale
+  (the first of those), or when none did to the lowest scale of all. From
+  equal states before the step (every step but the first, when each step
+  ends with this call) that is ``Scaler.update(before, any overflow,
   largest gradient)``, torch's rule, for every preset: the overflowed ones
   all backed off alike, and a headroom scale falls with the largest
   gradient (with ``history``, its window keeps the largest). From unequal
   states (a call was left out) it is the most cautious of them, and from
   then on they are equal again.
 
-  Calling it twice changes nothing: it reads each state's own record of
-  the last step (its overflow flag and its scale after it). Leaving it out
-  leaves every optimizer with its own scale, which still trains.
+  It reads each state's own record of the last step (its overflow flag and
+  its scale after it), so a second call on its own results would change
+  nothing; where the states say whether they stepped since ``tx.init`` or
+  the last sync, a state that did not (the states from before
+  ``tx.update``, whose sync would freeze the scale) is refused. Leaving the
+  call out leaves every optimizer with its own scale, which still trains.
+
+  ``nnx.Optimizer`` s are synced in place, as ``opt.update(model, grads)``
+  acts (their loss-scale Variables are written), and returned too.
 
   Args:
-    *opt_states: the optimizer states ``tx.update`` returned, at least one,
-      each holding one :class:`LossScaleState` (at any depth), built with
-      one and the same :class:`Scaler`.
+    *opt_states: the optimizer states ``tx.update`` returned, or
+      ``nnx.Optimizer`` s, at least one, each holding one
+      :class:`LossScaleState` (at any depth), built with one and the same
+      :class:`Scaler`.
 
   Returns:
     The states, in order, each with the one scale state (traceable: a few
-    scalar selects, no host work).
+    scalar selects, no host work); an ``nnx.Optimizer`` is itself, synced.
 
   Raises:
     ValueError: no state, a state without a loss-scale state or under
-      :func:`accumulate_gradients`, or states built with other scalers.
+      :func:`accumulate_gradients`, states built with other scalers, or a
+      state that has not stepped since ``tx.init`` or the last sync.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -101,7 +180,15 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
         overflow[..., None], scaler.grad_max_history, jnp.max(rings, axis=0)
       )
     )
-  return tuple(
-    _lookup.replace_loss_scale_state(s, ls._replace(scaler=scaler))
-    for s, ls in zip(opt_states, found)
-  )
+  out = []
+  for s, ls in zip(opt_states, found):
+    new = ls._replace(scaler=scaler)
+    if _is_nnx_optimizer(s):
+      _set_in_place(s, new)
+      out.append(s)
+      continue
+    s = _lookup.replace_loss_scale_state(s, new)
+    # A state marked as stepped is marked as synced; one that does not
+    # say stays unmarked.
+    out.append(_marked(s, False) if ls.leaf_paths.stepped else s)
+  return tuple(out)

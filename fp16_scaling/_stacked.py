@@ -7,6 +7,8 @@ state's treedef. The units are in leaf order, a stacked leaf's L layers in
 layer order; a state built without ``stacked_axes`` has one unit per leaf.
 """
 
+import dataclasses
+import difflib
 from numbers import Integral
 from typing import Any, Optional
 
@@ -57,6 +59,12 @@ class Layout:
     self.key, self.axes, self.layers = key, tuple(axes), int(layers)
     self.names = tuple(names)
 
+  def __eq__(self, other):
+    return isinstance(other, Layout) and self.key == other.key
+
+  def __hash__(self):
+    return hash(self.key)
+
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
     counts = np.array([1 if a is None else self.layers for a in self.axes])
@@ -65,12 +73,19 @@ class Layout:
 
 
 def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
-  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim,
-  one L for all, and (under ``shard_map``) not split over a mesh axis."""
+  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim
+  and where its partition names (if any) put ``"layers"``, one L for all,
+  and (under ``shard_map``) not split over a mesh axis; a
+  :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
   key = check(stacked_axes, what)
-  prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
+  try:
+    prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
+  except ValueError as e:
+    if not isinstance(stacked_axes, StackedUnder):
+      raise
+    raise ValueError(f"{what}: stacked_axes: {e}") from None
   values = _leaves(prefix, what)
   try:
     per_leaf = _sharding.broadcast_prefix(values, prefix, tree, _is_none)
@@ -81,10 +96,17 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   specs = [None] * len(names)
   if partition_specs is not None and names:
     specs = _sharding._leaf_specs(partition_specs, tree, what)
+  boxes = _partition_names(tree, len(names))
+  layer_names = {"layers"}
+  if isinstance(stacked_axes, StackedUnder):
+    layer_names |= set(stacked_axes.names)
   axes, found = [], {}
-  for name, (_, x), a, spec in zip(names, with_paths, per_leaf, specs):
+  for i, (name, (_, x), a, spec) in enumerate(
+    zip(names, with_paths, per_leaf, specs)
+  ):
     if a is not None:
       a = _leaf_axis(name, np.ndim(x), a, spec, what)
+      _check_named_axis(name, a, boxes[i], layer_names, what)
       found[name] = np.shape(x)[a]
     axes.append(a)
   if len(set(found.values())) > 1:
@@ -116,6 +138,47 @@ def _leaf_axis(name, ndim, a, spec, what) -> int:
   return a
 
 
+def _box_names(x) -> Optional[tuple]:
+  """The axis names a Flax ``nn.Partitioned`` (``names``) or an NNX
+  ``Variable`` (``out_sharding`` metadata) gives its array, else None."""
+  if hasattr(x, "unbox") and hasattr(x, "names"):  # linen AxisMetadata
+    names = x.names
+  elif hasattr(x, "get_metadata") and hasattr(x, "get_value"):  # nnx
+    names = x.get_metadata("out_sharding", None)
+  else:
+    return None
+  ok = isinstance(names, (tuple, list)) and all(
+    n is None or isinstance(n, str) for n in names
+  )
+  return tuple(names) if ok else None
+
+
+def _partition_names(tree, n: int) -> list:
+  """Per leaf of ``tree``, its box's axis names, or None; all None when
+  the boxes are not one per leaf."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: _box_names(x) is not None)
+  if len(leaves) != n:
+    return [None] * n
+  return [_box_names(x) for x in leaves]
+
+
+def _check_named_axis(name, a: int, names, layer_names, what) -> None:
+  """Raises when leaf ``name``'s partition names put the layers elsewhere
+  than its layer axis ``a`` (as ``nn.scan``'s ``metadata_params`` and
+  MaxText name it)."""
+  if names is None or len(names) <= a:
+    return
+  at = [i for i, n in enumerate(names) if n in layer_names]
+  if len(at) == 1 and at[0] != a:
+    raise ValueError(
+      f"{what}: stacked_axes gives leaf {name} the layer axis {a}, but its "
+      f"partition names {names} put {names[at[0]]!r} on axis {at[0]}: the "
+      "layer axis is taken from the wrong dimension (an inf in one layer "
+      f"would be reported in another). Pass axis={at[0]} (e.g. "
+      f"fs.stacked_under(..., axis={at[0]}))"
+    )
+
+
 def unit_names(layout: Optional[Layout], names, sizes) -> tuple:
   """``(paths, sizes)`` per unit: a stacked leaf's layer ``l`` is its path
   with ``[l]`` appended, of its size over L."""
@@ -134,27 +197,122 @@ def summed_axes(x, axis: Optional[int]) -> tuple:
   return tuple(i for i in range(np.ndim(x)) if i != axis)
 
 
-def stacked_under(*names: str, axis: int = 0) -> Any:
+def _key_name(k) -> Any:
+  """A path entry's name: a dict key, an attribute or a field (else None)."""
+  return getattr(k, "key", getattr(k, "name", None))
+
+
+def _flat_names(names) -> tuple:
+  """``names`` as given to :func:`stacked_under`, lists and tuples opened."""
+  out = []
+  for n in names:
+    if isinstance(n, (list, tuple, set, frozenset)):
+      out += _flat_names(n)
+    elif isinstance(n, str):
+      out.append(n)
+    else:
+      raise TypeError(
+        "stacked_under: each name must be a str (the dict key, attribute or "
+        f"field that holds the stack), or a list of them; got {n!r}"
+      )
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedUnder:
+  """``stacked_axes`` for every leaf under a key named one of ``names``
+  (what :func:`stacked_under` returns). Two are equal, and hash equal, when
+  they name the same keys and axis, so that every ``stacked_under("layers")``
+  is one spec.
+
+  Attributes:
+    names: the keys, sorted, each once.
+    axis: the stacked leaves' layer axis.
+  """
+
+  names: tuple
+  axis: int
+
+  def __call__(self, params) -> Any:
+    """The full ``stacked_axes`` tree of ``params``.
+
+    Raises:
+      ValueError: no leaf of ``params`` is under a key named one of
+        ``names``; the message lists the keys the params have.
+    """
+    wanted, found = set(self.names), set()
+
+    def axis_of(path, _):
+      keys = {_key_name(k) for k in path} - {None}
+      found.update(k for k in keys if isinstance(k, str))
+      return self.axis if keys & wanted else None
+
+    axes = jax.tree_util.tree_map_with_path(axis_of, params)
+    if all(a is None for a in jax.tree.leaves(axes, is_leaf=_is_none)):
+      raise ValueError(self._no_match(sorted(found)))
+    return axes
+
+  def _no_match(self, found: list) -> str:
+    """The message for params that have no key named one of ``names``."""
+    close = []
+    for n in self.names:
+      close += difflib.get_close_matches(n, found, n=2, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    shown = ", ".join(repr(k) for k in found[:16])
+    shown += ", ..." if len(found) > 16 else ""
+    return (
+      f"{self!r} matches no leaf of the params: no dict key, attribute or "
+      f"field on their paths is named {' or '.join(map(repr, self.names))}, "
+      "so no layer would be recorded. The keys they have: "
+      f"{shown or '(none)'}.{hint} Name the key that holds the stack, e.g. "
+      f"fs.stacked_under({(close or found or ['layers'])[0]!r}), or leave "
+      "stacked_axes out if no leaf is stacked"
+    )
+
+  def __repr__(self) -> str:
+    args = ", ".join(map(repr, self.names))
+    return f"fs.stacked_under({args}, axis={self.axis})"
+
+
+def stacked_under(*names: Any, axis: int = 0) -> StackedUnder:
   """``stacked_axes`` for every leaf under a key named one of ``names``.
 
   ``fs.stacked_under("layers")`` gives layer axis ``axis`` to each leaf whose
   path holds a dict key, attribute or field named ``"layers"`` (a Linen
   ``nn.scan``'s module, an NNX or Equinox stacked attribute), None to the
-  others.
+  others. Two calls with the same names and axis make equal specs.
 
   Args:
-    *names: the keys under which the params are stacked.
+    *names: the keys under which the params are stacked, as strings or
+      lists of strings; at least one.
     axis: their layer axis (MaxText stacks on axis 1).
 
   Returns:
-    A callable mapping the params to a full ``stacked_axes`` tree.
+    A frozen callable (``StackedUnder``) mapping the params to a full
+    ``stacked_axes`` tree.
+
+  Raises:
+    ValueError: no name; from the callable (at ``tx.init``), no leaf of the
+      params under any of the names (the message lists the keys they have).
+    TypeError: a name that is not a string, or an ``axis`` not an int.
+
+  Example:
+    >>> import jax.numpy as jnp, fp16_scaling as fs
+    >>> params = {"layers": {"w": jnp.zeros((8, 4, 4))}, "head": jnp.zeros(4)}
+    >>> fs.stacked_under("layers")(params)
+    {'head': None, 'layers': {'w': 0}}
+    >>> fs.stacked_under(["layers"]) == fs.stacked_under("layers")
+    True
   """
-
-  def axis_of(path, _):
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return axis if set(keys) & set(names) else None
-
-  return lambda params: jax.tree_util.tree_map_with_path(axis_of, params)
+  flat = _flat_names(names)
+  if not flat:
+    raise ValueError(
+      "stacked_under needs the name of the key, attribute or field that "
+      'holds the stack, e.g. fs.stacked_under("layers")'
+    )
+  if isinstance(axis, bool) or not isinstance(axis, Integral):
+    raise TypeError(f"stacked_under: axis must be an int; got {axis!r}")
+  return StackedUnder(tuple(sorted(set(flat))), int(axis))
 
 
 def count_nonfinite(flags, layout: Layout) -> tuple:

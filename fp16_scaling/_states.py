@@ -2,6 +2,7 @@
 apart from the code that computes them (docs/design.md, "State").
 """
 
+import copy
 import dataclasses
 import sys
 from typing import Any, NamedTuple, Optional
@@ -33,7 +34,22 @@ class LeafPaths:
   (when set) ``stacked`` only, so that ``optax.tree_map_params``' leafless
   placeholder matches a state built from the real tree, and a state built
   without ``stacked_axes`` keeps the key it always had.
+
+  ``stepped`` (outside equality, never saved) tells
+  :func:`sync_loss_scales` whether the state has stepped since it was
+  built or last synced: True after ``tx.update``, False after ``tx.init``
+  or a sync, None where the builder does not say (then it cannot tell).
   """
+
+  stepped = None
+
+  def marked(self, stepped: Optional[bool]) -> "LeafPaths":
+    """This node with ``stepped`` set (the same equality and hash)."""
+    if self.stepped is stepped:
+      return self
+    out = copy.copy(self)
+    out.stepped = stepped
+    return out
 
   def __init__(self, paths, sizes, scaler=None, specs=None, stacked=None):
     self.paths = tuple(paths)

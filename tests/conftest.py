@@ -38,12 +38,13 @@ def pytest_ignore_collect(collection_path, config):
 
 
 # Tests whose every step another test repeats: the docs pages' snippets run
-# without their PyTorch blocks (for ``-m "not peers"``), and again with them
+# without their PyTorch side (for ``-m "not peers"``), and again with it
 # under tests/peers. When both are selected and PyTorch is there, the one with
 # the PyTorch blocks runs alone.
 _SUPERSEDED = {
-  "tests/test_docs_porting.py::test_porting_snippets_run": (
-    "tests/peers/test_peer_docs_porting.py::test_porting_snippets_run_with_torch"
+  "tests/test_docs_porting.py::"
+  "test_porting_page_runs_alone[porting-torch.md]": (
+    "tests/peers/test_porting_torch.py::test_the_page_runs"
   ),
   "tests/test_docs_checkpoints.py::test_checkpoint_snippets_run": (
     "tests/peers/test_peer_docs_checkpoints.py::"

@@ -23,3 +23,13 @@ def run_page(page, namespace, *, available=()):
     exec(compile(code, f"{page} block {ran}", "exec"), namespace)
     ran += 1
   return ran
+
+
+def section_blocks(page, heading):
+  """The Python blocks of the section of ``page`` under ``heading`` (a
+  ``## `` line, its subsections included), up to the next ``## ``."""
+  text = (DOCS / page).read_text()
+  start = text.index(f"\n{heading}\n")
+  end = text.find("\n## ", start + len(heading) + 2)
+  section = text[start : end if end >= 0 else None]
+  return re.findall(r"```python\n(.*?)```", section, flags=re.S)

@@ -149,17 +149,6 @@ def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
       )
 
 
-def test_early_select_is_refused_naming_what_replaced_it():
-  chain = optax.chain(fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))
-  for value in (True, False):
-    with pytest.raises(TypeError, match="always selects after the inner") as e:
-      fs.skip_on_overflow(chain, early_select=value)
-    assert "early_select= was removed" in str(e.value)
-    assert "xla_cpu_copy_insertion_use_region_analysis" in str(e.value)
-  with pytest.raises(TypeError, match="got extra: it takes the chain alone"):
-    fs.skip_on_overflow(chain, extra=1)
-
-
 # --------------------------------------------------------------------------
 # The compiled step: with the CPU option no copy of an array, no more bytes
 # than optax.

@@ -288,9 +288,7 @@ def test_the_receiver_check_sees_a_wrong_type():
   assert not _takes(
     "ClipState", "_loss_scale._next_state", "measurement", functions
   )
-  assert not _takes(
-    "Measurement", "_lookup.clip_state", "opt_state", functions
-  )
+  assert not _takes("Measurement", "_lookup.clip_state", "opt_state", functions)
 
 
 def test_the_package_has_no_hidden_channels():

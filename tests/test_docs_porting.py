@@ -1,15 +1,41 @@
-"""docs/porting.md's snippets, run as written (those that need PyTorch in
-tests/peers/test_peer_docs_porting.py)."""
+"""The porting guides' snippets (docs/porting-*.md), each page run alone,
+as written, in a fresh namespace: every page's first block brings its own
+imports and helpers. tests/peers/test_porting_torch.py runs
+docs/porting-torch.md again with the torch side of each recipe."""
+
+import pathlib
 
 import docs_snippets
 import pytest
 
 pytest.importorskip("flax.nnx")
 pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("equinox")
+
+# page: its number of Python blocks.
+PAGES = {
+  "porting-deepspeed.md": 5,
+  "porting-torch.md": 12,
+  "porting-ddp.md": 3,
+  "porting-equinox.md": 2,
+  "porting-rl.md": 2,
+}
 
 
-def test_porting_snippets_run(tmp_path):
-  ran = docs_snippets.run_page("porting.md", {"ckpt_dir": tmp_path})
-  blocks = docs_snippets.blocks("porting.md")
-  torch_blocks = [b for b in blocks if docs_snippets.NEEDS.match(b)]
-  assert torch_blocks and ran == len(blocks) - len(torch_blocks)
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_porting_page_runs_alone(page, tmp_path):
+  blocks = docs_snippets.blocks(page)
+  assert not any(docs_snippets.NEEDS.match(b) for b in blocks)  # no torch
+  ran = docs_snippets.run_page(page, {"ckpt_dir": tmp_path})
+  assert ran == len(blocks) == PAGES[page]
+
+
+def test_porting_index_links_every_guide():
+  index = (docs_snippets.DOCS / "porting.md").read_text()
+  for page in PAGES:
+    assert f"]({page})" in index, page
+
+
+def test_no_docs_page_over_500_lines():
+  for page in sorted(pathlib.Path(docs_snippets.DOCS).glob("*.md")):
+    assert len(page.read_text().splitlines()) <= 500, page.name

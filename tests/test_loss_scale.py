@@ -1,4 +1,4 @@
-"""fp16_loss_scale inside skip_on_overflow: unscaling, reported norm, errors."""
+"""fp16_loss_scale in fs.chain: unscaling, reported norm, errors."""
 
 import functools
 import warnings
@@ -155,26 +155,6 @@ def test_any_non_finite_element_is_an_overflow(bad):
   assert float(ls.loss_scale) == 32.0 and float(ls.prev_loss_scale) == 64.0
   for u in jax.tree.leaves(updates):
     assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
-
-
-def test_bare_chain_fails_loudly_at_its_first_update():
-  # Without skip_on_overflow nobody measures the gradients and hands the
-  # measurement on: the first update, traced or eager, refuses to run
-  # (its init cannot tell: optax.chain's init takes the params alone).
-  tx = optax.chain(fs.fp16_loss_scale(fs.torch_scaler()), optax.adam(1e-3))
-  state = tx.init(TRUE_GRADS)
-  for update in (tx.update, jax.jit(tx.update)):
-    with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
-      update(TRUE_GRADS, state, TRUE_GRADS)
-  # Nor does a state made by the guarded chain let the bare one update.
-  state = fs.skip_on_overflow(tx).init(TRUE_GRADS)
-  with pytest.raises(RuntimeError, match="outside skip_on_overflow"):
-    jax.jit(tx.update)(TRUE_GRADS, state, TRUE_GRADS)
-
-
-def test_skip_needs_exactly_one_loss_scale():
-  with pytest.raises(ValueError, match="exactly one fp16_loss_scale"):
-    fs.skip_on_overflow(optax.adam(1e-3)).init(TRUE_GRADS)
 
 
 def test_integer_gradients_are_rejected():

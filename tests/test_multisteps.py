@@ -1,4 +1,4 @@
-"""optax.MultiSteps around skip_on_overflow is refused, by the state's type.
+"""optax.MultiSteps around fs.chain is refused, by the state's type.
 
 The reason, shown on MultiSteps alone, and the refusal: every helper finds
 the loss-scale state through one lookup, which raises for a LossScaleState

@@ -109,6 +109,8 @@ def test_the_preset_table_uses_the_presets_own_arguments():
     "from_deepspeed_config",
     "megatron_scaler",
     "flax_scaler",
+    "jmp_scaler",
+    "keras_scaler",
     "static_scaler",
     "headroom_scaler",
     "no_scaler",

@@ -1,4 +1,4 @@
-"""docs/porting.md's RL section: the RL frameworks' float16 scalers, and
+"""docs/porting-rl.md: the RL frameworks' float16 scalers, and
 every loss term inside the one fs.value_and_grad. Checked through tx.update
 itself: with optax.sgd(1.0) inside the guarded chain the update is minus
 the gradient the optimizer saw, after the unscale."""

@@ -1,4 +1,4 @@
-"""skip_on_overflow: an overflow step leaves parameters and optimizer state
+"""fs.chain's skip: an overflow step leaves parameters and optimizer state
 bit-identical, and the run continues as if the step had never happened."""
 
 from helpers import bits as _bits

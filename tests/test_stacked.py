@@ -219,9 +219,9 @@ def test_a_state_without_stacked_axes_restores_an_older_checkpoint():
 
 def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
   params = stacked_params(0)
-  build = lambda s, **kw: fs.fp16_loss_scale(
-    fs.static_scaler(1.0), stacked_axes=s, **kw
-  ).init(params)
+  build = lambda s, **kw: fs.chain(
+    fs.fp16_loss_scale(fs.static_scaler(1.0), stacked_axes=s, **kw)
+  ).init(params)[0]
   with pytest.raises(TypeError, match="stacked_axes must be a pytree prefix"):
     fs.fp16_loss_scale(fs.static_scaler(1.0), stacked_axes={"layers": 0.5})
   with pytest.raises(

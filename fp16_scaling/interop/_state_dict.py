@@ -12,9 +12,15 @@ from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
+from fp16_scaling.interop import _jax_peers
 from fp16_scaling.interop import _peers
 
 FORMAT = "fp16_scaling"
+
+# Every peer, tried in order (the PyTorch peers first, as before), and
+# to_peer_state_dict's names.
+_PEERS = _peers.PEERS + _jax_peers.PEERS
+_EXPORTS = {**_peers.EXPORTS, **_jax_peers.EXPORTS}
 
 # The own format has one key per array of the LossScaleState, named by its
 # field; a nested NamedTuple's fields get this prefix (default: name + "_").
@@ -84,20 +90,30 @@ def _recognise(state_dict: Any) -> tuple:
   """``(peer, dict)`` of ``state_dict``; peer None for the own format."""
   if not isinstance(state_dict, Mapping):
     attrs = getattr(state_dict, "__dict__", None)
-    if isinstance(attrs, Mapping) and "cur_scale" in attrs:
-      return _recognise(dict(attrs))  # a DeepSpeed loss scaler object
+    # A DeepSpeed loss scaler, a jmp DynamicLossScale, a built Keras
+    # LossScaleOptimizer: the object's attributes are its state.
+    if isinstance(attrs, Mapping) and (
+      "cur_scale" in attrs or _peer_of(attrs) is not None
+    ):
+      return _recognise(dict(attrs))
     raise TypeError(
-      "state_dict must be a dict (or DeepSpeed's loss scaler), got "
+      "state_dict must be a dict (or DeepSpeed's loss scaler, jmp's "
+      "DynamicLossScale, a built Keras LossScaleOptimizer), got "
       f"{type(state_dict).__name__}"
     )
   if state_dict.get("format") == FORMAT:
     return None, state_dict
   if "loss_scaler" in state_dict:
     return _recognise(state_dict["loss_scaler"])
-  peer = _peers.recognise(state_dict)
+  peer = _peer_of(state_dict)
   if peer is None:
     _unknown(set(map(str, state_dict)))
   return peer, state_dict
+
+
+def _peer_of(d: Mapping) -> Optional[_peers.Peer]:
+  """The first peer in :data:`_PEERS` whose state ``d`` is, or None."""
+  return next((peer for peer in _PEERS if peer.recognises(d)), None)
 
 
 def _unknown(keys: set) -> None:
@@ -114,7 +130,7 @@ def _unknown(keys: set) -> None:
       "state_dict is empty; torch's GradScaler saves {} when it is disabled "
       "(there is no scale to load)"
     )
-  accepted = "; ".join(p.saved_by for p in _peers.PEERS)
+  accepted = "; ".join(p.saved_by for p in _PEERS)
   raise ValueError(
     f"state_dict with keys {sorted(keys)} is not a known scaler state. "
     f"Accepted: fp16_scaling's scaler_state_dict(); {accepted}."
@@ -238,14 +254,16 @@ def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
     state_dict: a state accepted by :func:`load_scaler_state_dict`, other
       than Megatron's (which holds no configuration).
     **overrides: keyword arguments of the preset for what the state does not
-      hold: ``min_scale`` for DeepSpeed's optimizer states, and hysteresis
-      for those DeepSpeed 0.19.8 saves.
+      hold: ``min_scale`` for DeepSpeed's optimizer states, hysteresis
+      for those DeepSpeed 0.19.8 saves, ``dynamic_growth_steps`` for Keras's
+      variables (the optimizer object holds it).
 
   Returns:
     A :class:`Scaler` whose initial scale is the state's scale.
 
   Raises:
-    ValueError: for Megatron's or our own state, or an unknown one.
+    ValueError: for Megatron's or our own state, Keras's variables without
+      ``dynamic_growth_steps``, or an unknown state.
   """
   peer, d = _recognise(state_dict)
   if peer is None:
@@ -262,9 +280,12 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
   Args:
     opt_state: an optax state holding one unbatched :class:`LossScaleState`.
     peer: ``"torch"`` (for ``GradScaler.load_state_dict``), ``"megatron"``
-      (``DynamicGradScaler.load_state_dict``; ``scale`` a torch tensor) or
+      (``DynamicGradScaler.load_state_dict``; ``scale`` a torch tensor),
       ``"deepspeed"`` (entries to merge into ``FP16_Optimizer.state_dict()``,
-      with the attributes of a ZeRO ``loss_scaler``).
+      with the attributes of a ZeRO ``loss_scaler``), ``"jmp"``
+      (``jmp.DynamicLossScale(**d)``) or ``"keras"`` (``dynamic_scale`` and
+      ``step_counter``, to assign to the ``LossScaleOptimizer``'s variables
+      of those names, and its ``dynamic_growth_steps``).
     scaler: the :class:`Scaler` the optimizer was built with.
 
   Returns:
@@ -276,10 +297,8 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       peer cannot run.
   """
   scaler = check_scaler(scaler)
-  if peer not in _peers.EXPORTS:
-    raise ValueError(
-      f"peer must be one of {tuple(_peers.EXPORTS)}, got {peer!r}"
-    )
+  if peer not in _EXPORTS:
+    raise ValueError(f"peer must be one of {tuple(_EXPORTS)}, got {peer!r}")
   _lookup.require_host(opt_state, "to_peer_state_dict")
   state = _lookup.scaler_state(opt_state)
   if np.ndim(state.loss_scale):
@@ -288,4 +307,6 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       f"{np.shape(state.loss_scale)}: index one member first"
     )
   counters = _peers.Counters.of(jax.device_get(state))
+  if peer in _jax_peers.EXPORTS:
+    return _jax_peers.EXPORTS[peer].save(counters, scaler)
   return _peers.exported(peer, scaler).save(counters, scaler)

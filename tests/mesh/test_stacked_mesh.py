@@ -72,10 +72,12 @@ def test_shard_map_names_layer_5_on_every_device(axis):
 
 
 def test_a_sharded_layer_axis_is_refused_by_name():
-  tx = fs.fp16_loss_scale(
-    fs.static_scaler(2.0),
-    partition_specs={"W": P("model")},
-    stacked_axes={"W": 0},
+  tx = fs.chain(
+    fs.fp16_loss_scale(
+      fs.static_scaler(2.0),
+      partition_specs={"W": P("model")},
+      stacked_axes={"W": 0},
+    )
   )
   with pytest.raises(ValueError, match=r"\['W'\]'s layer axis 0 is split"):
     with jax.set_mesh(jax.make_mesh((8,), ("model",))):

@@ -359,13 +359,16 @@ def assert_same_skips_and_scales(records, overflow, before, prev, after):
   return skipped
 
 
-def assert_same_steps(records, ours, *, norm_rtol, param_rtol_of_max):
+def assert_same_steps(
+  records, ours, *, norm_rtol, param_rtol_of_max=None, param_bounds=None
+):
   """Whole optimizer steps against a peer run's records: skips and scales
   (``assert_same_skips_and_scales``), the reported norm (0.0 for ours and not
   finite for the peer on a skipped step, within ``norm_rtol`` elsewhere) and
   the master parameters (within ``param_rtol_of_max`` times their largest
-  magnitude). ``ours`` is what ``scan_steps`` returns. Returns the peer's skip
-  mask and reported norms.
+  magnitude, or elementwise within ``param_bounds``: per parameter, one bound
+  a step and element). ``ours`` is what ``scan_steps`` returns. Returns the
+  peer's skip mask and reported norms.
   """
   params, before, prev, after, overflow, norm = ours
   skipped = assert_same_skips_and_scales(records, overflow, before, prev, after)
@@ -375,6 +378,14 @@ def assert_same_steps(records, ours, *, norm_rtol, param_rtol_of_max):
   np.testing.assert_allclose(
     norm[~skipped], peer_norm[~skipped], rtol=norm_rtol, err_msg="reported norm"
   )
+  if param_bounds is not None:
+    for i, (ours_i, bound) in enumerate(zip(params, param_bounds)):
+      diff = np.abs(ours_i - np.stack([r.params[i] for r in records]))
+      worst = np.unravel_index(np.argmax(diff - bound), diff.shape)
+      assert (diff <= bound).all(), (
+        f"master parameter {i}, step {worst[0]}: {diff[worst]} > {bound[worst]}"
+      )
+    return skipped, peer_norm
   largest = max(float(np.abs(p).max()) for r in records for p in r.params)
   for i, ours_i in enumerate(params):
     np.testing.assert_allclose(

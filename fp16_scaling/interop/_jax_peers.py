@@ -1,0 +1,160 @@
+"""The JAX-side peers' scaler states, one :class:`~._peers.Peer` record each:
+jmp's ``DynamicLossScale`` and Keras 3's ``LossScaleOptimizer`` variables.
+"""
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from fp16_scaling import _validate
+from fp16_scaling._jax_presets import jmp_scaler
+from fp16_scaling._jax_presets import keras_scaler
+from fp16_scaling._scaler import Scaler
+from fp16_scaling.interop._peers import Counters
+from fp16_scaling.interop._peers import Peer
+from fp16_scaling.interop._peers import _int
+from fp16_scaling.interop._peers import _read
+from fp16_scaling.interop._peers import _scale
+from fp16_scaling.interop._peers import _tracker
+
+# What counting clean steps with no hysteresis needs, as jmp and Keras do.
+_COUNTING = (
+  ("growth_delay", 0, "it grows after its interval of clean steps"),
+  ("hysteresis", 1, "it has no hysteresis"),
+  ("headroom_bits", None, "it grows by counting clean steps"),
+)
+
+
+# jmp's DynamicLossScale: its dataclass fields (``vars(loss_scale)``, or
+# ``jmp.DynamicLossScale(**d)`` back); counter is the tracker here. A scale
+# that went through jit holds min_loss_scale 1.0 whatever was set (jmp#44).
+
+
+def _jmp_implies(d: Mapping) -> dict:
+  out = {"growth_delay": 0, "hysteresis": 1}
+  if "period" in d:
+    out["growth_interval"] = _int(d, "period", low=1)
+  if "min_loss_scale" in d:
+    out["min_scale"] = _scale(d, "min_loss_scale")
+  if "factor" in d:
+    factor = _read(d, "factor", _validate.positive)
+    out.update(growth_factor=factor, backoff_factor=1.0 / factor)
+  return out
+
+
+def _jmp_from_own(c: Counters, scaler: Scaler) -> dict:
+  factor = scaler.growth_factor
+  if not (math.frexp(factor)[0] == 0.5 and factor >= 2) or (
+    scaler.backoff_factor != 1.0 / factor
+  ):
+    raise ValueError(
+      "jmp cannot continue this state: it needs growth_factor a power of two "
+      ">= 2 (its factor) and backoff_factor 1 / growth_factor (it divides by "
+      f"factor), the scaler has {factor!r} and {scaler.backoff_factor!r}"
+    )
+  return {
+    "loss_scale": np.asarray(c.loss_scale, np.float32),
+    "counter": np.asarray(c.growth_tracker, np.int32),
+    "period": scaler.growth_interval,
+    "factor": int(factor),
+    "min_loss_scale": np.asarray(scaler.min_scale, np.float32),
+  }
+
+
+def _jmp_preset(d: Mapping, overrides: dict) -> Scaler:
+  kw = {"loss_scale": _scale(d, "loss_scale")}
+  if "period" in d:
+    kw["period"] = _int(d, "period", low=1)
+  if "factor" in d:
+    kw["factor"] = _read(d, "factor", _validate.positive)
+  if "min_loss_scale" in d:
+    kw["min_loss_scale"] = _scale(d, "min_loss_scale")
+  return jmp_scaler(**{**kw, **overrides})
+
+
+JMP = Peer(
+  name="jmp DynamicLossScale",
+  saved_by="jmp's DynamicLossScale (or its fields: loss_scale, counter)",
+  keys=frozenset({"loss_scale", "counter"}),
+  implies=_jmp_implies,
+  to_own=lambda d, scaler: Counters(
+    _scale(d, "loss_scale"), _tracker(d, "counter", scaler), 0
+  ),
+  from_own=_jmp_from_own,
+  needs=_COUNTING,
+  preset=_jmp_preset,
+)
+
+
+# Keras 3's LossScaleOptimizer: the variables dynamic_scale and step_counter
+# (``{v.name: v for v in opt.variables}``, or the optimizer itself);
+# step_counter is the tracker here. dynamic_growth_steps is configuration,
+# not a variable: the optimizer object and get_config() hold it.
+
+
+def _keras_scale(d: Mapping) -> float:
+  try:
+    return _scale(d, "dynamic_scale")
+  except ValueError as e:
+    raise ValueError(
+      f"{e}. Keras's scale has no floor and no ceiling: halved below "
+      "2**-126 it reaches 0.0, doubled past 2**127 inf, and that run no "
+      "longer trains. Start from a scale instead (fs.set_loss_scale)."
+    ) from None
+
+
+def _keras_implies(d: Mapping) -> dict:
+  out = {
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_delay": 0,
+    "hysteresis": 1,
+  }
+  if "dynamic_growth_steps" in d:
+    out["growth_interval"] = _int(d, "dynamic_growth_steps", low=1)
+  return out
+
+
+def _keras_preset(d: Mapping, overrides: dict) -> Scaler:
+  kw = {"initial_scale": _keras_scale(d)}
+  if "dynamic_growth_steps" in d:
+    kw["dynamic_growth_steps"] = _int(d, "dynamic_growth_steps", low=1)
+  kw.update(overrides)
+  if "dynamic_growth_steps" not in kw:
+    raise ValueError(
+      "Keras's optimizer variables hold no dynamic_growth_steps: pass the "
+      "LossScaleOptimizer itself, or "
+      "fs.scaler_from_state_dict(state_dict, dynamic_growth_steps=N)"
+    )
+  return keras_scaler(**kw)
+
+
+KERAS = Peer(
+  name="Keras LossScaleOptimizer",
+  saved_by=(
+    "Keras's LossScaleOptimizer (or its variables by name: dynamic_scale, "
+    "step_counter)"
+  ),
+  keys=frozenset({"dynamic_scale", "step_counter"}),
+  implies=_keras_implies,
+  to_own=lambda d, scaler: Counters(
+    _keras_scale(d), _tracker(d, "step_counter", scaler), 0
+  ),
+  from_own=lambda c, scaler: {
+    "dynamic_scale": c.loss_scale,
+    "step_counter": c.growth_tracker,
+    "dynamic_growth_steps": scaler.growth_interval,
+  },
+  needs=(
+    *_COUNTING,
+    ("growth_factor", 2.0, "Keras doubles its scale"),
+    ("backoff_factor", 0.5, "Keras halves its scale"),
+  ),
+  preset=_keras_preset,
+)
+
+PEERS = (JMP, KERAS)
+
+# to_peer_state_dict's names.
+EXPORTS = {"jmp": JMP, "keras": KERAS}

@@ -1,0 +1,299 @@
+"""fs.select_on_overflow: the model state follows the optimizer's skip.
+
+The expectations are hand-derived (which calls overflow is chosen by the
+test) or a second run of the same model with the bad batch left out, which
+on a static scale must agree with the skipped run bit for bit.
+"""
+
+import functools
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+
+BAD = float("inf")
+
+
+def _tx(*, k=None, drop=False):
+  tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(1.0))
+  if k is None:
+    return tx
+  policy = "drop_microbatch" if drop else "skip_step"
+  return fs.accumulate_gradients(tx, k, on_microbatch_overflow=policy)
+
+
+# Old and new with distinct bits everywhere, an integer leaf and signed zeros
+# included, so that a select of the wrong side cannot pass.
+OLD = {"mean": jnp.array([-0.0, 1.5]), "count": jnp.int32(7)}
+NEW = {"mean": jnp.array([0.0, jnp.nan]), "count": jnp.int32(8)}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(tx, opt_state, grad):
+  params = {"w": jnp.zeros(2)}
+  _, opt_state = tx.update({"w": grad}, opt_state, params)
+  return opt_state, fs.select_on_overflow(opt_state, NEW, OLD)
+
+
+def _run(tx, bad_calls):
+  """Which calls returned OLD (bit for bit), for a run whose calls in
+  ``bad_calls`` carry an inf gradient."""
+  state = tx.init({"w": jnp.zeros(2)})
+  kept = []
+  for i in range(max(bad_calls) + 4):
+    grad = jnp.array([BAD if i in bad_calls else 1.0, 2.0], jnp.float16)
+    state, out = _step(tx, state, grad)
+    if helpers.bits(out) == helpers.bits(OLD):
+      kept.append(True)
+    else:
+      assert helpers.bits(out) == helpers.bits(NEW), i
+      kept.append(False)
+  return kept
+
+
+def test_old_on_an_overflow_step_new_otherwise_under_jit():
+  assert _run(_tx(), {1, 2, 5}) == [0, 1, 1, 0, 0, 1, 0, 0, 0]
+
+
+def test_accumulation_keeps_old_from_the_windows_first_bad_microbatch():
+  # Windows of 3: [clean clean clean] [clean bad clean] [clean clean bad]
+  # [bad clean clean]: the skipped windows' end, and every call from the
+  # first bad microbatch of a window to its end.
+  kept = _run(_tx(k=3), {4, 8, 9})
+  assert kept == [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0]
+
+
+def test_accumulation_dropping_microbatches():
+  # "drop_microbatch": [clean bad clean] is applied, its middle call kept;
+  # [bad bad bad] is skipped; a dropped last microbatch of an applied
+  # window ([clean clean bad]) is not in the state: that call keeps new.
+  kept = _run(_tx(k=3, drop=True), {4, 6, 7, 8, 11})
+  assert kept == [0, 0, 0, 0, 1, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_the_window_end_without_overflow_after_one_is_new():
+  # The accumulator is reset with the window: the next window's calls are
+  # new again.
+  kept = _run(_tx(k=2), {0})
+  assert kept == [1, 1, 0, 0]
+
+
+def _bad_second(grads_ok):
+  return jnp.where(jnp.arange(3)[:, None] == 1, BAD, grads_ok)
+
+
+def test_under_vmap_each_instance_follows_its_own_skip():
+  tx = _tx()
+  params = {"w": jnp.zeros((3, 2))}
+  state = jax.vmap(tx.init)(params)
+  grads = {"w": _bad_second(jnp.ones((3, 2))).astype(jnp.float16)}
+  old = {"s": jnp.zeros((3, 4))}
+  new = {"s": jnp.ones((3, 4))}
+
+  def one(state, g, p, n, o):
+    _, state = tx.update(g, state, p)
+    return state, fs.select_on_overflow(state, n, o)
+
+  state, out = jax.jit(jax.vmap(one))(state, grads, params, new, old)
+  np.testing.assert_array_equal(out["s"][:, 0], [1.0, 0.0, 1.0])
+  # A batched state, read outside vmap: its batch axis leads the leaves.
+  out = jax.jit(fs.select_on_overflow)(state, new, old)
+  np.testing.assert_array_equal(out["s"][:, 0], [1.0, 0.0, 1.0])
+  with pytest.raises(ValueError, match="batch axes"):
+    fs.select_on_overflow(state, jnp.ones(()), jnp.zeros(()))
+
+
+def test_mismatched_trees_are_refused_by_name():
+  state = _tx().init({"w": jnp.zeros(2)})
+  with pytest.raises(ValueError, match="same tree structure"):
+    fs.select_on_overflow(state, {"a": 1.0}, {"b": 1.0})
+  with pytest.raises(ValueError, match=r"\['a'\]: float32\[2\] and float16"):
+    fs.select_on_overflow(
+      state, {"a": jnp.zeros(2)}, {"a": jnp.zeros(2, jnp.float16)}
+    )
+  with pytest.raises(ValueError, match="fp16_loss_scale|LossScaleState"):
+    fs.select_on_overflow(optax.sgd(1.0).init({}), OLD, OLD)
+
+
+# --- BatchNorm steps on sklearn's digits, one forward overflow --------------
+
+BATCH, STEPS, BAD_STEP = 50, 90, 40
+
+
+@pytest.fixture(scope="module")
+def digits():
+  datasets = pytest.importorskip("sklearn.datasets")
+  x, y = datasets.load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  return x[:1500], y[:1500].astype(np.int32), x[1500:], y[1500:]
+
+
+def _batches(digits, *, leave_out_bad=False):
+  """The training batches; the bad one (step BAD_STEP) times 6e4, whose
+  first float16 layer overflows in the forward pass."""
+  x, y, _, _ = digits
+  out = []
+  for i in range(STEPS):
+    j = (i * BATCH) % len(x)
+    bx, by = x[j : j + BATCH], y[j : j + BATCH]
+    if i == BAD_STEP:
+      if leave_out_bad:
+        continue
+      bx = bx * 6e4
+    out.append((jnp.asarray(bx), jnp.asarray(by)))
+  return out
+
+
+def _xent(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits.astype(jnp.float32), y
+  ).mean()
+
+
+def _guarded():
+  # A static scale: the run that skips the bad batch then equals, bit for
+  # bit, the run that never saw it.
+  return fs.chain(
+    fs.fp16_loss_scale(fs.static_scaler(2.0**10)), optax.adam(1e-2)
+  )
+
+
+def _flags(opt_state):
+  m = fs.scale_metrics(opt_state)
+  return {"overflow": m["overflow"], "overflow_kind": m["overflow_kind"]}
+
+
+def _all_finite(tree):
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+def _linen_run(digits, *, select=True, leave_out_bad=False):
+  nn = pytest.importorskip("flax.linen")
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      x = nn.Dense(64, dtype=jnp.float16)(x)
+      x = nn.BatchNorm(use_running_average=not train, dtype=jnp.float32)(x)
+      return nn.Dense(10, dtype=jnp.float16)(nn.relu(x))
+
+  model, tx = MLP(), _guarded()
+  variables = model.init(jax.random.PRNGKey(0), digits[0][:2], train=False)
+  params, stats = variables["params"], variables["batch_stats"]
+  ema = params
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, stats, ema, opt_state, x, y):
+    def loss_fn(params):
+      logits, upd = model.apply(
+        {"params": params, "batch_stats": stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+      )
+      return _xent(logits, y), upd["batch_stats"]
+
+    (loss, new_stats), grads = fs.value_and_grad(
+      loss_fn, opt_state, has_aux=True
+    )(params)
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    params = optax.apply_updates(params, updates)
+    new_ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, params)
+    if select:
+      new_stats = fs.select_on_overflow(opt_state, new_stats, stats)
+      new_ema = fs.select_on_overflow(opt_state, new_ema, ema)
+    return params, new_stats, new_ema, opt_state, _flags(opt_state)
+
+  history = []
+  for x, y in _batches(digits, leave_out_bad=leave_out_bad):
+    before = (stats, ema)
+    params, stats, ema, opt_state, m = step(params, stats, ema, opt_state, x, y)
+    history.append((before, (stats, ema), m))
+  logits = model.apply(
+    {"params": params, "batch_stats": stats}, digits[2], train=False
+  )
+  accuracy = float(jnp.mean(jnp.argmax(logits, -1) == digits[3]))
+  return (params, stats, ema), accuracy, history
+
+
+def _check_skipped_run(run, left_out, history):
+  (final, accuracy), (final_lo, accuracy_lo) = run, left_out
+  skipped = [i for i, (_, _, m) in enumerate(history) if bool(m["overflow"])]
+  assert skipped == [BAD_STEP]  # the forward overflow, and no other
+  before, after, m = history[BAD_STEP]
+  assert int(m["overflow_kind"]) == fs.OVERFLOW_KINDS.index("forward")
+  assert helpers.bits(after) == helpers.bits(before)
+  assert all(_all_finite(after) for _, after, _ in history)
+  # The skipped run is the run without the bad batch, bit for bit.
+  assert helpers.bits(final) == helpers.bits(final_lo)
+  assert accuracy == accuracy_lo and accuracy > 0.8
+
+
+def test_linen_batch_stats_and_ema_follow_the_skip(digits):
+  final, accuracy, history = _linen_run(digits)
+  final_lo, accuracy_lo, _ = _linen_run(digits, leave_out_bad=True)
+  _check_skipped_run((final, accuracy), (final_lo, accuracy_lo), history)
+  # Without the select the forward pass's NaN stays in batch_stats.
+  (_, stats, _), accuracy_raw, _ = _linen_run(digits, select=False)
+  assert not _all_finite(stats) and accuracy_raw < 0.2
+
+
+def _nnx_run(digits, *, select=True, leave_out_bad=False):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden = nnx.Linear(64, 64, dtype=jnp.float16, rngs=rngs)
+      self.bn = nnx.BatchNorm(64, dtype=jnp.float32, rngs=rngs)
+      self.out = nnx.Linear(64, 10, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(nnx.relu(self.bn(self.hidden(x))))
+
+  model = MLP(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, _guarded(), wrt=nnx.Param)
+
+  def loss_fn(model, x, y):
+    return _xent(model(x), y)
+
+  # docs/porting.md's step, with the snapshot and the select.
+  @nnx.jit
+  def train_step(model, opt, x, y):
+    old_stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))  # a snapshot
+    loss, grads = fs.value_and_grad(loss_fn, opt)(model, x, y)
+    opt.update(model, grads, value=loss)
+    new_stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))
+    nnx.update(
+      model, fs.select_on_overflow(opt.opt_state, new_stats, old_stats)
+    )
+    return fs.scale_metrics(opt.opt_state)
+
+  @nnx.jit
+  def plain_step(model, opt, x, y):
+    loss, grads = fs.value_and_grad(loss_fn, opt)(model, x, y)
+    opt.update(model, grads, value=loss)
+    return _flags(opt.opt_state)
+
+  history = []
+  for x, y in _batches(digits, leave_out_bad=leave_out_bad):
+    before = nnx.as_pure(nnx.state(model, nnx.BatchStat))
+    m = (train_step if select else plain_step)(model, opt, x, y)
+    history.append((before, nnx.as_pure(nnx.state(model, nnx.BatchStat)), m))
+  model.eval()
+  logits = model(digits[2])
+  accuracy = float(jnp.mean(jnp.argmax(logits, -1) == digits[3]))
+  return nnx.as_pure(nnx.state(model)), accuracy, history
+
+
+def test_nnx_batch_stats_follow_the_skip(digits):
+  final, accuracy, history = _nnx_run(digits)
+  final_lo, accuracy_lo, _ = _nnx_run(digits, leave_out_bad=True)
+  _check_skipped_run((final, accuracy), (final_lo, accuracy_lo), history)
+  final_raw, accuracy_raw, _ = _nnx_run(digits, select=False)
+  assert not _all_finite(final_raw) and accuracy_raw < 0.2

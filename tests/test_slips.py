@@ -1,0 +1,312 @@
+"""A newcomer's slips that used to pass silently (issue 40), each now
+refused with a message that names the fix, or made correct: a stacked name
+that matches nothing, equal stacked specs, a layer axis the partition names
+contradict, a sync of nnx optimizers dropped on the floor, a sync of the
+states from before the step, a cast audit of a checkpoint that already
+holds an inf, ``tx.init`` on an unfiltered Equinox module, and the report's
+rows for fully non-finite leaves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp16_scaling as fs
+from fp16_scaling import _shared
+
+L, D = 8, 16
+
+
+def stacked_params():
+  k0, k1 = jax.random.split(jax.random.PRNGKey(0))
+  return {
+    "layers": {"w": jax.random.normal(k0, (L, D, D)), "b": jnp.zeros((L, D))},
+    "head": jax.random.normal(k1, (D, 2)),
+  }
+
+
+def chain(scaler=None, **kw):
+  scaler = scaler or fs.torch_scaler(init_scale=2.0**10)
+  return fs.chain(fs.fp16_loss_scale(scaler, **kw), optax.sgd(0.1))
+
+
+# ------------------------------------------- 1: stacked_under's names
+
+
+@pytest.mark.parametrize("name", ["blocks", "layer"])
+def test_stacked_under_a_name_that_matches_nothing_is_refused(name):
+  tx = chain(stacked_axes=fs.stacked_under(name))
+  with pytest.raises(ValueError) as e:
+    tx.init(stacked_params())
+  msg = str(e.value)
+  assert "fp16_loss_scale: stacked_axes:" in msg
+  assert f"named '{name}'" in msg and "matches no leaf" in msg
+  # The keys it found, so that the fix can be read off.
+  assert "'head', 'layers'" in msg
+  if name == "layer":
+    assert "Did you mean 'layers'?" in msg
+  with pytest.raises(ValueError, match=r'fs.stacked_under\("layers"\)'):
+    fs.stacked_under()
+
+
+def test_stacked_under_takes_a_list_and_equal_calls_are_one_spec():
+  a, b = fs.stacked_under("layers"), fs.stacked_under(["layers"])
+  assert a == b and hash(a) == hash(b)
+  assert fs.stacked_under("a", "b") == fs.stacked_under(["b", "a"])
+  assert a != fs.stacked_under("layers", axis=1)
+  with pytest.raises(TypeError, match="each name must be a str.*got 3"):
+    fs.stacked_under(3)
+  with pytest.raises(TypeError, match="axis must be an int"):
+    fs.stacked_under("layers", axis=1.0)
+  params = stacked_params()
+  # A state built with one call is the state of a chain built with the
+  # other (before, two lambdas: "built with other stacked_axes").
+  state = chain(stacked_axes=a).init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, state = chain(stacked_axes=b).update(grads, state, params)
+  assert len(state[0].leaf_paths.paths) == 2 * L + 1
+  # And under accumulate_gradients, which reads the chain's.
+  tx = fs.accumulate_gradients(chain(stacked_axes=a), 2)
+  inner = tx.init(params).inner_state[0]
+  assert inner.leaf_paths.stacked.axes == (None, 0, 0)  # head, b, w
+
+
+# --------------------------- 2: a layer axis the partition names contradict
+
+
+def test_a_layer_axis_the_partition_names_contradict_is_refused():
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      init = nn.with_partitioning(nn.initializers.ones, ("embed", "mlp"))
+      return x @ self.param("w", init, (4, 4)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(
+        Block,
+        variable_axes={"params": 1},  # MaxText's param_scan_axis
+        split_rngs={"params": True},
+        length=4,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )
+      return scan(name="layers")(x, None)[0]
+
+  params = Model().init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+  # [embed 4, layers 4, mlp 4]: every axis has 4, so only the names tell.
+  with pytest.raises(ValueError) as e:
+    chain(stacked_axes=fs.stacked_under("layers")).init(params)
+  msg = str(e.value)
+  assert "('embed', 'layers', 'mlp') put 'layers' on axis 1" in msg
+  assert "Pass axis=1" in msg
+  state = chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(params)
+  assert state[0].leaf_paths.stacked.axes == (1,)
+
+
+# ------------------------------------- 3: nnx optimizers synced in place
+
+
+def test_sync_of_nnx_optimizers_acts_in_place():
+  nnx = pytest.importorskip("flax.nnx")
+  scaler = fs.torch_scaler(init_scale=2.0**20)
+  models = [nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(2)]
+  opts = [nnx.Optimizer(m, chain(scaler), wrt=nnx.Param) for m in models]
+
+  @nnx.jit
+  def step(m0, m1, o0, o1, bad):
+    for m, o, poison in ((m0, o0, bad), (m1, o1, False)):
+      g = jax.tree.map(jnp.ones_like, nnx.state(m, nnx.Param))
+      g["bias"][...] = g["bias"][...].at[0].set(jnp.where(poison, jnp.inf, 1))
+      o.update(m, g)
+    fs.sync_loss_scales(o0, o1)  # the result dropped, as NNX users do
+
+  step(*models, *opts, True)  # optimizer 0 overflows: one back-off for both
+  scales = [float(fs.current_scale(o.opt_state)) for o in opts]
+  assert scales == [2.0**19, 2.0**19]
+  # Outside nnx.jit too, and the optimizers themselves come back.
+  out = fs.sync_loss_scales(*opts)
+  assert out[0] is opts[0] and out[1] is opts[1]
+  # nnx writes the Variables in place and keeps the static part as tx.init
+  # built it, so a mark there (as tx.init is to set) is not refused.
+  for o in opts:
+    o.opt_state = _shared._marked(o.opt_state, False)
+  fs.sync_loss_scales(*opts)
+
+
+# ------------------------- 4: a sync of states that did not step is refused
+
+
+def _as_after_update(state):
+  """``state`` marked as ``tx.update``'s output is marked (stepped)."""
+  return _shared._marked(state, True)
+
+
+def test_a_second_sync_of_states_that_did_not_step_is_refused():
+  tx0, tx1 = chain(), chain()
+  p = jnp.ones(2)
+  s0, s1 = tx0.init(p), tx1.init(p)
+  _, s0 = tx0.update(jnp.array([1.0, jnp.inf]), s0, p)
+  _, s1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
+  s0, s1 = fs.sync_loss_scales(_as_after_update(s0), _as_after_update(s1))
+  assert float(fs.current_scale(s0)) == float(fs.current_scale(s1)) == 512.0
+  with pytest.raises(ValueError) as e:
+    jax.jit(fs.sync_loss_scales)(s0, s1)  # refused at trace time
+  msg = str(e.value)
+  assert "has not stepped since tx.init or the last sync_loss_scales" in msg
+  assert "Sync the states tx.update returned" in msg
+  # The states tx.update returns from a synced state sync again.
+  _, s0 = tx0.update(jnp.array([1.0, 2.0]), s0, p)
+  _, s1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
+  fs.sync_loss_scales(_as_after_update(s0), _as_after_update(s1))
+
+
+def _marking(monkeypatch):
+  """tx.init and tx.update marking their states as the chain's rewrite is
+  to: init not stepped, update stepped, set after ``written_over`` (whose
+  tree map keeps the old state's static part)."""
+  from fp16_scaling import _loss_scale
+
+  paths, written_over = (
+    _loss_scale._leaf_paths,
+    _loss_scale._donation.written_over,
+  )
+
+  def marked(old, new):
+    out = written_over(old, new)
+    if isinstance(out, fs.LossScaleState):
+      out = out._replace(leaf_paths=out.leaf_paths.marked(True))
+    return out
+
+  monkeypatch.setattr(
+    _loss_scale, "_leaf_paths", lambda *a: paths(*a).marked(False)
+  )
+  monkeypatch.setattr(_loss_scale._donation, "written_over", marked)
+
+
+def test_stale_sync_is_refused_once_init_and_update_mark(monkeypatch):
+  _marking(monkeypatch)
+  tx0, tx1 = chain(), chain()
+  p = jnp.ones(2)
+
+  def updated(s0, s1, bad):
+    _, n0 = tx0.update(jnp.array([1.0, jnp.where(bad, jnp.inf, 2.0)]), s0, p)
+    _, n1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
+    return n0, n1
+
+  good = jax.jit(lambda s0, s1, bad: fs.sync_loss_scales(*updated(s0, s1, bad)))
+  stale = jax.jit(
+    lambda s0, s1: (updated(s0, s1, True), fs.sync_loss_scales(s0, s1))[1]
+  )
+  s0, s1 = tx0.init(p), tx1.init(p)
+  for bad in (False, True, False):
+    s0, s1 = good(s0, s1, bad)
+  # torch's rule by hand: 2^10, one back-off on the overflow, no growth yet.
+  assert float(fs.current_scale(s0)) == float(fs.current_scale(s1)) == 512.0
+  (c0, _), _ = jax.lax.scan(
+    lambda c, bad: (good(*c, bad), None),
+    (tx0.init(p), tx1.init(p)),
+    jnp.array([False, True]),
+  )
+  assert float(fs.current_scale(c0)) == 512.0
+  with pytest.raises(ValueError, match="Sync the states tx.update returned"):
+    stale(tx0.init(p), tx1.init(p))  # the newcomer's program, at trace time
+  with pytest.raises(ValueError, match="has not stepped since"):
+    fs.sync_loss_scales(s0, s1)  # a second sync of the same states
+
+
+def test_the_newcomers_stale_sync_is_refused():
+  tx0, tx1 = chain(), chain()
+  p = jnp.ones(2)
+  s0, s1 = tx0.init(p), tx1.init(p)
+
+  @jax.jit
+  def step(s0, s1):
+    _, new0 = tx0.update(jnp.array([1.0, jnp.inf]), s0, p)
+    _, new1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
+    return fs.sync_loss_scales(s0, s1)  # the states from before the step
+
+  with pytest.raises(ValueError, match="has not stepped since tx.init"):
+    step(s0, s1)
+
+
+# ---------------------- 5: a cast audit of a checkpoint that holds an inf
+
+
+def test_cast_report_counts_values_already_inf_or_nan_and_lists_them_first():
+  params = {
+    "a": np.array([1.0, 7e4, 2.0], np.float32),  # one past float16's range
+    "b": np.array([np.inf, 1.0, np.nan, -np.inf], np.float32),
+    "c": np.array([3.0], np.float32),
+  }
+  report = fs.cast_report(params, "float16")
+  assert report.nonfinite == ("['b']",)
+  assert report.leaves["['b']"].nonfinite == 3  # inf, nan, -inf: by hand
+  assert report.leaves["['a']"].nonfinite == 0
+  assert list(report.leaves)[0] == "['b']"  # listed first
+  text = str(report)
+  assert text.startswith("NOT CLEAN: 3 values are already inf or NaN")
+  assert "Restore an earlier checkpoint" in text
+  # A clean checkpoint's report says none of it.
+  clean = str(fs.cast_report({"c": params["c"]}, "float16"))
+  assert "NOT CLEAN" not in clean and "already" not in clean
+
+
+def test_cast_report_inside_jit_speaks_of_a_params_tree():
+  with pytest.raises(TypeError) as e:
+    jax.jit(lambda p: fs.cast_report(p, "float16") and p)(jnp.ones(2))
+  msg = str(e.value)
+  assert "params holds tracers" in msg
+  assert "fs.cast_report(params, jnp.float16)" in msg
+  assert "scale_metrics" not in msg and "opt_state" not in msg
+
+
+# ----------------------------- 6: tx.init on an unfiltered Equinox module
+
+
+def test_init_on_an_unfiltered_equinox_module_names_eqx_filter():
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.PRNGKey(0))
+  tx = fs.chain(
+    fs.fp16_loss_scale(fs.torch_scaler()),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.adam(1e-3),
+  )
+  with pytest.raises(TypeError) as e:
+    tx.init(model)
+  msg = str(e.value)
+  assert "not an array" in msg and "custom_jvp" in msg  # eqx's relu
+  assert "eqx.filter(model, eqx.is_inexact_array)" in msg
+  tx.init(eqx.filter(model, eqx.is_inexact_array))  # the fix it names
+  # Given the tree (as the callers are to pass it), the path is named too.
+  from fp16_scaling import _norm
+
+  with pytest.raises(
+    TypeError, match=r"leaf 4 \(\.activation\) is a custom_jvp"
+  ):
+    _norm.check_float_leaves(jax.tree.leaves(model), "params", tree=model)
+
+
+# ------------------ 7: the report's range rows and fully non-finite leaves
+
+
+def test_range_rows_put_non_finite_leaves_apart():
+  tx = fs.chain(
+    fs.fp16_loss_scale(fs.static_scaler(4.0), grad_range=True), optax.sgd(1)
+  )
+  p = {"a": jnp.ones(2), "b": jnp.ones(3), "z": jnp.ones(2)}
+  grads = {
+    "a": jnp.array([jnp.inf, jnp.nan]),  # no finite value at all
+    "b": jnp.array([1.0, 2.0, 3.0]),
+    "z": jnp.zeros(2),  # all zero: +inf headroom, rightly
+  }
+  _, state = tx.update(grads, tx.init(p), p)
+  text = str(fs.overflow_report(state))
+  rows = text[text.index("Gradient range") :].splitlines()[1:]
+  # b (log2(65504 / (0.75 * 4)) = 14.4 bits) before z (inf), then a apart.
+  assert rows[0].split()[-1] == "['b']" and rows[1].split()[-1] == "['z']"
+  assert rows[2].startswith("  Not ranked, held an inf or NaN")
+  assert rows[3].split() == ["none", "-", "0.0%", "['a']"]
