@@ -1,16 +1,32 @@
-"""headroom_scaler against deepspeed_scaler on examples/train_mlp.py.
+"""headroom_scaler(history=W) against deepspeed_scaler on the examples.
 
-For each preset and seed: skipped steps, steps until the scale is stable
-(the first step from which every later scale stays within a factor of 2 of
-the final one), how often the scale changed, the range of the scale over the
-last half of the run, and the final test accuracy. Same data, model, optimizer,
-initial scale (2**24, far too high) and steps for both.
+``--model mlp`` trains examples/train_mlp.py (digits; initial scale 2**24,
+far too high; DeepSpeed's window 100), ``--model lm`` examples/train_lm.py's
+small character LM (initial scale 2**24; DeepSpeed's window 200). Same
+data, model, optimizer, initial scale and steps for every scaler. For each
+scaler and seed:
 
-    python benchmarks/headroom_mlp.py --steps 1000 --seeds 0 1 2
+- skipped steps, and DeepSpeed's on the same seed;
+- scale changes after the initial descent: steps whose scale differs from
+  the step before's, counted from the first clean step on, as a fraction
+  of those steps;
+- the range of the scale over the last half of the run;
+- test accuracy (mlp) or the final validation loss (lm).
+
+A window settles when its scale changes on at most 1% of the steps after
+the descent and it skips no more steps than DeepSpeed, on every seed, with
+the same mean accuracy (within 1 test image in 360) or validation loss
+(within 0.01).
+
+    python benchmarks/headroom_mlp.py --steps 1000 --seeds 0 1 2 \
+      --history 1 16 256 1024
+    python benchmarks/headroom_mlp.py --model lm --steps 300 --seeds 0 1 2 \
+      --history 1 16 256 1024
 """
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import runpy
@@ -18,59 +34,133 @@ import statistics
 
 import numpy as np
 
+import fp16_scaling as fs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "train_mlp.py")
+EXAMPLES = os.path.join(ROOT, "examples")
+ACCURACY_SLACK = 1 / 360  # one of the digits test set's 360 images
+VAL_LOSS_SLACK = 0.01
 
 
 def _pow2(s):
   return f"2^{int(np.log2(s))}"
 
 
-def steps_until_stable(scales, band=2.0):
-  final = scales[-1]
-  ok = (scales <= final * band) & (scales >= final / band)
-  bad = np.flatnonzero(~ok)
-  return int(bad[-1] + 1) if bad.size else 0
+def changes_after_descent(scales, overflow):
+  """``(changes, steps)``: steps from the first clean one on whose scale
+  differs from the step before's, and how many steps that counts over."""
+  first = int(np.argmin(overflow)) if not np.all(overflow) else len(scales)
+  after = scales[first:]
+  return int(np.sum(after[1:] != after[:-1])), max(len(after) - 1, 0)
+
+
+def _mlp(steps, window):
+  """``run(name, scaler, seed) -> (scales, overflow, skipped, score)``."""
+  example = runpy.run_path(os.path.join(EXAMPLES, "train_mlp.py"))
+  presets, train = example["PRESETS"], example["main"]
+
+  def run(name, scaler, seed):
+    presets[name] = lambda s, w: scaler(s)  # a preset of this scaler
+    argv = f"--preset {name} --steps {steps} --seed {seed} "
+    argv += f"--window {window} --plot {os.devnull}"
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+      r = train(argv.split())
+    scales = np.asarray(r["scale_history"])
+    return scales, np.asarray(r["overflow"]), r["skipped_steps"], r["accuracy"]
+
+  return run
+
+
+def _lm(steps, window):
+  """As :func:`_mlp`, for train_lm's small model (score: final val loss)."""
+  lm = runpy.run_path(os.path.join(EXAMPLES, "train_lm.py"))
+  data = lm["load_corpus"]()
+
+  def run(name, scaler, seed):
+    lm["SCALERS"][name] = lambda c: scaler(c.init_scale)
+    cfg = lm["Config"](**dict(lm["SIZES"]["small"], steps=steps))
+    cfg = dataclasses.replace(cfg, scaler=name, seed=seed, window=window)
+    r = lm["train"](cfg, data, bar=False)
+    scales = np.asarray(r["loss_scale"])
+    overflow = np.asarray(r["overflow"])
+    return scales, overflow, r["skipped_steps"], float(r["val_loss"][-1])
+
+  return run
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--steps", type=int, default=1000)
+  p.add_argument("--model", choices=("mlp", "lm"), default="mlp")
+  p.add_argument("--steps", type=int, default=None, help="mlp 1000, lm 300")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  p.add_argument("--window", type=int, default=100)
+  p.add_argument(
+    "--window", type=int, default=None, help="DeepSpeed's (mlp 100, lm 200)"
+  )
+  p.add_argument(
+    "--history", type=int, nargs="+", default=[1], help="headroom windows"
+  )
   args = p.parse_args(argv)
-  train = runpy.run_path(EXAMPLE)["main"]
+  mlp = args.model == "mlp"
+  steps = args.steps or (1000 if mlp else 300)
+  window = args.window or (100 if mlp else 200)
+  run = (_mlp if mlp else _lm)(steps, window)
+
+  scalers = [
+    (
+      "deepspeed",
+      lambda s: fs.deepspeed_scaler(init_scale=s, scale_window=window),
+    )
+  ]
+  for w in args.history:
+    scalers.append(
+      (
+        f"headroom{w}",
+        lambda s, w=w: fs.headroom_scaler(init_scale=s, history=w),
+      )
+    )
   rows = []
-  for preset in ("deepspeed", "headroom"):
+  for name, scaler in scalers:
     runs = []
     for seed in args.seeds:
-      argv = f"--preset {preset} --steps {args.steps} --seed {seed} "
-      argv += f"--window {args.window} --plot {os.devnull}"
-      quiet = io.StringIO()
-      with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        r = train(argv.split())
-      scales = np.asarray(r["scale_history"])
+      scales, overflow, skipped, score = run(name, scaler, seed)
       late = scales[len(scales) // 2 :]
-      changes = int(np.sum(scales[1:] != scales[:-1]))
-      run = (r["skipped_steps"], steps_until_stable(scales), r["accuracy"])
-      runs.append(run + (changes, _pow2(late.min()), _pow2(late.max())))
-      print(preset, seed, runs[-1], flush=True)
-    rows.append((preset, runs))
+      changes, counted = changes_after_descent(scales, overflow)
+      runs.append(
+        (skipped, changes, counted, _pow2(late.min()), _pow2(late.max()), score)
+      )
+      print(name, seed, runs[-1], flush=True)
+    rows.append((name, runs))
+
+  score_name = "test accuracy" if mlp else "final val loss"
+  slack = ACCURACY_SLACK if mlp else VAL_LOSS_SLACK
+  ds_runs = rows[0][1]
+  ds_skips = [r[0] for r in ds_runs]
+  ds_score = statistics.mean(r[5] for r in ds_runs)
   print()
   print(
-    f"| preset | skipped steps (of {args.steps}) | steps until stable | "
-    "scale changes | scale range, 2nd half | test accuracy |"
+    f"| scaler | skipped steps (of {steps}) | DeepSpeed's | scale changes "
+    f"after the descent | scale range, 2nd half | {score_name} | settles |"
   )
-  print("|---|---:|---:|---:|---:|---:|")
-  for preset, runs in rows:
-    cols = list(zip(*runs))
+  print("|---|---:|---:|---:|---:|---:|---|")
+  for name, runs in rows:
+    skips, changes, counted, lo, hi, score = map(list, zip(*runs))
+    frac = [c / max(n, 1) for c, n in zip(changes, counted)]
+    mean = statistics.mean(score)
+    settles = (
+      all(f <= 0.01 for f in frac)
+      and all(s <= d for s, d in zip(skips, ds_skips))
+      and abs(mean - ds_score) <= slack + 1e-9
+    )
+    ranges = [f"{a}..{b}" for a, b in zip(lo, hi)]
+    ranges = ranges[0] + " (each seed)" if len(set(ranges)) == 1 else ranges
     print(
-      f"| {preset} | {', '.join(map(str, cols[0]))} | "
-      f"{', '.join(map(str, cols[1]))} | "
-      f"{', '.join(map(str, cols[3]))} | "
-      f"{', '.join(f'{a}..{b}' for a, b in zip(cols[4], cols[5]))} | "
-      f"{', '.join(f'{a:.4f}' for a in cols[2])} (mean "
-      f"{statistics.mean(cols[2]):.4f}) |"
+      f"| {name} | {', '.join(map(str, skips))} | "
+      f"{', '.join(map(str, ds_skips))} | "
+      f"{', '.join(f'{c} ({f:.1%})' for c, f in zip(changes, frac))} | "
+      f"{ranges if isinstance(ranges, str) else ', '.join(ranges)} | "
+      f"{', '.join(f'{a:.4f}' for a in score)} (mean {mean:.4f}) | "
+      f"{'n/a' if name == 'deepspeed' else 'yes' if settles else 'no'} |"
     )
 
 

@@ -32,6 +32,12 @@ class ScalerState(NamedTuple):
       that cannot back off (static, or no scaling) counts here. An overflow
       that hysteresis absorbs, or one that backs the scale off onto the
       floor, counts in neither.
+    grad_max_history: float32 ``[history]`` ring of the largest unscaled
+      ``|g|`` of the last ``history`` clean steps (0.0 where no step has been
+      yet), for ``headroom_scaler(history=W)`` with ``W > 1``; None for
+      every other scaler, whose state it leaves as it was.
+    history_position: int32 slot of ``grad_max_history`` the next clean
+      step writes; None with it.
   """
 
   loss_scale: jax.Array
@@ -39,6 +45,8 @@ class ScalerState(NamedTuple):
   hysteresis_left: jax.Array
   min_scale_errors: jax.Array
   floor_overflows: jax.Array
+  grad_max_history: Optional[jax.Array] = None
+  history_position: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +67,7 @@ class Scaler:
     growth_margin_bits: with ``headroom_bits``, see :func:`headroom_scaler`.
     max_scale: ceiling of the scale on every growth path (a scale that
       would grow past it grows to it).
+    history: with ``headroom_bits``, see :func:`headroom_scaler`.
 
   Examples:
     >>> import fp16_scaling as fs
@@ -87,6 +96,7 @@ class Scaler:
   headroom_bits: Optional[float] = None
   growth_margin_bits: float = 0.0
   max_scale: float = _validate.F32_MAX
+  history: int = 1
 
   @property
   def dynamic(self) -> bool:
@@ -115,13 +125,20 @@ class Scaler:
 
   def init(self) -> ScalerState:
     """The state before the first step: ``init_scale``, the growth counter
-    at ``-growth_delay``, hysteresis full, both floor counters at 0."""
+    at ``-growth_delay``, hysteresis full, both floor counters at 0, and
+    (``history > 1`` only) an empty window of gradient maxima."""
+    ring = position = None
+    if self.history > 1:
+      ring = jnp.zeros([self.history], jnp.float32)
+      position = jnp.zeros([], jnp.int32)
     return ScalerState(
       loss_scale=jnp.asarray(self.init_scale, jnp.float32),
       growth_tracker=jnp.asarray(-self.growth_delay, jnp.int32),
       hysteresis_left=jnp.asarray(self.hysteresis - 1, jnp.int32),
       min_scale_errors=jnp.zeros([], jnp.int32),
       floor_overflows=jnp.zeros([], jnp.int32),
+      grad_max_history=ring,
+      history_position=position,
     )
 
   def update(
@@ -167,9 +184,13 @@ class Scaler:
     # it, where this is the isfinite check alone).
     capped = jnp.minimum(grown, jnp.float32(self.max_scale))
     scale_after_clean = jnp.where(grow & jnp.isfinite(grown), capped, scale)
+    ring, position = state.grad_max_history, state.history_position
     if self.headroom_bits is not None:
       if grad_max is None:
         raise ValueError("a headroom scaler needs the step's grad_max")
+      grad_max = jnp.asarray(grad_max, jnp.float32)
+      if self.history > 1:
+        ring, position, grad_max = self._window(state, overflow, grad_max)
       scale_after_clean = self._headroom_scale(scale, grad_max)
     refill = grow | self.consecutive_hysteresis
     hysteresis_after_clean = jnp.where(refill, full, left)
@@ -190,11 +211,26 @@ class Scaler:
       ),
       min_scale_errors=errors,
       floor_overflows=state.floor_overflows + floored,
+      grad_max_history=ring,
+      history_position=position,
     )
 
+  def _window(self, state: ScalerState, overflow, grad_max: jax.Array):
+    """``(ring, position, window_max)`` after a step: a clean step writes
+    ``grad_max`` into the ring's oldest slot; an overflow leaves it."""
+    # Read within range, whatever a checkpoint held: an entry that is not a
+    # finite magnitude counts as no step, a position wraps into the ring.
+    ring = state.grad_max_history
+    ring = jnp.where(jnp.isfinite(ring), jnp.abs(ring), jnp.float32(0))
+    position = jnp.mod(state.history_position, self.history)
+    written = ring.at[position].set(grad_max)
+    ring = jnp.where(overflow, ring, written)
+    position = jnp.where(overflow, position, (position + 1) % self.history)
+    return ring, position.astype(jnp.int32), jnp.max(written)
+
   def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array):
-    """The next scale after a clean step, from the largest gradient."""
-    grad_max = jnp.asarray(grad_max, jnp.float32)
+    """The next scale after a clean step, from the largest gradient (of
+    the window, with ``history``)."""
     # float16's max over (largest gradient times 2**bits); +inf when every
     # gradient is zero, and then the growth cap decides. Never NaN.
     target = jnp.float32(F16_MAX) / (
@@ -482,12 +518,19 @@ def headroom_scaler(
   backoff_factor: float = 0.5,
   min_scale: float = 1.0,
   max_scale: float = 2.0**24,
+  history: int = 256,
 ) -> Scaler:
   """A scale set from the measured gradient range, not a clean-step count.
 
   After a clean step the scale targets ``2**floor(log2(65504 / (max|g| *
-  2**headroom_bits)))``: it falls to it at once, and grows to it (by at most
-  ``max_growth``) when it lies ``growth_margin_bits`` above.
+  2**headroom_bits)))``, where ``max|g|`` is the largest unscaled gradient
+  magnitude of the last ``history`` clean steps (overflowed steps are not
+  counted): it falls to it at once, and grows to it (by at most
+  ``max_growth``) when it lies ``growth_margin_bits`` above. With
+  ``history=1`` the target follows each step's largest gradient; a longer
+  window moves it only when a new maximum enters the window or an old one
+  leaves it (Transformer Engine's ``DelayedScaling`` with
+  ``amax_compute_algo="max"``).
 
   Args:
     init_scale: first scale.
@@ -498,14 +541,32 @@ def headroom_scaler(
     backoff_factor: back-off multiplier on overflow, in (0, 1).
     min_scale: floor, at most ``init_scale``.
     max_scale: ceiling, at least ``init_scale``.
+    history: clean steps whose largest ``|g|`` the target is taken from, an
+      integer >= 1; above 1 the state holds a ring of that many float32
+      maxima (4 bytes each). The default, 256, settles on the examples
+      (docs/diagnostics.md); 1 is the rule before ``history`` existed.
 
   Returns:
     A :class:`Scaler`.
+
+  Raises:
+    TypeError: ``history`` is not an integer.
+    ValueError: an argument outside its range (named in the message).
 
   Examples:
     >>> import fp16_scaling as fs
     >>> fs.headroom_scaler(headroom_bits=6.0).headroom_bits
     6.0
+    >>> scaler = fs.headroom_scaler(
+    ...   init_scale=2.0**10, growth_margin_bits=0.0, history=2
+    ... )
+    >>> state = scaler.init()
+    >>> for g in [2.0, 1.0, 1.0]:  # on the third step the 2.0 leaves
+    ...   state = scaler.update(state, False, grad_max=g)
+    ...   print(float(state.loss_scale))
+    1024.0
+    1024.0
+    2048.0
   """
   init_scale = _validate.scale("init_scale", init_scale)
   max_scale = _validate.scale("max_scale", max_scale)
@@ -524,4 +585,5 @@ def headroom_scaler(
       "growth_margin_bits", growth_margin_bits, 0, 24
     ),
     max_scale=max_scale,
+    history=_validate.count("history", history),
   )

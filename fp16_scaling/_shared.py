@@ -106,8 +106,9 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   ends with this call) that is ``Scaler.update(before, any overflow,
   largest gradient)``, torch's rule, for every preset: the overflowed ones
   all backed off alike, and a headroom scale falls with the largest
-  gradient. From unequal states (a call was left out) it is the most
-  cautious of them, and from then on they are equal again.
+  gradient (with ``history``, its window keeps the largest). From unequal
+  states (a call was left out) it is the most cautious of them, and from
+  then on they are equal again.
 
   It reads each state's own record of the last step (its overflow flag and
   its scale after it), so a second call on its own results would change
@@ -168,6 +169,17 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
     pick = lambda a, b: jnp.where(first, a, b)  # noqa: B023
     scaler = jax.tree.map(pick, ls.scaler, scaler)
     overflow = overflow | ls.overflow
+  if scaler.grad_max_history is not None:
+    # headroom_scaler(history=W): on a clean step each state wrote its own
+    # largest |g| into the same slot; the shared window keeps the largest,
+    # as one scaler seeing every gradient would. On an overflow the picked
+    # state's window is the one from before the step.
+    rings = jnp.stack([ls.scaler.grad_max_history for ls in found])
+    scaler = scaler._replace(
+      grad_max_history=jnp.where(
+        overflow[..., None], scaler.grad_max_history, jnp.max(rings, axis=0)
+      )
+    )
   out = []
   for s, ls in zip(opt_states, found):
     new = ls._replace(scaler=scaler)

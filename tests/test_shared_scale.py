@@ -127,7 +127,10 @@ PRESETS = {
   "flax": fs.flax_scaler(scale=2.0**10, growth_interval=2),
   "static": fs.static_scaler(2.0**6),
   "headroom": fs.headroom_scaler(
-    init_scale=2.0**10, growth_margin_bits=1.0, max_scale=2.0**20
+    init_scale=2.0**10, growth_margin_bits=1.0, max_scale=2.0**20, history=1
+  ),
+  "headroom_window": fs.headroom_scaler(
+    init_scale=2.0**10, growth_margin_bits=1.0, max_scale=2.0**20, history=4
   ),
 }
 

@@ -26,35 +26,49 @@ SCALER = fs.deepspeed_scaler(init_scale=2.0**10, scale_window=3)
 PARAMS = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
 
 
-def opt_state(grad_range=False, params=PARAMS):
-  tx = guarded(SCALER, grad_range=grad_range)
+# A scaler whose state has the optional parts (headroom_scaler's window).
+WINDOWED = fs.headroom_scaler(init_scale=2.0**10, history=3)
+
+
+def opt_state(grad_range=False, params=PARAMS, scaler=SCALER):
+  tx = guarded(scaler, grad_range=grad_range)
   return tx.init(params)
 
 
-def implied_keys(grad_range):
+def implied_keys(grad_range, windowed=False):
   """The own format's keys, from the NamedTuples' fields: the scaler's
   flattened in, the gradient range's with ``grad_``, leaf_paths (static) and
-  an absent grad_range left out."""
+  an absent grad_range left out, and the scaler's optional fields (default
+  None) only for a scaler that has them."""
   keys = set(fs.ScalerState._fields) | set(fs.LossScaleState._fields)
   keys -= {"scaler", "grad_range", "leaf_paths"}
+  if not windowed:
+    keys -= set(fs.ScalerState._field_defaults)
   if grad_range:
     keys |= {f"grad_{f}" for f in fs.GradRange._fields}
   return keys | {"format", "config"}
 
 
-@pytest.mark.parametrize("grad_range", [False, True])
-def test_saved_keys_are_the_state_fields(grad_range):
-  d = fs.scaler_state_dict(opt_state(grad_range), SCALER)
-  assert set(d) == implied_keys(grad_range)
+@pytest.mark.parametrize(
+  "grad_range, scaler", [(False, SCALER), (True, SCALER), (False, WINDOWED)]
+)
+def test_saved_keys_are_the_state_fields(grad_range, scaler):
+  d = fs.scaler_state_dict(opt_state(grad_range, scaler=scaler), scaler)
+  assert set(d) == implied_keys(grad_range, windowed=scaler is WINDOWED)
   assert set(d["config"]) == {f.name for f in dataclasses.fields(fs.Scaler)}
 
 
-@pytest.mark.parametrize("grad_range", [False, True])
-def test_every_saved_field_is_loaded(grad_range):
+@pytest.mark.parametrize(
+  "grad_range, scaler", [(False, SCALER), (True, SCALER), (False, WINDOWED)]
+)
+def test_every_saved_field_is_loaded(grad_range, scaler):
   """Each field, changed in the dict alone, comes back changed."""
-  state = opt_state(grad_range)
-  d = fs.scaler_state_dict(state, SCALER)
-  for key in implied_keys(grad_range) - {"format", "config"}:
+  state = opt_state(grad_range, scaler=scaler)
+  d = fs.scaler_state_dict(state, scaler)
+  for key in implied_keys(grad_range, scaler is WINDOWED) - {
+    "format",
+    "config",
+  }:
     changed = dict(d)
     x = np.asarray(d[key])
     if x.dtype == bool:
@@ -62,7 +76,7 @@ def test_every_saved_field_is_loaded(grad_range):
     else:
       changed[key] = (x + 1).tolist()
     back = fs.scaler_state_dict(
-      fs.load_scaler_state_dict(state, changed, SCALER), SCALER
+      fs.load_scaler_state_dict(state, changed, scaler), scaler
     )
     assert back == changed, key
 
