@@ -313,10 +313,10 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   scaler = SCALERS[cfg.scaler](cfg)
   stacked = fs.stacked_under("blocks") if cfg.scan else None
   return fs.chain(
-      fs.fp16_loss_scale(scaler, stacked_axes=stacked),
-      fs.clip_by_unscaled_norm(cfg.max_norm),  # by the *unscaled* norm
-      optax.adamw(cfg.lr, weight_decay=1e-4),
-    )
+    fs.fp16_loss_scale(scaler, stacked_axes=stacked),
+    fs.clip_by_unscaled_norm(cfg.max_norm),  # by the *unscaled* norm
+    optax.adamw(cfg.lr, weight_decay=1e-4),
+  )
 
 
 def make_grad_fn(cfg: Config):

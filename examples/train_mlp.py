@@ -97,10 +97,10 @@ def main(argv=None):
     jax.random.key(args.seed), jnp.zeros((1, 64))
   )  # float32 masters
   tx = fs.chain(
-      fs.fp16_loss_scale(PRESETS[args.preset](args.init_scale, args.window)),
-      fs.clip_by_unscaled_norm(1.0),  # clip by the *unscaled* global norm
-      optax.adamw(1e-3, weight_decay=1e-4),
-    )
+    fs.fp16_loss_scale(PRESETS[args.preset](args.init_scale, args.window)),
+    fs.clip_by_unscaled_norm(1.0),  # clip by the *unscaled* global norm
+    optax.adamw(1e-3, weight_decay=1e-4),
+  )
   if args.accumulate > 1:  # one guarded step per window of microbatches
     tx = fs.accumulate_gradients(tx, args.accumulate)
   opt_state = tx.init(params)

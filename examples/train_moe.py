@@ -148,13 +148,13 @@ def build(mesh, init_scale, window, max_norm, lr):
     lambda p, _: is_expert(p), params
   )
   tx = fs.chain(
-      fs.fp16_loss_scale(
-        fs.deepspeed_scaler(init_scale=init_scale, scale_window=window),
-        partition_specs=specs,
-      ),
-      fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask),
-      optax.adamw(lr, weight_decay=1e-4),
-    )
+    fs.fp16_loss_scale(
+      fs.deepspeed_scaler(init_scale=init_scale, scale_window=window),
+      partition_specs=specs,
+    ),
+    fs.clip_by_unscaled_norm(max_norm, expert_mask=expert_mask),
+    optax.adamw(lr, weight_decay=1e-4),
+  )
   state_specs = optax.tree_map_params(
     tx,
     lambda _, spec: spec,

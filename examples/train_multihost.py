@@ -80,10 +80,10 @@ def main(argv=None):
 
   scaler = fs.deepspeed_scaler(init_scale=2.0**20, scale_window=50)
   tx = fs.chain(
-      fs.fp16_loss_scale(scaler),
-      fs.clip_by_unscaled_norm(10.0),
-      optax.adam(0.05),
-    )
+    fs.fp16_loss_scale(scaler),
+    fs.clip_by_unscaled_norm(10.0),
+    optax.adam(0.05),
+  )
 
   def loss_fn(w, x, y, scale):
     pred = x.astype(jnp.float16) @ w.astype(jnp.float16)
