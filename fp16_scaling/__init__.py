@@ -25,6 +25,7 @@ from fp16_scaling._policy import Policy
 from fp16_scaling._policy import get_policy
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
+from fp16_scaling._scaler import WindowedScalerState
 from fp16_scaling._scaler import deepspeed_scaler
 from fp16_scaling._scaler import flax_scaler
 from fp16_scaling._scaler import headroom_scaler
@@ -64,6 +65,7 @@ __all__ = [
   "Scaler",
   "ScalerState",
   "StackedRange",
+  "WindowedScalerState",
   "accumulate_gradients",
   "cast_report",
   "chain",

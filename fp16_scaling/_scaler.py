@@ -32,12 +32,6 @@ class ScalerState(NamedTuple):
       that cannot back off (static, or no scaling) counts here. An overflow
       that hysteresis absorbs, or one that backs the scale off onto the
       floor, counts in neither.
-    grad_max_history: float32 ``[history]`` ring of the largest unscaled
-      ``|g|`` of the last ``history`` clean steps (0.0 where no step has been
-      yet), for ``headroom_scaler(history=W)`` with ``W > 1``; None for
-      every other scaler, whose state it leaves as it was.
-    history_position: int32 slot of ``grad_max_history`` the next clean
-      step writes; None with it.
   """
 
   loss_scale: jax.Array
@@ -45,8 +39,33 @@ class ScalerState(NamedTuple):
   hysteresis_left: jax.Array
   min_scale_errors: jax.Array
   floor_overflows: jax.Array
-  grad_max_history: Optional[jax.Array] = None
-  history_position: Optional[jax.Array] = None
+
+
+class WindowedScalerState(NamedTuple):
+  """:class:`ScalerState` with the window of ``headroom_scaler(history=W)``,
+  ``W > 1``. A type of its own, so that every other scaler's state (and
+  its checkpoints) keeps :class:`ScalerState`'s five fields.
+
+  Attributes:
+    loss_scale: as :class:`ScalerState`'s.
+    growth_tracker: as :class:`ScalerState`'s.
+    hysteresis_left: as :class:`ScalerState`'s.
+    min_scale_errors: as :class:`ScalerState`'s.
+    floor_overflows: as :class:`ScalerState`'s.
+    grad_max_history: float32 ``[history]`` ring of the largest unscaled
+      ``|g|`` of the last ``history`` clean steps (0.0 where no step has been
+      yet).
+    history_position: int32 slot of ``grad_max_history`` the next clean
+      step writes.
+  """
+
+  loss_scale: jax.Array
+  growth_tracker: jax.Array
+  hysteresis_left: jax.Array
+  min_scale_errors: jax.Array
+  floor_overflows: jax.Array
+  grad_max_history: jax.Array
+  history_position: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,19 +146,22 @@ class Scaler:
     """The state before the first step: ``init_scale``, the growth counter
     at ``-growth_delay``, hysteresis full, both floor counters at 0, and
     (``history > 1`` only) an empty window of gradient maxima."""
-    ring = position = None
-    if self.history > 1:
-      ring = jnp.zeros([self.history], jnp.float32)
-      position = jnp.zeros([], jnp.int32)
-    return ScalerState(
+    state = ScalerState(
       loss_scale=jnp.asarray(self.init_scale, jnp.float32),
       growth_tracker=jnp.asarray(-self.growth_delay, jnp.int32),
       hysteresis_left=jnp.asarray(self.hysteresis - 1, jnp.int32),
       min_scale_errors=jnp.zeros([], jnp.int32),
       floor_overflows=jnp.zeros([], jnp.int32),
-      grad_max_history=ring,
-      history_position=position,
     )
+    ring = jnp.zeros([self.history], jnp.float32)
+    return self._with_window(state, ring, jnp.zeros([], jnp.int32))
+
+  def _with_window(self, state: ScalerState, ring, position):
+    """``state``, with the window when ``history > 1`` (a
+    :class:`WindowedScalerState`), else as it is."""
+    if self.history == 1:
+      return state
+    return WindowedScalerState(*state, ring, position)
 
   def update(
     self,
@@ -184,7 +206,8 @@ class Scaler:
     # it, where this is the isfinite check alone).
     capped = jnp.minimum(grown, jnp.float32(self.max_scale))
     scale_after_clean = jnp.where(grow & jnp.isfinite(grown), capped, scale)
-    ring, position = state.grad_max_history, state.history_position
+    ring = getattr(state, "grad_max_history", None)
+    position = getattr(state, "history_position", None)
     if self.headroom_bits is not None:
       if grad_max is None:
         raise ValueError("a headroom scaler needs the step's grad_max")
@@ -199,7 +222,7 @@ class Scaler:
     errors = state.min_scale_errors
     if self.raise_at_min_scale:
       errors = errors + floored
-    return ScalerState(
+    new = ScalerState(
       loss_scale=jnp.where(overflow, scale_after_overflow, scale_after_clean),
       growth_tracker=jnp.where(
         overflow,
@@ -211,9 +234,8 @@ class Scaler:
       ),
       min_scale_errors=errors,
       floor_overflows=state.floor_overflows + floored,
-      grad_max_history=ring,
-      history_position=position,
     )
+    return self._with_window(new, ring, position)
 
   def _window(self, state: ScalerState, overflow, grad_max: jax.Array):
     """``(ring, position, window_max)`` after a step: a clean step writes

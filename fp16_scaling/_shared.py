@@ -169,7 +169,7 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
     pick = lambda a, b: jnp.where(first, a, b)  # noqa: B023
     scaler = jax.tree.map(pick, ls.scaler, scaler)
     overflow = overflow | ls.overflow
-  if scaler.grad_max_history is not None:
+  if getattr(scaler, "grad_max_history", None) is not None:
     # headroom_scaler(history=W): on a clean step each state wrote its own
     # largest |g| into the same slot; the shared window keeps the largest,
     # as one scaler seeing every gradient would. On an overflow the picked

@@ -29,7 +29,13 @@ def _table():
 
 @pytest.mark.parametrize(
   "state",
-  [fs.ScalerState, fs.LossScaleState, fs.ClipState, fs.AccumulationState],
+  [
+    fs.ScalerState,
+    fs.WindowedScalerState,
+    fs.LossScaleState,
+    fs.ClipState,
+    fs.AccumulationState,
+  ],
   ids=lambda s: s.__name__,
 )
 def test_design_state_table_lists_exactly_the_fields(state):

@@ -82,19 +82,29 @@ def test_the_rule_equals_the_numpy_reference_bit_for_bit(history):
 def test_history_1_is_the_old_state_and_the_default_has_a_window():
   # history=1 keeps no window: the state is the five counters, as before.
   state = fs.headroom_scaler(history=1).init()
-  assert state.grad_max_history is None and state.history_position is None
-  assert len(jax.tree.leaves(state)) == 5
+  assert type(state) is fs.ScalerState and len(jax.tree.leaves(state)) == 5
   default = fs.headroom_scaler().init()
+  assert type(default) is fs.WindowedScalerState
+  assert default[:5] == tuple(default)[:5]
   assert default.grad_max_history.shape == (256,)
   assert default.grad_max_history.dtype == jnp.float32
   assert default.history_position.dtype == jnp.int32
 
 
 def test_other_presets_state_is_unchanged():
+  """Every other preset's state is the five-field ScalerState, so that its
+  checkpoints written before the window existed restore (tests/test_chain.py
+  and tests/test_stacked.py restore two)."""
   for scaler in (fs.deepspeed_scaler(), fs.torch_scaler(), fs.no_scaler()):
     state = scaler.init()
-    assert len(jax.tree.leaves(state)) == 5
-    assert state.grad_max_history is None
+    assert type(state) is fs.ScalerState
+    assert state._fields == (
+      "loss_scale",
+      "growth_tracker",
+      "hysteresis_left",
+      "min_scale_errors",
+      "floor_overflows",
+    )
 
 
 # Initial scale 2**10, headroom 4 bits, no growth margin. The target of a

@@ -38,12 +38,11 @@ def opt_state(grad_range=False, params=PARAMS, scaler=SCALER):
 def implied_keys(grad_range, windowed=False):
   """The own format's keys, from the NamedTuples' fields: the scaler's
   flattened in, the gradient range's with ``grad_``, leaf_paths (static) and
-  an absent grad_range left out, and the scaler's optional fields (default
-  None) only for a scaler that has them."""
-  keys = set(fs.ScalerState._fields) | set(fs.LossScaleState._fields)
+  an absent grad_range left out, and a windowed headroom scaler's
+  WindowedScalerState fields in place of ScalerState's."""
+  scaler = fs.WindowedScalerState if windowed else fs.ScalerState
+  keys = set(scaler._fields) | set(fs.LossScaleState._fields)
   keys -= {"scaler", "grad_range", "leaf_paths"}
-  if not windowed:
-    keys -= set(fs.ScalerState._field_defaults)
   if grad_range:
     keys |= {f"grad_{f}" for f in fs.GradRange._fields}
   return keys | {"format", "config"}
