@@ -225,19 +225,25 @@ def _read(code, wrap):
 @pytest.mark.parametrize("row", _ops_rows(), ids=lambda r: r[0][:40])
 def test_each_rows_claim_holds_on_the_jaxpr(row):
   _, code, half, wide, out, wrap = row
-  eqns, dtype = _read(code, wrap=False)
-  assert dtype == jnp.dtype(out), (code, dtype)
-  for prims, want in ((half, F16), (wide, F32)):
-    for prim in prims:
-      got = _operands_of(eqns, prim)
-      assert got, f"{code}: no {prim} in the jaxpr"
-      assert all(g == {want} for g in got), (code, prim, got)
+  try:
+    eqns, dtype = _read(code, wrap=False)
+  except TypeError as e:  # newer JAX refuses it when tracing, not XLA
+    assert "float16" in str(e) and "refuses float16" in wrap, (code, e)
+    eqns, dtype = None, None
+  # A listed primitive may be spelled otherwise by another JAX (0.12 has a
+  # log2 primitive where 0.10 has log and div): each cell's primitives
+  # that are in the jaxpr run in its dtype, and at least one of them is.
+  if eqns is not None:
+    assert dtype == jnp.dtype(out), (code, dtype)
+    for prims, want in ((half, F16), (wide, F32)):
+      found = [g for prim in prims for g in _operands_of(eqns, prim)]
+      assert found or not prims, f"{code}: none of {prims} in the jaxpr"
+      assert all(g == {want} for g in found), (code, prims, found)
   # Under fs.float32 every listed primitive runs in float32, out in float32.
   eqns, dtype = _read(code, wrap=True)
   assert dtype == F32
-  for prim in half + wide:
-    got = _operands_of(eqns, prim)
-    assert got and all(g == {F32} for g in got), (code, prim, got)
+  found = [g for prim in half + wide for g in _operands_of(eqns, prim)]
+  assert found and all(g == {F32} for g in found), (code, found)
   # The advice follows the reading: wrap what runs in float16 (unless it
   # is exact), not what JAX already runs in float32.
   if not half:
