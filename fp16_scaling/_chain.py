@@ -97,16 +97,11 @@ def _checked(transforms) -> tuple:
         f"fs.chain: element {i + 1 + (clip is not None)} is a "
         f"{type(tx).__name__}, not an optax GradientTransformation"
       )
-  if not rest:  # optax.chain() takes at least one element
-    return (
-      scale,
-      clip,
-      optax.GradientTransformationExtraArgs(
-        lambda params: (),
-        lambda updates, state, params=None, **kw: (updates, ()),
-      ),
-    )
-  return scale, clip, optax.chain(*rest)
+  # optax.chain() takes at least one element; the state stays ``()``.
+  empty = optax.GradientTransformationExtraArgs(
+    lambda params: (), lambda updates, state, params=None, **kw: (updates, ())
+  )
+  return scale, clip, optax.chain(*rest) if rest else empty
 
 
 def chain(*transforms: optax.GradientTransformation) -> Step:

@@ -101,13 +101,6 @@ def _names(tree) -> list:
   return names
 
 
-def _leaf_paths(tree, scaler, partition_specs, stacked) -> LeafPaths:
-  """The units' names and sizes, with the configuration built for."""
-  sizes = [jnp.size(x) for x in jax.tree.leaves(tree)]
-  names, sizes = _stacked.unit_names(stacked, _names(tree), sizes)
-  return LeafPaths(names, sizes, scaler, partition_specs, stacked)
-
-
 def _listed(names) -> str:
   """The first names, for a message."""
   return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -313,7 +306,10 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   _warn_float16_params(leaves)
   specs = config.partition_specs
   _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
-  paths = _leaf_paths(params, config.scaler, specs, config.layout(params))
+  stacked = config.layout(params)
+  sizes = [jnp.size(x) for x in leaves]
+  names, sizes = _stacked.unit_names(stacked, _names(params), sizes)
+  paths = LeafPaths(names, sizes, config.scaler, specs, stacked)
   # Not stepped yet: sync_loss_scales refuses it until an update marks it.
   paths = paths.marked(False)
   return _initial_state(config.scaler.init(), paths, config.grad_range)
@@ -365,14 +361,9 @@ def check_state(config: ScaleConfig, state: LossScaleState) -> None:
   (its static ``leaf_paths`` say which), before anything is read with
   ``config``."""
   key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
-  specs = config.partition_specs
-  _check_built_here(state.leaf_paths, config.scaler, specs, key)
-
-
-def _check_built_here(paths: LeafPaths, scaler, specs, key) -> None:
-  """Raises when the state was built by another configuration."""
+  paths, scaler = state.leaf_paths, config.scaler
   stacked = _stacked.Layout(key) if key is not None else None
-  if paths == LeafPaths((), (), scaler, specs, stacked):
+  if paths == LeafPaths((), (), scaler, config.partition_specs, stacked):
     return
   what = "other partition_specs or stacked_axes"
   if paths.scaler != scaler and paths.scaler is not None:

@@ -164,31 +164,7 @@ def test_a_second_sync_of_states_that_did_not_step_is_refused():
   fs.sync_loss_scales(_as_after_update(s0), _as_after_update(s1))
 
 
-def _marking(monkeypatch):
-  """tx.init and tx.update marking their states as the chain's rewrite is
-  to: init not stepped, update stepped, set after ``written_over`` (whose
-  tree map keeps the old state's static part)."""
-  from fp16_scaling import _loss_scale
-
-  paths, written_over = (
-    _loss_scale._leaf_paths,
-    _loss_scale._donation.written_over,
-  )
-
-  def marked(old, new):
-    out = written_over(old, new)
-    if isinstance(out, fs.LossScaleState):
-      out = out._replace(leaf_paths=out.leaf_paths.marked(True))
-    return out
-
-  monkeypatch.setattr(
-    _loss_scale, "_leaf_paths", lambda *a: paths(*a).marked(False)
-  )
-  monkeypatch.setattr(_loss_scale._donation, "written_over", marked)
-
-
-def test_stale_sync_is_refused_once_init_and_update_mark(monkeypatch):
-  _marking(monkeypatch)
+def test_stale_sync_is_refused_once_init_and_update_mark():
   tx0, tx1 = chain(), chain()
   p = jnp.ones(2)
 
