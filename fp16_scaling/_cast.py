@@ -68,13 +68,12 @@ class CastReport(NamedTuple):
   nonfinite: Tuple[str, ...] = ()
 
   def __str__(self) -> str:
-    inf, sub, zero = (
+    inf, sub, zero, bad = (
       sum(getattr(c, field) for c in self.leaves.values())
-      for field in ("to_inf", "to_subnormal", "to_zero")
+      for field in ("to_inf", "to_subnormal", "to_zero", "nonfinite")
     )
     lines = []
     if self.nonfinite:
-      bad = sum(c.nonfinite for c in self.leaves.values())
       lines.append(
         f"NOT CLEAN: {bad} values are already inf or NaN, before any cast, "
         f"in {len(self.nonfinite)} of {len(self.leaves)} leaves."

@@ -2,7 +2,6 @@
 state inside the trace, and the unscaled loss.
 """
 
-import functools
 import sys
 from typing import Any, Callable, Sequence, Union
 
@@ -10,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling import _policy
 from fp16_scaling import _validate
 from fp16_scaling._metrics import current_scale
-from fp16_scaling._policy import as_policy
+from fp16_scaling._shared import _is_nnx_optimizer
 
 _STALE = (
   "fs.value_and_grad: the loss scale was read from a state that is not "
@@ -34,23 +34,6 @@ _FLOAT16_LOSS = (
 def _is_traced(x) -> bool:
   """Whether ``x`` is a tracer."""
   return isinstance(x, jax.core.Tracer)
-
-
-def _scale_of(state):
-  """The loss scale held by ``state``, an optax state or nnx.Optimizer."""
-  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
-    raise ValueError(
-      "fs.value_and_grad: the state holds ShapeDtypeStructs (from "
-      "jax.eval_shape(tx.init, params)), shapes without values: pass the "
-      "state tx.init(params) returned, or the one the step receives"
-    )
-  return current_scale(state.opt_state if _is_nnx_optimizer(state) else state)
-
-
-def _is_nnx_optimizer(state) -> bool:
-  """Whether ``state`` is an ``nnx.Optimizer`` (of a loaded flax.nnx)."""
-  nnx = sys.modules.get("flax.nnx")
-  return nnx is not None and isinstance(state, nnx.Optimizer)
 
 
 def _split_output(out, has_aux: bool) -> tuple:
@@ -159,13 +142,20 @@ def value_and_grad(
     float32 float32
   """
   nnx_optimizer = _is_nnx_optimizer(state)
-  scale = _scale_of(state)
+  # The loss scale held by state (an optax state or an nnx.Optimizer).
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
+    raise ValueError(
+      "fs.value_and_grad: the state holds ShapeDtypeStructs (from "
+      "jax.eval_shape(tx.init, params)), shapes without values: pass the "
+      "state tx.init(params) returned, or the one the step receives"
+    )
+  scale = current_scale(state.opt_state if nnx_optimizer else state)
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  policy, cast = _cast_plan(policy, cast_args, nums)
+  policy, cast_args = _cast_plan(policy, cast_args)
 
   def scaled(*args, **kw):
     if policy is not None:
-      args, kw, done = cast(args, kw)
+      args, kw, done = _cast_inputs(policy, nums, cast_args, args, kw)
     value, aux = _split_output(fun(*args, **kw), has_aux)
     if policy is not None:
       done()
@@ -178,7 +168,7 @@ def value_and_grad(
     grad = nnx.grad(scaled, argnums=argnums, has_aux=True, **kwargs)
   else:
     grad = jax.grad(scaled, argnums=argnums, has_aux=True, **kwargs)
-    grad = _arrays_only(grad, scaled, argnums, kwargs)
+    grad = _arrays_only(grad, scaled, argnums, nums, kwargs)
 
   def value_and_scaled_grad(*args, **kw):
     traced = any(_is_traced(x) for x in jax.tree.leaves((args, kw)))
@@ -194,10 +184,10 @@ def value_and_grad(
   return value_and_scaled_grad
 
 
-def _cast_plan(policy, cast_args, nums):
-  """``(policy, cast)``: the policy as a :class:`Policy` (or None), and
-  ``cast(args, kw) -> (args, kw, done)``, the casts inside the
-  differentiated function (``done()`` after ``fun``)."""
+def _cast_plan(policy, cast_args):
+  """``(policy, cast_args)``: the policy as a :class:`Policy` (or None),
+  and ``cast_args`` as a checked tuple, for :func:`_cast_inputs`, the casts
+  inside the differentiated function."""
   if policy is None:
     if tuple(cast_args):
       raise ValueError(
@@ -205,8 +195,8 @@ def _cast_plan(policy, cast_args, nums):
         "compute dtype, but no policy= says which: pass policy= (e.g. "
         "'p=f32,c=f16,o=f32') or drop cast_args"
       )
-    return None, None
-  policy = as_policy(policy, "fs.value_and_grad: policy")
+    return None, ()
+  policy = _policy.as_policy(policy, "fs.value_and_grad: policy")
   cast_args = (cast_args,) if isinstance(cast_args, (int, str)) else cast_args
   cast_args = tuple(cast_args)
   for c in cast_args:
@@ -215,14 +205,15 @@ def _cast_plan(policy, cast_args, nums):
         "fs.value_and_grad: cast_args must hold argument positions (ints) "
         f"and keyword names (strings), got {c!r}"
       )
-  return policy, functools.partial(_cast_inputs, policy, nums, cast_args)
+  return policy, cast_args
 
 
 def _cast_inputs(policy, nums, cast_args, args, kw):
   """``(args, kw, done)``: the differentiated arguments and those
   ``cast_args`` names cast to the compute dtype; an NNX module's
   ``nnx.Param``s only, in a copy whose other state (batch statistics, RNG
-  counts) ``done()`` writes back to the module ``fun`` was given."""
+  counts) ``done()``, called after ``fun``, writes back to the module
+  ``fun`` was given."""
   n = len(args)
   for c in cast_args:
     if isinstance(c, int) and not -n <= c < n:
@@ -265,17 +256,15 @@ def _refuse_double_cast(policy, args, nums) -> None:
   nnx = sys.modules.get("flax.nnx")
   for i in nums:
     for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
-      dtype = getattr(x, "dtype", None)
-      if isinstance(x, (jax.Array, np.ndarray)) and dtype != policy.param_dtype:
-        if jnp.issubdtype(dtype, jnp.floating):
-          raise ValueError(
-            f"fs.value_and_grad(policy={policy}): argument {i} holds a "
-            f"{dtype.name} array at {jax.tree_util.keystr(path)}, not the "
-            f"policy's param_dtype {policy.param_dtype.name}: the "
-            "parameters look cast already, and the policy would cast them "
-            "again. Pass the parameters in their own dtype (the policy "
-            "casts them inside), or drop policy="
-          )
+      if _policy.is_floating_array(x) and x.dtype != policy.param_dtype:
+        raise ValueError(
+          f"fs.value_and_grad(policy={policy}): argument {i} holds a "
+          f"{x.dtype.name} array at {jax.tree_util.keystr(path)}, not the "
+          f"policy's param_dtype {policy.param_dtype.name}: the "
+          "parameters look cast already, and the policy would cast them "
+          "again. Pass the parameters in their own dtype (the policy "
+          "casts them inside), or drop policy="
+        )
     if nnx is not None and isinstance(args[i], nnx.Module):
       for path, sub in nnx.iter_modules(args[i]):
         if getattr(sub, "dtype", None) is not None:
@@ -297,13 +286,12 @@ def _differentiable(x) -> bool:
   return inexact or (isinstance(x, float) and not isinstance(x, bool))
 
 
-def _arrays_only(grad, fun, argnums, kwargs) -> Callable[..., Any]:
+def _arrays_only(grad, fun, argnums, nums, kwargs) -> Callable[..., Any]:
   """``grad``, with each differentiated argument reduced to what can be
   differentiated (see :func:`_differentiable`; in an argument holding an
   Equinox module, its inexact arrays only, as ``eqx.filter_value_and_grad``
   takes them); the rest goes to ``fun`` as it is and its gradient is
-  None."""
-  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  None. ``nums`` is ``argnums`` as a tuple."""
 
   def call(*args, **kw):
     args, rest = list(args), {}

@@ -9,6 +9,7 @@ import numpy as np
 
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
+from fp16_scaling._scaler import _floor
 
 
 def _number(name: str, value):
@@ -102,14 +103,9 @@ def jmp_scaler(
       f"{counter!r}"
     )
   factor = _power_of_two_factor(factor)
-  min_scale = _validate.scale(
-    "min_loss_scale", _number("min_loss_scale", min_loss_scale)
+  min_scale = _floor(
+    "min_loss_scale", _number("min_loss_scale", min_loss_scale), init_scale
   )
-  if min_scale > init_scale:
-    raise ValueError(
-      f"min_loss_scale must not exceed loss_scale ({init_scale!r}), got "
-      f"{min_scale!r}"
-    )
   return Scaler(
     init_scale=init_scale,
     growth_factor=float(factor),

@@ -20,14 +20,15 @@ _NAMES = {
   jnp.dtype(jnp.float64): ("f64", "float64"),
 }
 _DTYPE_OF = {name: d for d, names in _NAMES.items() for name in names}
-DTYPE_NAMES = (*_DTYPE_OF, "half")  # what get_policy reads as a dtype
+_DTYPE_OF["half"] = jnp.dtype(jnp.float16)  # on every device (get_policy)
+DTYPE_NAMES = tuple(_DTYPE_OF)  # what get_policy reads as a dtype
 KEYS = ("p", "params", "c", "compute", "o", "output")
 _FIELD_OF = {k: f for f in ("param", "compute", "output") for k in (f[0], f)}
 _FIELD_OF["params"] = _FIELD_OF.pop("param")
 _FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
 
-def _is_floating_array(x) -> bool:
+def is_floating_array(x) -> bool:
   """Whether ``x`` is a JAX or numpy array (a tracer included) of a floating
   dtype: not an integer, bool or PRNG-key array, nor a Python scalar."""
   return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(
@@ -46,19 +47,17 @@ def cast_floating(tree: T, dtype: Any) -> T:
   """
   dtype = jnp.dtype(dtype)
   return jax.tree.map(
-    lambda x: x.astype(dtype) if _is_floating_array(x) else x, tree
+    lambda x: x.astype(dtype) if is_floating_array(x) else x, tree
   )
 
 
 def _floating_dtype(name: str, value) -> np.dtype:
   """``value`` (a dtype, a type, or a name: numpy's or jmp's) as one of the
   four floating ``np.dtype``s jmp names; a ValueError naming ``name``."""
-  if isinstance(value, str) and value in (*_DTYPE_OF, "half"):
-    return _DTYPE_OF.get(value, jnp.dtype(jnp.float16))
-  try:
-    if value is None:  # np.dtype(None) is float64
-      raise TypeError
-    dtype = jnp.dtype(value)
+  if isinstance(value, str) and value in _DTYPE_OF:
+    return _DTYPE_OF[value]
+  try:  # np.dtype(None) is float64
+    dtype = None if value is None else jnp.dtype(value)
   except TypeError:
     dtype = None
   if dtype not in _NAMES:  # np.dtype("f16") is float128
@@ -133,8 +132,6 @@ class Policy:
 
 def _dtype(spec: str, key: str, value: str) -> np.dtype:
   """The dtype jmp's grammar names ``value``; ``half`` is float16."""
-  if value == "half":
-    return jnp.dtype(jnp.float16)
   if value not in _DTYPE_OF:
     where = f" for key {key!r}" if key else ""
     raise ValueError(

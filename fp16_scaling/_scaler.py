@@ -214,7 +214,7 @@ class Scaler:
       grad_max = jnp.asarray(grad_max, jnp.float32)
       if self.history > 1:
         ring, position, grad_max = self._window(state, overflow, grad_max)
-      scale_after_clean = self._headroom_scale(scale, grad_max)
+      scale_after_clean = self._headroom_scale(scale, grad_max, capped)
     refill = grow | self.consecutive_hysteresis
     hysteresis_after_clean = jnp.where(refill, full, left)
 
@@ -250,9 +250,10 @@ class Scaler:
     position = jnp.where(overflow, position, (position + 1) % self.history)
     return ring, position.astype(jnp.int32), jnp.max(written)
 
-  def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array):
+  def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array, capped):
     """The next scale after a clean step, from the largest gradient (of
-    the window, with ``history``)."""
+    the window, with ``history``); ``capped`` is the counted growth's,
+    ``min(scale * growth_factor, max_scale)``."""
     # float16's max over (largest gradient times 2**bits); +inf when every
     # gradient is zero, and then the growth cap decides. Never NaN.
     target = jnp.float32(F16_MAX) / (
@@ -263,10 +264,7 @@ class Scaler:
     target = jnp.where(
       jnp.isfinite(target), jnp.ldexp(jnp.float32(1), exponent - 1), target
     )
-    grown = scale * jnp.float32(self.growth_factor)
-    capped = jnp.minimum(
-      target, jnp.minimum(grown, jnp.float32(self.max_scale))
-    )
+    capped = jnp.minimum(target, capped)
     # Fall at once (the largest gradient is nearer the top than asked); grow
     # only with the margin to spare.
     margin = jnp.float32(2.0**self.growth_margin_bits)
@@ -331,15 +329,16 @@ def no_scaler() -> Scaler:
   return Scaler(init_scale=1.0)
 
 
-def _floor(name: str, min_scale: float, init_scale: float) -> float:
-  """``min_scale``, checked to be a scale at most ``init_scale``."""
-  min_scale = _validate.scale(name, min_scale)
-  if min_scale > init_scale:
+def _floor(name: str, value: float, init_scale: float, ceiling=False) -> float:
+  """``value``, checked to be a scale at most ``init_scale`` (at least it,
+  for a ``ceiling``)."""
+  value = _validate.scale(name, value)
+  if value < init_scale if ceiling else value > init_scale:
+    how = "be at least" if ceiling else "not exceed"
     raise ValueError(
-      f"{name} must not exceed the initial scale ({init_scale!r}), got "
-      f"{min_scale!r}"
+      f"{name} must {how} the initial scale ({init_scale!r}), got {value!r}"
     )
-  return min_scale
+  return value
 
 
 def deepspeed_scaler(
@@ -591,12 +590,7 @@ def headroom_scaler(
     2048.0
   """
   init_scale = _validate.scale("init_scale", init_scale)
-  max_scale = _validate.scale("max_scale", max_scale)
-  if max_scale < init_scale:
-    raise ValueError(
-      f"max_scale must be at least init_scale ({init_scale!r}), got "
-      f"{max_scale!r}"
-    )
+  max_scale = _floor("max_scale", max_scale, init_scale, ceiling=True)
   return Scaler(
     init_scale=init_scale,
     growth_factor=_validate.above_one("max_growth", max_growth),

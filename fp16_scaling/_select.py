@@ -92,7 +92,7 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
     >>> fs.select_on_overflow(opt_state, {"w": jnp.full(2, jnp.nan)}, ema)
     {'w': Array([1., 1.], dtype=float32)}
   """
-  new_leaves, treedef = jax.tree.flatten(new)
+  new_paths, treedef = jax.tree_util.tree_flatten_with_path(new)
   old_leaves, old_def = jax.tree.flatten(old)
   if treedef != old_def:
     raise ValueError(
@@ -101,16 +101,14 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
       "nnx.as_pure(nnx.state(model, nnx.BatchStat)) before the forward pass "
       "and new as nnx.as_pure(...) of the same filter after it"
     )
-  for path, n, o in zip(
-    jax.tree_util.tree_flatten_with_path(new)[0], new_leaves, old_leaves
-  ):
+  for (path, n), o in zip(new_paths, old_leaves):
     if jnp.shape(n) != jnp.shape(o) or jnp.result_type(n) != jnp.result_type(o):
       raise ValueError(
         "select_on_overflow: new and old differ at "
-        f"{jax.tree_util.keystr(path[0])}: {jnp.result_type(n)}"
+        f"{jax.tree_util.keystr(path)}: {jnp.result_type(n)}"
         f"{list(jnp.shape(n))} and {jnp.result_type(o)}{list(jnp.shape(o))}"
       )
-  if not new_leaves:  # nothing to select (a model without BatchStat)
+  if not new_paths:  # nothing to select (a model without BatchStat)
     return new
   keep = skipped(opt_state)
 
@@ -125,5 +123,5 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
     return jnp.where(flag, o, n)
 
   return jax.tree.unflatten(
-    treedef, [select(n, o) for n, o in zip(new_leaves, old_leaves)]
+    treedef, [select(n, o) for (_, n), o in zip(new_paths, old_leaves)]
   )

@@ -32,13 +32,11 @@ def scalar_loss(
   try:
     array = jnp.asarray(value)
   except (TypeError, ValueError):
-    array = None
-  if array is None:
     got = f"a {type(value).__name__}"
-  elif array.shape != () or not jnp.issubdtype(array.dtype, jnp.floating):
-    got = f"{array.dtype}{list(array.shape)}"
   else:
-    return array
+    if array.shape == () and jnp.issubdtype(array.dtype, jnp.floating):
+      return array
+    got = f"{array.dtype}{list(array.shape)}"
   raise TypeError(
     f"{what} must be a floating scalar loss: the mean loss, not per-example "
     f"losses; got {got}"
@@ -136,14 +134,11 @@ def _up_to_f32_max(name: str, value, *, zero: bool) -> float:
 
 
 def count(name: str, value) -> int:
-  minimum = 1
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-      f"{name} must be an integer >= {minimum}, got {_describe(value)}"
-    )
-  if not minimum <= int(value) <= 2**31 - 2:
+    raise TypeError(f"{name} must be an integer >= 1, got {_describe(value)}")
+  if not 1 <= int(value) <= 2**31 - 2:
     raise ValueError(
-      f"{name} must be an integer in [{minimum}, {2**31 - 2}], got {value!r}"
+      f"{name} must be an integer in [1, {2**31 - 2}], got {value!r}"
     )
   return int(value)
 

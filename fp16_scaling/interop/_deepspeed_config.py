@@ -265,9 +265,15 @@ def _dynamic_scaler(
   dynamic = " when dynamic loss scaling is enabled (loss_scale=0)"
   window = _int(fp16, "loss_scale_window", 1000, low=1, why=dynamic)
   min_scale = _int(fp16, "min_loss_scale", 1, low=1, why=dynamic)
-  hysteresis, consecutive, raise_at_min = _hysteresis(
-    fp16, stage, stage0_hysteresis
+  hysteresis = _int(fp16, "hysteresis", 2)
+  consecutive = _validate.boolean(
+    "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
   )
+  if stage == 0 and not stage0_hysteresis:
+    # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
+    hysteresis, consecutive = 1, False
+  else:
+    _validate.integer("fp16.hysteresis", hysteresis, low=1)
   try:
     return deepspeed_scaler(
       init_scale=2.0**power,
@@ -275,25 +281,12 @@ def _dynamic_scaler(
       min_scale=float(min_scale),
       delayed_shift=hysteresis,
       consecutive_hysteresis=consecutive,
-      raise_error_at_min_scale=raise_at_min,
+      # After 0.19.8 the fp16 optimizers (stage 0) honour hysteresis but
+      # still never raise at the floor; ZeRO's DynamicLossScaler raises.
+      raise_error_at_min_scale=stage > 0,
     )
   except ValueError as e:
     raise ValueError(
       f"fp16: {e} (min_scale is fp16.min_loss_scale, "
       "init_scale is 2**fp16.initial_scale_power)"
     ) from None
-
-
-def _hysteresis(fp16: Mapping, stage: int, stage0_hysteresis: bool) -> tuple:
-  """``(hysteresis, consecutive, raise_at_min_scale)`` at ``stage``."""
-  hysteresis = _int(fp16, "hysteresis", 2)
-  consecutive = _validate.boolean(
-    "fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)
-  )
-  if stage == 0 and not stage0_hysteresis:
-    # FP16_Optimizer / FP16_UnfusedOptimizer: no hysteresis, never raise.
-    return 1, False, False
-  _validate.integer("fp16.hysteresis", hysteresis, low=1)
-  # After 0.19.8 the fp16 optimizers (stage 0) honour hysteresis but still
-  # never raise at the floor; ZeRO's DynamicLossScaler raises there.
-  return hysteresis, consecutive, stage > 0

@@ -318,14 +318,13 @@ DS_LOSS_SCALER = Peer(
   ),
 )
 
-DS_OPTIMIZER = Peer(
+# The fp16 optimizers' state: the loss scaler's counters, as it reads them.
+DS_OPTIMIZER = dataclasses.replace(
+  DS_LOSS_SCALER,
   name="DeepSpeed FP16_Optimizer",
   saved_by="DeepSpeed FP16_Optimizer / FP16_UnfusedOptimizer.state_dict()",
   keys=_DS_OPTIMIZER_KEYS,
   implies=_ds_implies,
-  to_own=_ds_to_own,
-  from_own=_ds_from_own,
-  needs=_DS_NEEDS,
   preset=lambda d, overrides: _ds_preset(d, overrides, {}),
   when=lambda d: bool(d["dynamic_loss_scale"]),
 )
@@ -378,14 +377,16 @@ PEERS = (DS_LOSS_SCALER, DS_STATIC, DS_OPTIMIZER, TORCH, MEGATRON)
 EXPORTS = {"torch": TORCH, "megatron": MEGATRON, "deepspeed": DS_OPTIMIZER}
 
 
-def recognise(d: Mapping) -> Optional[Peer]:
-  """The first peer in :data:`PEERS` whose state ``d`` is, or None."""
-  return next((peer for peer in PEERS if peer.recognises(d)), None)
+def recognise(d: Mapping, peers: tuple = PEERS) -> Optional[Peer]:
+  """The first peer in ``peers`` (:data:`PEERS`) whose state ``d`` is, or
+  None."""
+  return next((peer for peer in peers if peer.recognises(d)), None)
 
 
-def exported(name: str, scaler: Scaler) -> Peer:
-  """The peer that ``to_peer_state_dict`` writes ``name``'s state for."""
-  peer = EXPORTS[name]
+def exported(name: str, scaler: Scaler, exports: Mapping = EXPORTS) -> Peer:
+  """The peer that ``to_peer_state_dict`` writes ``name``'s state for, of
+  ``exports`` (:data:`EXPORTS`)."""
+  peer = exports[name]
   if peer is DS_OPTIMIZER and not scaler.dynamic:
     return DS_STATIC
   return peer

@@ -93,7 +93,7 @@ def _recognise(state_dict: Any) -> tuple:
     # A DeepSpeed loss scaler, a jmp DynamicLossScale, a built Keras
     # LossScaleOptimizer: the object's attributes are its state.
     if isinstance(attrs, Mapping) and (
-      "cur_scale" in attrs or _peer_of(attrs) is not None
+      "cur_scale" in attrs or _peers.recognise(attrs, _PEERS) is not None
     ):
       return _recognise(dict(attrs))
     raise TypeError(
@@ -105,15 +105,10 @@ def _recognise(state_dict: Any) -> tuple:
     return None, state_dict
   if "loss_scaler" in state_dict:
     return _recognise(state_dict["loss_scaler"])
-  peer = _peer_of(state_dict)
+  peer = _peers.recognise(state_dict, _PEERS)
   if peer is None:
     _unknown(set(map(str, state_dict)))
   return peer, state_dict
-
-
-def _peer_of(d: Mapping) -> Optional[_peers.Peer]:
-  """The first peer in :data:`_PEERS` whose state ``d`` is, or None."""
-  return next((peer for peer in _PEERS if peer.recognises(d)), None)
 
 
 def _unknown(keys: set) -> None:
@@ -307,6 +302,4 @@ def to_peer_state_dict(opt_state: Any, peer: str, scaler: Scaler) -> dict:
       f"{np.shape(state.loss_scale)}: index one member first"
     )
   counters = _peers.Counters.of(jax.device_get(state))
-  if peer in _jax_peers.EXPORTS:
-    return _jax_peers.EXPORTS[peer].save(counters, scaler)
-  return _peers.exported(peer, scaler).save(counters, scaler)
+  return _peers.exported(peer, scaler, _EXPORTS).save(counters, scaler)
