@@ -49,10 +49,22 @@ def _chain(scaler=None, clip=True, **kwargs):
   return helpers.guarded(scaler, *clips, optax.sgd(0.1), **kwargs)
 
 
-def _with(state, **fields):
-  """``state`` with its LossScaleState's ``fields`` replaced."""
+def _with(state, scaler=None, **fields):
+  """``state`` with its LossScaleState's ``fields`` replaced (``scaler``: a
+  dict of its ScalerState's)."""
   ls = _lookup.loss_scale_state(state)
+  if scaler is not None:
+    fields["scaler"] = ls.scaler._replace(**scaler)
   return _lookup.replace_loss_scale_state(state, ls._replace(**fields))
+
+
+def _with_node(state, kind, **fields):
+  """``state`` with the ``fields`` of each of its ``kind`` nodes replaced."""
+  return jax.tree.map(
+    lambda x: x._replace(**fields) if isinstance(x, kind) else x,
+    state,
+    is_leaf=lambda x: isinstance(x, kind),
+  )
 
 
 def _host(metrics):
@@ -68,13 +80,9 @@ def test_current_scale_found_at_any_depth():
 
 
 def test_each_key_reads_its_field():
-  state = _chain().init(PARAMS)
-  ls = _lookup.loss_scale_state(state)
   state = _with(
-    state,
-    scaler=ls.scaler._replace(
-      loss_scale=jnp.float32(32.0), floor_overflows=jnp.int32(2)
-    ),
+    _chain().init(PARAMS),
+    scaler=dict(loss_scale=jnp.float32(32.0), floor_overflows=jnp.int32(2)),
     prev_loss_scale=jnp.float32(64.0),
     overflow=jnp.bool_(True),
     skipped_steps=jnp.int32(7),
@@ -83,16 +91,11 @@ def test_each_key_reads_its_field():
     leaf_nonfinite=jnp.array([True, False, True]),
     overflow_kind=jnp.int32(fs.OVERFLOW_KINDS.index("backward")),
   )
-  state = jax.tree.map(
-    lambda x: (
-      x._replace(
-        expert_grad_norm=jnp.float32(3.0), shared_grad_norm=jnp.float32(4.0)
-      )
-      if isinstance(x, fs.ClipState)
-      else x
-    ),
+  state = _with_node(
     state,
-    is_leaf=lambda x: isinstance(x, fs.ClipState),
+    fs.ClipState,
+    expert_grad_norm=jnp.float32(3.0),
+    shared_grad_norm=jnp.float32(4.0),
   )
   m = fs.scale_metrics(state)
   assert set(m) == BASE_KEYS
@@ -158,19 +161,13 @@ def test_accumulation_keys_between_and_at_the_end_of_a_window():
   assert got["prev_loss_scale"] == got["loss_scale"] == 64.0
   assert (got["microbatches"], got["applied_steps"]) == (0, 0)
   assert got["dropped_microbatches"] == 0
-  ended = jax.tree.map(
-    lambda x: (
-      x._replace(
-        window_ended=jnp.bool_(True),
-        microbatches=jnp.int32(8),
-        applied_steps=jnp.int32(1),
-        dropped_microbatches=jnp.int32(3),
-      )
-      if isinstance(x, fs.AccumulationState)
-      else x
-    ),
+  ended = _with_node(
     state,
-    is_leaf=lambda x: isinstance(x, fs.AccumulationState),
+    fs.AccumulationState,
+    window_ended=jnp.bool_(True),
+    microbatches=jnp.int32(8),
+    applied_steps=jnp.int32(1),
+    dropped_microbatches=jnp.int32(3),
   )
   got = _host(fs.scale_metrics(ended))
   assert got["window_ended"] and got["overflow"]
@@ -203,13 +200,10 @@ def test_a_batched_state_gives_one_value_per_member():
 
 
 def _at_floor(errors, floor_overflows, scale=1.0):
-  state = _chain(fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0)).init(
-    PARAMS
-  )
-  ls = _lookup.loss_scale_state(state)
+  tx = _chain(fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0))
   return _with(
-    state,
-    scaler=ls.scaler._replace(
+    tx.init(PARAMS),
+    scaler=dict(
       loss_scale=jnp.float32(scale),
       min_scale_errors=jnp.int32(errors),
       floor_overflows=jnp.int32(floor_overflows),
@@ -242,10 +236,9 @@ def test_raise_if_min_scale_reached_on_a_batched_state():
   one = _at_floor(0, 0)
   state = jax.tree.map(lambda x: jnp.stack([x, x]), one)
   fs.raise_if_min_scale_reached(state)
-  ls = _lookup.loss_scale_state(state)
   state = _with(
     state,
-    scaler=ls.scaler._replace(
+    scaler=dict(
       min_scale_errors=jnp.int32([0, 1]), loss_scale=jnp.float32([4.0, 1.0])
     ),
   )
