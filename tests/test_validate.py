@@ -11,6 +11,7 @@ the wrong type is a ValueError too, as DeepSpeed's config raises.
 """
 
 import math
+import types
 
 from helpers import F32_MAX
 from helpers import TINY
@@ -234,20 +235,11 @@ def test_data_checks_raise_value_errors_naming_the_field(
   assert str(err.value).startswith(f"knob {says}")
 
 
-class _Tensor:
+def _tensor(array):
   """What one_element reads of a torch tensor: detach().cpu().numpy()."""
-
-  def __init__(self, array):
-    self.array = array
-
-  def detach(self):
-    return self
-
-  def cpu(self):
-    return self
-
-  def numpy(self):
-    return self.array
+  tensor = types.SimpleNamespace(numpy=lambda: array)
+  tensor.detach = tensor.cpu = lambda: tensor
+  return tensor
 
 
 def test_data_checks_accept_their_edges_as_python_values():
@@ -258,7 +250,7 @@ def test_data_checks_accept_their_edges_as_python_values():
     assert got == 3 and type(got) is int
   assert _validate.integer("i", -(2**40)) == -(2**40)
   assert _validate.boolean("b", np.bool_(False)) is False
-  for value in (4.0, np.array([[4.0]]), _Tensor(np.array([4.0], np.float32))):
+  for value in (4.0, np.array([[4.0]]), _tensor(np.array([4.0], np.float32))):
     got = _validate.one_element("e", value)
     assert got == 4.0 and type(got) is float
   assert type(_validate.one_element("e", np.array([7]))) is int
