@@ -21,26 +21,15 @@ from fp16_scaling import _lookup
 
 # Three leaves of 6, 3 and 2 elements, in tree order a, b, c.
 PARAMS = {"a": jnp.zeros((2, 3)), "b": jnp.zeros(3), "c": jnp.zeros(2)}
-BASE_KEYS = {
-  "loss_scale",
-  "prev_loss_scale",
-  "overflow",
-  "skipped_steps",
-  "consecutive_skipped_steps",
-  "floor_overflows",
-  "overflow_kind",
-  "nonfinite_leaves",
-  "grad_norm",
-  "expert_grad_norm",
-  "shared_grad_norm",
-}
+BASE_KEYS = set(
+  "loss_scale prev_loss_scale overflow skipped_steps consecutive_skipped_steps "
+  "floor_overflows overflow_kind nonfinite_leaves grad_norm expert_grad_norm "
+  "shared_grad_norm".split()
+)
 RANGE_KEYS = {"grad_max_abs", "min_headroom_bits", "zero_fraction"}
-ACCUMULATION_KEYS = {
-  "microbatches",
-  "applied_steps",
-  "dropped_microbatches",
-  "window_ended",
-}
+ACCUMULATION_KEYS = set(
+  "microbatches applied_steps dropped_microbatches window_ended".split()
+)
 
 
 def _chain(scaler=None, clip=True, **kwargs):
