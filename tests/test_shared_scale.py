@@ -253,8 +253,7 @@ def test_gan_order_against_plain_optax():
 
   n = 12
   z, real = _batches(n)
-  bad_d = np.zeros(n, bool)
-  bad_g = np.zeros(n, bool)
+  bad_d, bad_g = np.zeros((2, n), bool)
   bad_d[[2, 7]] = True
   bad_g[[4, 7, 9]] = True
   xs = (z, real, bad_d, bad_g)
