@@ -119,11 +119,8 @@ def test_below_the_cap_the_norm_is_the_float64_norm():
 
 def _conds(leaves, **kwargs):
   """How many ``cond`` the traced reduction holds."""
-
-  def reduce(leaves):
-    return _norm.reduce_norms(_norm.leaf_sums(leaves), leaves, **kwargs)
-
-  return str(jax.make_jaxpr(reduce)(leaves)).count(" cond[")
+  jaxpr = jax.make_jaxpr(lambda leaves: _norms(leaves, **kwargs))(leaves)
+  return str(jaxpr).count(" cond[")
 
 
 def test_float16_gradients_never_trace_the_rescue():
@@ -253,12 +250,7 @@ def test_leaf_range_reads_the_largest_finite_magnitude_and_the_zeros():
 
 def test_under_jit_the_same_values():
   leaves = [jnp.array([3e30, 4e30]), jnp.array([1.0, 2.0], jnp.float16)]
-
-  @jax.jit
-  def run(leaves):
-    return _norm.reduce_norms(_norm.leaf_sums(leaves), leaves)
-
-  n = run(leaves)
+  n = jax.jit(_norms)(leaves)
   eager = _norms(leaves)
   for a, b in zip(n, eager):
     np.testing.assert_array_equal(a, b)
