@@ -197,7 +197,11 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("preset, kwargs, error", BAD)
+@pytest.mark.parametrize(
+  "preset, kwargs, error",
+  BAD,
+  ids=[f"{p.__name__}-{'-'.join(kw)}" for p, kw, _ in BAD],
+)
 def test_bad_configuration_names_the_parameter(preset, kwargs, error):
   with pytest.raises(error, match=list(kwargs)[-1]):
     preset(**kwargs)
