@@ -21,26 +21,15 @@ from fp16_scaling import _lookup
 
 # Three leaves of 6, 3 and 2 elements, in tree order a, b, c.
 PARAMS = {"a": jnp.zeros((2, 3)), "b": jnp.zeros(3), "c": jnp.zeros(2)}
-BASE_KEYS = {
-  "loss_scale",
-  "prev_loss_scale",
-  "overflow",
-  "skipped_steps",
-  "consecutive_skipped_steps",
-  "floor_overflows",
-  "overflow_kind",
-  "nonfinite_leaves",
-  "grad_norm",
-  "expert_grad_norm",
-  "shared_grad_norm",
-}
+BASE_KEYS = set(
+  "loss_scale prev_loss_scale overflow skipped_steps consecutive_skipped_steps "
+  "floor_overflows overflow_kind nonfinite_leaves grad_norm expert_grad_norm "
+  "shared_grad_norm".split()
+)
 RANGE_KEYS = {"grad_max_abs", "min_headroom_bits", "zero_fraction"}
-ACCUMULATION_KEYS = {
-  "microbatches",
-  "applied_steps",
-  "dropped_microbatches",
-  "window_ended",
-}
+ACCUMULATION_KEYS = set(
+  "microbatches applied_steps dropped_microbatches window_ended".split()
+)
 
 
 def _chain(scaler=None, clip=True, **kwargs):
@@ -49,10 +38,22 @@ def _chain(scaler=None, clip=True, **kwargs):
   return helpers.guarded(scaler, *clips, optax.sgd(0.1), **kwargs)
 
 
-def _with(state, **fields):
-  """``state`` with its LossScaleState's ``fields`` replaced."""
+def _with(state, scaler=None, **fields):
+  """``state`` with its LossScaleState's ``fields`` replaced (``scaler``: a
+  dict of its ScalerState's)."""
   ls = _lookup.loss_scale_state(state)
+  if scaler is not None:
+    fields["scaler"] = ls.scaler._replace(**scaler)
   return _lookup.replace_loss_scale_state(state, ls._replace(**fields))
+
+
+def _with_node(state, kind, **fields):
+  """``state`` with the ``fields`` of each of its ``kind`` nodes replaced."""
+  return jax.tree.map(
+    lambda x: x._replace(**fields) if isinstance(x, kind) else x,
+    state,
+    is_leaf=lambda x: isinstance(x, kind),
+  )
 
 
 def _host(metrics):
@@ -68,13 +69,9 @@ def test_current_scale_found_at_any_depth():
 
 
 def test_each_key_reads_its_field():
-  state = _chain().init(PARAMS)
-  ls = _lookup.loss_scale_state(state)
   state = _with(
-    state,
-    scaler=ls.scaler._replace(
-      loss_scale=jnp.float32(32.0), floor_overflows=jnp.int32(2)
-    ),
+    _chain().init(PARAMS),
+    scaler=dict(loss_scale=jnp.float32(32.0), floor_overflows=jnp.int32(2)),
     prev_loss_scale=jnp.float32(64.0),
     overflow=jnp.bool_(True),
     skipped_steps=jnp.int32(7),
@@ -83,16 +80,11 @@ def test_each_key_reads_its_field():
     leaf_nonfinite=jnp.array([True, False, True]),
     overflow_kind=jnp.int32(fs.OVERFLOW_KINDS.index("backward")),
   )
-  state = jax.tree.map(
-    lambda x: (
-      x._replace(
-        expert_grad_norm=jnp.float32(3.0), shared_grad_norm=jnp.float32(4.0)
-      )
-      if isinstance(x, fs.ClipState)
-      else x
-    ),
+  state = _with_node(
     state,
-    is_leaf=lambda x: isinstance(x, fs.ClipState),
+    fs.ClipState,
+    expert_grad_norm=jnp.float32(3.0),
+    shared_grad_norm=jnp.float32(4.0),
   )
   m = fs.scale_metrics(state)
   assert set(m) == BASE_KEYS
@@ -158,19 +150,13 @@ def test_accumulation_keys_between_and_at_the_end_of_a_window():
   assert got["prev_loss_scale"] == got["loss_scale"] == 64.0
   assert (got["microbatches"], got["applied_steps"]) == (0, 0)
   assert got["dropped_microbatches"] == 0
-  ended = jax.tree.map(
-    lambda x: (
-      x._replace(
-        window_ended=jnp.bool_(True),
-        microbatches=jnp.int32(8),
-        applied_steps=jnp.int32(1),
-        dropped_microbatches=jnp.int32(3),
-      )
-      if isinstance(x, fs.AccumulationState)
-      else x
-    ),
+  ended = _with_node(
     state,
-    is_leaf=lambda x: isinstance(x, fs.AccumulationState),
+    fs.AccumulationState,
+    window_ended=jnp.bool_(True),
+    microbatches=jnp.int32(8),
+    applied_steps=jnp.int32(1),
+    dropped_microbatches=jnp.int32(3),
   )
   got = _host(fs.scale_metrics(ended))
   assert got["window_ended"] and got["overflow"]
@@ -203,13 +189,10 @@ def test_a_batched_state_gives_one_value_per_member():
 
 
 def _at_floor(errors, floor_overflows, scale=1.0):
-  state = _chain(fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0)).init(
-    PARAMS
-  )
-  ls = _lookup.loss_scale_state(state)
+  tx = _chain(fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0))
   return _with(
-    state,
-    scaler=ls.scaler._replace(
+    tx.init(PARAMS),
+    scaler=dict(
       loss_scale=jnp.float32(scale),
       min_scale_errors=jnp.int32(errors),
       floor_overflows=jnp.int32(floor_overflows),
@@ -242,10 +225,9 @@ def test_raise_if_min_scale_reached_on_a_batched_state():
   one = _at_floor(0, 0)
   state = jax.tree.map(lambda x: jnp.stack([x, x]), one)
   fs.raise_if_min_scale_reached(state)
-  ls = _lookup.loss_scale_state(state)
   state = _with(
     state,
-    scaler=ls.scaler._replace(
+    scaler=dict(
       min_scale_errors=jnp.int32([0, 1]), loss_scale=jnp.float32([4.0, 1.0])
     ),
   )

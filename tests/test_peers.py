@@ -30,6 +30,11 @@ EXPORTED = {
 }
 
 
+def ds_dict(**fields):
+  """DeepSpeed's fp16 optimizer's loss-scaler entries, ``fields`` added."""
+  return dict(dynamic_loss_scale=True, scale_factor=2.0, **fields)
+
+
 def counters(scaler):
   """Every (scale, tracker, hysteresis left) ``scaler`` can hold, for three
   scales."""
@@ -78,15 +83,13 @@ def test_deepspeed_iterations_by_hand(
   cur_iter, last_overflow_iter, tracker, restarted
 ):
   scaler = fs.deepspeed_scaler(scale_window=3, delayed_shift=2)
-  d = {
-    "dynamic_loss_scale": True,
-    "cur_scale": 4.0,
-    "cur_iter": cur_iter,
-    "last_overflow_iter": last_overflow_iter,
-    "scale_factor": 2.0,
-    "scale_window": 3,
-    "cur_hysteresis": 1,
-  }
+  d = ds_dict(
+    cur_scale=4.0,
+    cur_iter=cur_iter,
+    last_overflow_iter=last_overflow_iter,
+    scale_window=3,
+    cur_hysteresis=1,
+  )
   assert _peers.DS_OPTIMIZER.load(d, scaler) == (4.0, tracker, 0)
   back = _peers.DS_OPTIMIZER.save(_peers.Counters(4.0, tracker, 0), scaler)
   assert (back["cur_iter"], back["last_overflow_iter"]) == (restarted, -1)
@@ -95,14 +98,7 @@ def test_deepspeed_iterations_by_hand(
 
 def test_deepspeed_without_cur_hysteresis_loads_it_full():
   scaler = fs.deepspeed_scaler(scale_window=3, delayed_shift=3)
-  d = dict(
-    dynamic_loss_scale=True,
-    cur_scale=4.0,
-    cur_iter=2,
-    last_overflow_iter=-1,
-    scale_factor=2.0,
-    scale_window=3,
-  )
+  d = ds_dict(cur_scale=4.0, cur_iter=2, last_overflow_iter=-1, scale_window=3)
   assert _peers.DS_OPTIMIZER.load(d, scaler).hysteresis_left == 2
 
 
@@ -119,14 +115,7 @@ def test_megatron_hysteresis_by_hand(tracker, left):
 
 def test_recognition():
   fresh = _peers.Counters(2.0, 0, 0)
-  ds = dict(
-    dynamic_loss_scale=True,
-    cur_scale=4.0,
-    cur_iter=0,
-    last_overflow_iter=-1,
-    scale_factor=2.0,
-    scale_window=3,
-  )
+  ds = ds_dict(cur_scale=4.0, cur_iter=0, last_overflow_iter=-1, scale_window=3)
   zero = dict(
     ds,
     min_scale=1.0,
@@ -161,11 +150,8 @@ def test_deepspeed_static_through_the_public_functions():
   assert fs.scaler_from_state_dict(sd) == scaler
   dynamic = fs.deepspeed_scaler()
   with pytest.raises(ValueError, match="on dynamic.*static_scaler"):
-    fs.load_scaler_state_dict(
-      fs.chain(fs.fp16_loss_scale(dynamic)).init(jnp.zeros(2)),
-      sd,
-      dynamic,
-    )
+    state = fs.chain(fs.fp16_loss_scale(dynamic)).init(jnp.zeros(2))
+    fs.load_scaler_state_dict(state, sd, dynamic)
 
 
 def test_unknown_state_names_every_peer():

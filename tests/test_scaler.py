@@ -119,16 +119,11 @@ def test_overflow_and_hysteresis_tables(name):
 def test_deepspeed_min_scale_errors_counted_where_deepspeed_raises():
   # init 4, floor 2: the first overflow halves to 2, every later one would
   # lower a scale already at the floor, which DeepSpeed raises on.
-  scaler = fs.deepspeed_scaler(init_scale=4.0, scale_window=2, min_scale=2.0)
-  got, final = trajectory(scaler, [O, C, O, O])
+  kwargs = dict(init_scale=4.0, scale_window=2, min_scale=2.0)
+  got, final = trajectory(fs.deepspeed_scaler(**kwargs), [O, C, O, O])
   assert got == [2, 2, 2, 2]
   assert int(final.min_scale_errors) == 2
-  quiet = fs.deepspeed_scaler(
-    init_scale=4.0,
-    scale_window=2,
-    min_scale=2.0,
-    raise_error_at_min_scale=False,
-  )
+  quiet = fs.deepspeed_scaler(**kwargs, raise_error_at_min_scale=False)
   assert int(trajectory(quiet, [O, C, O, O])[1].min_scale_errors) == 0
 
 
@@ -180,47 +175,36 @@ def test_non_power_of_two_factors_round_like_float32():
   assert got == [float(v) for v in expected]
 
 
+# (preset, its arguments, the error): the last argument is the bad one.
 BAD = [
-  (lambda: fs.static_scaler(0.0), ValueError, "scale"),
-  (lambda: fs.static_scaler(float("inf")), ValueError, "scale"),
-  (lambda: fs.static_scaler(1e-40), ValueError, "scale"),
-  (lambda: fs.torch_scaler(init_scale=-1.0), ValueError, "init_scale"),
-  (lambda: fs.torch_scaler(growth_factor=1.0), ValueError, "growth_factor"),
-  (lambda: fs.torch_scaler(backoff_factor=1.0), ValueError, "backoff_factor"),
-  (lambda: fs.torch_scaler(backoff_factor=0.0), ValueError, "backoff_factor"),
-  (lambda: fs.torch_scaler(growth_interval=0), ValueError, "growth_interval"),
-  (lambda: fs.torch_scaler(growth_interval=2.5), TypeError, "growth_interval"),
-  (lambda: fs.deepspeed_scaler(scale_window=0), ValueError, "scale_window"),
-  (lambda: fs.deepspeed_scaler(delayed_shift=0), ValueError, "delayed_shift"),
-  (
-    lambda: fs.deepspeed_scaler(init_scale=8.0, min_scale=16.0),
-    ValueError,
-    "min_scale",
-  ),
-  (
-    lambda: fs.deepspeed_scaler(consecutive_hysteresis="yes"),
-    TypeError,
-    "consecutive_hysteresis",
-  ),
-  (lambda: fs.megatron_scaler(hysteresis=0), ValueError, "hysteresis"),
-  (
-    lambda: fs.megatron_scaler(initial_scale=8.0, min_scale=16.0),
-    ValueError,
-    "min_scale",
-  ),
-  (
-    lambda: fs.megatron_scaler(initial_scale=8.0, min_scale=0.0),
-    ValueError,
-    "min_scale",
-  ),
-  (lambda: fs.flax_scaler(backoff_factor=2.0), ValueError, "backoff_factor"),
+  (fs.static_scaler, dict(scale=0.0), ValueError),
+  (fs.static_scaler, dict(scale=float("inf")), ValueError),
+  (fs.static_scaler, dict(scale=1e-40), ValueError),
+  (fs.torch_scaler, dict(init_scale=-1.0), ValueError),
+  (fs.torch_scaler, dict(growth_factor=1.0), ValueError),
+  (fs.torch_scaler, dict(backoff_factor=1.0), ValueError),
+  (fs.torch_scaler, dict(backoff_factor=0.0), ValueError),
+  (fs.torch_scaler, dict(growth_interval=0), ValueError),
+  (fs.torch_scaler, dict(growth_interval=2.5), TypeError),
+  (fs.deepspeed_scaler, dict(scale_window=0), ValueError),
+  (fs.deepspeed_scaler, dict(delayed_shift=0), ValueError),
+  (fs.deepspeed_scaler, dict(init_scale=8.0, min_scale=16.0), ValueError),
+  (fs.deepspeed_scaler, dict(consecutive_hysteresis="yes"), TypeError),
+  (fs.megatron_scaler, dict(hysteresis=0), ValueError),
+  (fs.megatron_scaler, dict(initial_scale=8.0, min_scale=16.0), ValueError),
+  (fs.megatron_scaler, dict(initial_scale=8.0, min_scale=0.0), ValueError),
+  (fs.flax_scaler, dict(backoff_factor=2.0), ValueError),
 ]
 
 
-@pytest.mark.parametrize("make,error,name", BAD)
-def test_bad_configuration_names_the_parameter(make, error, name):
-  with pytest.raises(error, match=name):
-    make()
+@pytest.mark.parametrize(
+  "preset, kwargs, error",
+  BAD,
+  ids=[f"{p.__name__}-{'-'.join(kw)}" for p, kw, _ in BAD],
+)
+def test_bad_configuration_names_the_parameter(preset, kwargs, error):
+  with pytest.raises(error, match=list(kwargs)[-1]):
+    preset(**kwargs)
 
 
 @pytest.mark.parametrize(

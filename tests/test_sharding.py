@@ -31,13 +31,8 @@ def test_broadcast_prefix_gives_each_leaf_its_subtree_value():
   tree = {"a": {"x": 1, "y": 2}, "b": [3, 4, 5]}
   prefix = {"a": "A", "b": ["B0", "B1", "B2"]}
   values = jax.tree.leaves(prefix)
-  assert _sharding.broadcast_prefix(values, prefix, tree) == (
-    "A",
-    "A",
-    "B0",
-    "B1",
-    "B2",
-  )
+  want = ("A", "A", "B0", "B1", "B2")
+  assert _sharding.broadcast_prefix(values, prefix, tree) == want
   with pytest.raises(ValueError):
     _sharding.broadcast_prefix([1, 2], {"a": 1, "c": 2}, tree)
 
@@ -74,11 +69,6 @@ def test_leaf_vector_keeps_leaf_order_and_combines_each_group_once(leaf_axes):
   assert sorted(calls) == sorted(
     (leaf_axes.count(a),) for a in dict.fromkeys(leaf_axes)
   )
-
-
-def test_leaf_vector_of_no_leaves_is_empty_float32():
-  out = _sharding.leaf_vector([], (), _tagging_collective)
-  assert out.shape == (0,) and out.dtype == jnp.float32
 
 
 def test_outside_shard_map_specs_call_for_no_collective():
@@ -120,4 +110,6 @@ def test_leaf_vector_runs_one_collective_per_set_of_axes():
   out = _sharding.leaf_vector(values, axes, collective)
   np.testing.assert_array_equal(out, [1, 20, 30, 40, 5])
   assert calls == [(("data",), [2.0, 4.0]), (("data", "model"), [3.0])]
-  assert _sharding.leaf_vector([], [], collective).shape == (0,)
+  # No leaves: an empty float32 vector.
+  empty = _sharding.leaf_vector([], [], collective)
+  assert empty.shape == (0,) and empty.dtype == jnp.float32

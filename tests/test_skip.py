@@ -59,10 +59,8 @@ def test_overflow_step_is_bit_identical_and_run_matches_one_without_it():
         _strip_bookkeeping(before_state)
       )
       # the bookkeeping did move
-      assert (
-        float(fs.current_scale(state))
-        == float(fs.current_scale(before_state)) / 2
-      )
+      halved = float(fs.current_scale(before_state)) / 2
+      assert float(fs.current_scale(state)) == halved
     params, state = _step(params, state, grads[i], False)
   run_a = params, state
 

@@ -48,26 +48,23 @@ def implied_keys(grad_range, windowed=False):
   return keys | {"format", "config"}
 
 
-@pytest.mark.parametrize(
-  "grad_range, scaler", [(False, SCALER), (True, SCALER), (False, WINDOWED)]
-)
+CASES = [(False, SCALER), (True, SCALER), (False, WINDOWED)]
+
+
+@pytest.mark.parametrize("grad_range, scaler", CASES)
 def test_saved_keys_are_the_state_fields(grad_range, scaler):
   d = fs.scaler_state_dict(opt_state(grad_range, scaler=scaler), scaler)
   assert set(d) == implied_keys(grad_range, windowed=scaler is WINDOWED)
   assert set(d["config"]) == {f.name for f in dataclasses.fields(fs.Scaler)}
 
 
-@pytest.mark.parametrize(
-  "grad_range, scaler", [(False, SCALER), (True, SCALER), (False, WINDOWED)]
-)
+@pytest.mark.parametrize("grad_range, scaler", CASES)
 def test_every_saved_field_is_loaded(grad_range, scaler):
   """Each field, changed in the dict alone, comes back changed."""
   state = opt_state(grad_range, scaler=scaler)
   d = fs.scaler_state_dict(state, scaler)
-  for key in implied_keys(grad_range, scaler is WINDOWED) - {
-    "format",
-    "config",
-  }:
+  keys = implied_keys(grad_range, scaler is WINDOWED) - {"format", "config"}
+  for key in keys:
     changed = dict(d)
     x = np.asarray(d[key])
     if x.dtype == bool:
@@ -106,11 +103,8 @@ def test_a_new_field_round_trips_with_no_edit(grad_range):
   saved = plus(ls, count=5, total=2.5, per_leaf=[3, 4])
   d = json.loads(json.dumps(_state_dict._own_dict(saved)))
   assert (d["new_count"], d["new_total"], d["new_per_leaf"]) == (5, 2.5, [3, 4])
-  assert set(d) == implied_keys(grad_range) - {"format", "config"} | {
-    "new_count",
-    "new_total",
-    "new_per_leaf",
-  }
+  new = {"new_count", "new_total", "new_per_leaf"}
+  assert set(d) == implied_keys(grad_range) - {"format", "config"} | new
 
   target = plus(ls, count=0, total=0.0, per_leaf=[0, 0])
   fields = _state_dict._own_fields(target)

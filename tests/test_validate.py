@@ -11,6 +11,7 @@ the wrong type is a ValueError too, as DeepSpeed's config raises.
 """
 
 import math
+import types
 
 from helpers import F32_MAX
 from helpers import TINY
@@ -24,6 +25,11 @@ from fp16_scaling import _validate
 
 INF, NAN = math.inf, math.nan
 TINY_TEXT, MAX_TEXT = "1.17549e-38", "3.40282e+38"
+TOO_LONG = (
+  f"must be within float32's range (at most {MAX_TEXT}), got an integer "
+  "with 401 digits"
+)
+NOT_FINITE = "must be a finite number (not inf, -inf or nan), got "
 
 
 def _message(check, value, *args):
@@ -91,17 +97,11 @@ def test_out_of_range_names_the_parameter_and_the_range(
 
 
 @pytest.mark.parametrize(
-  "check",
-  [
-    _validate.real,
-    _validate.scale,
-    _validate.above_one,
-    _validate.open_unit,
-    _validate.positive,
-    _validate.non_negative,
-  ],
+  "name",
+  ["real", "scale", "above_one", "open_unit", "positive", "non_negative"],
 )
-def test_a_number_must_be_a_real_number(check):
+def test_a_number_must_be_a_real_number(name):
+  check = getattr(_validate, name)
   for value, described in [
     (True, "True (bool)"),
     ("2", "'2' (str)"),
@@ -165,10 +165,7 @@ def test_flag_and_choice_name_what_they_got():
 def test_an_integer_beyond_float_range_says_how_long_it_is():
   kind, text = _message(_validate.real, 10**400)
   assert kind is ValueError
-  assert text == (
-    f"knob must be within float32's range (at most {MAX_TEXT}), got an "
-    "integer with 401 digits"
-  )
+  assert text == f"knob {TOO_LONG}"
   assert _message(_validate.scale, -(10**400))[1].endswith("401 digits")
 
 
@@ -200,29 +197,13 @@ DATA_REJECTS = [
   (_validate.number, {}, True, "must be a finite number, not a bool: True"),
   (_validate.number, {}, "x", "must be a finite number, got 'x' (str)"),
   (_validate.number, {}, None, "must be a finite number, got None (NoneType)"),
-  (
-    _validate.number,
-    {},
-    INF,
-    "must be a finite number (not inf, -inf or nan), got inf",
-  ),
-  (
-    _validate.number,
-    {},
-    10**400,
-    f"must be within float32's range (at most {MAX_TEXT}), got an integer "
-    "with 401 digits",
-  ),
+  (_validate.number, {}, INF, NOT_FINITE + "inf"),
+  (_validate.number, {}, 10**400, TOO_LONG),
   (_validate.integer, {}, 2.5, "must be an integer, got 2.5"),
   (_validate.integer, dict(low=0, high=3), 0.5, "must be an integer in [0, 3]"),
   (_validate.integer, dict(low=0, high=3), 4, "must lie in [0, 3], got 4"),
   (_validate.integer, dict(low=1), 0.0, "must be >= 1, got 0"),
-  (
-    _validate.integer,
-    dict(low=1),
-    NAN,
-    "must be a finite number (not inf, -inf or nan), got nan",
-  ),
+  (_validate.integer, dict(low=1), NAN, NOT_FINITE + "nan"),
   (
     _validate.integer,
     dict(high=3, why=" (the limit)"),
@@ -231,12 +212,7 @@ DATA_REJECTS = [
   ),
   (_validate.boolean, {}, 1, "must be a bool, got 1 (int)"),
   (_validate.boolean, {}, "true", "must be a bool, got 'true' (str)"),
-  (
-    _scale_from_data,
-    {},
-    "8",
-    "must be a real number, got '8' (str)",
-  ),
+  (_scale_from_data, {}, "8", "must be a real number, got '8' (str)"),
   (
     _validate.one_element,
     {},
@@ -259,20 +235,11 @@ def test_data_checks_raise_value_errors_naming_the_field(
   assert str(err.value).startswith(f"knob {says}")
 
 
-class _Tensor:
+def _tensor(array):
   """What one_element reads of a torch tensor: detach().cpu().numpy()."""
-
-  def __init__(self, array):
-    self.array = array
-
-  def detach(self):
-    return self
-
-  def cpu(self):
-    return self
-
-  def numpy(self):
-    return self.array
+  tensor = types.SimpleNamespace(numpy=lambda: array)
+  tensor.detach = tensor.cpu = lambda: tensor
+  return tensor
 
 
 def test_data_checks_accept_their_edges_as_python_values():
@@ -283,7 +250,7 @@ def test_data_checks_accept_their_edges_as_python_values():
     assert got == 3 and type(got) is int
   assert _validate.integer("i", -(2**40)) == -(2**40)
   assert _validate.boolean("b", np.bool_(False)) is False
-  for value in (4.0, np.array([[4.0]]), _Tensor(np.array([4.0], np.float32))):
+  for value in (4.0, np.array([[4.0]]), _tensor(np.array([4.0], np.float32))):
     got = _validate.one_element("e", value)
     assert got == 4.0 and type(got) is float
   assert type(_validate.one_element("e", np.array([7]))) is int

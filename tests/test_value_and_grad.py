@@ -64,6 +64,11 @@ def _assert_tree_equal(a, b, rtol=0.0):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _torch_sgd(**kwargs):
+  """The guarded sgd(0.5), torch's rule with ``kwargs``."""
+  return helpers.guarded(fs.torch_scaler(**kwargs), optax.sgd(0.5))
+
+
 def _scaled(tree, scale):
   return jax.tree.map(lambda g: g * scale, tree)
 
@@ -134,9 +139,7 @@ def test_one_jitted_step_follows_the_scale_as_it_moves():
   """A torch scaler that grows every 2 clean steps, an injected overflow
   that backs it off, and a scale set from the host: every call's gradients
   are ``jax.grad(loss * S)`` at the state's current S, with one trace."""
-  tx = helpers.guarded(
-    fs.torch_scaler(init_scale=2.0**10, growth_interval=2), optax.sgd(0.5)
-  )
+  tx = _torch_sgd(init_scale=2.0**10, growth_interval=2)
   traces = []
 
   @jax.jit
@@ -217,7 +220,7 @@ def test_under_accumulate_gradients_the_window_steps_on_the_mean():
 
 
 def test_under_vmap_each_member_uses_its_own_scale():
-  tx = helpers.guarded(fs.torch_scaler(), optax.sgd(0.5))
+  tx = _torch_sgd()
   n = 3
   params = jax.tree.map(lambda p: jnp.stack([p] * n), PARAMS)
   states = jax.vmap(tx.init)(params)
@@ -262,9 +265,7 @@ def test_nnx_optimizer_form_inside_nnx_jit():
   the true ones times the optimizer's current scale (which grows every
   step here), and the parameters move as plain sgd on the true ones."""
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-  tx = helpers.guarded(
-    fs.torch_scaler(init_scale=2.0**4, growth_interval=1), optax.sgd(0.5)
-  )
+  tx = _torch_sgd(init_scale=2.0**4, growth_interval=1)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   def loss_fn(model, x, y):
@@ -301,9 +302,7 @@ def test_a_flax_train_state_as_state():
   """``fs.value_and_grad(loss, train_state)``: the scale is read from the
   TrainState's opt_state, and the gradients are the true ones times it."""
   train_state = pytest.importorskip("flax.training.train_state")
-  tx = helpers.guarded(
-    fs.torch_scaler(init_scale=4.0, growth_interval=1), optax.sgd(0.5)
-  )
+  tx = _torch_sgd(init_scale=4.0, growth_interval=1)
   state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
 
   @jax.jit
@@ -348,9 +347,7 @@ def test_built_where_the_state_is_it_follows_the_scale_in_a_scan_body():
   scale would be the enclosing jit's tracer: JAX's public API cannot tell
   that trace from the body's, so that case is not refused; the docstring
   says to build it where the state is.)"""
-  tx = helpers.guarded(
-    fs.torch_scaler(init_scale=8.0, growth_interval=1), optax.sgd(0.5)
-  )
+  tx = _torch_sgd(init_scale=8.0, growth_interval=1)
   linear = lambda p, v: jnp.sum(p * v)
 
   @jax.jit
