@@ -90,10 +90,6 @@ def _tree(hidden, out):
   return {"hidden": {"kernel": hidden}, "out": {"kernel": out}}
 
 
-def _mse32(params, x, y):
-  return jnp.mean((fb._pred(params, x) - y) ** 2)
-
-
 def _assert_within_the_fp16_bound(x, y, params, ours, theirs):
   """The weights within tests/peers/fp16_bounds.py's bound, step by step:
   each rank's float16 backward and XLA's make gradients that differ by at
@@ -114,13 +110,10 @@ def _assert_within_the_fp16_bound(x, y, params, ours, theirs):
     if t == BAD:
       bound = d  # both skipped: neither moved
     else:
-      losses = [((1.0,), x[t], y[t])]
-      eps = 6 * 2.0**-10 * fb.flat(fb.abs_grad([mine], losses))
       scale = INIT_SCALE if t == 0 else ours["scale"][t - 1]
-      # A subnormal float16 rounding: 2**-25 absolute, scaled, over 8 rows.
-      eps += 6 * 8 * float(np.abs(x[t]).max()) * 2.0**-25 / scale
-      g = fb.flat(jax.grad(_mse32)(mine, x[t], y[t]))
-      hess = fb.abs_hessian([mine], losses)
+      # R = 6; a subnormal float16 rounding: 2**-25 absolute, scaled, over 8
+      # rows.
+      eps, hess, g = fb.mlp_bounds(mine, x[t], y[t], 6, scale)
       steps.append((d, eps, hess, fb.flat(at(ours, t)), g))
       bound = fb.adam_step_bounds(steps, LR)[-1]
       medians.append(np.median(bound))
