@@ -103,12 +103,10 @@ def _gradient_sequence(rng):
 
 def _optax_optimizer(name):
   if name == "sgd_momentum":
-    return optax.sgd(
-      LR[name], momentum=MOMENTUM
-    )  # torch SGD: buf = m * buf + g; p -= lr * buf
-  return optax.adam(
-    LR[name], b1=BETAS[0], b2=BETAS[1], eps=EPS
-  )  # eps added to sqrt(v_hat) in both
+    # torch SGD: buf = m * buf + g; p -= lr * buf
+    return optax.sgd(LR[name], momentum=MOMENTUM)
+  # eps added to sqrt(v_hat) in both
+  return optax.adam(LR[name], b1=BETAS[0], b2=BETAS[1], eps=EPS)
 
 
 def replay_args(optimizer, params0, records, scaler, clip):
@@ -121,9 +119,10 @@ def replay_args(optimizer, params0, records, scaler, clip):
   tx = fs.chain(
     fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(clip), inner
   )
+  # DeepSpeed's masters
   params = [
     jnp.asarray(p.astype(np.float16).astype(np.float32)) for p in params0
-  ]  # DeepSpeed's masters
+  ]
   state = tx.init(params)
   if optimizer == "adam":
     # DeepSpeed's fp16 optimizers run one inner step on zero gradients when
@@ -204,12 +203,9 @@ def runs():
   each case, the steps given a NaN, and fp16_scaling's replay. The peer runs
   case by case; one jit replays every case (a jit each compiled again what
   the chains share)."""
+  ds = dict(init_scale=INIT_SCALE, scale_window=WINDOW, min_scale=FLOOR)
   scaler = fs.deepspeed_scaler(
-    init_scale=INIT_SCALE,
-    scale_window=WINDOW,
-    min_scale=FLOOR,
-    delayed_shift=1,
-    raise_error_at_min_scale=False,
+    **ds, delayed_shift=1, raise_error_at_min_scale=False
   )
   keys, peer, args = [], [], []
   for fused in FUSED:
@@ -223,9 +219,7 @@ def runs():
         optimizer=optimizer,
         lr=LR[optimizer],
         clip_grad=CLIP,
-        init_scale=INIT_SCALE,
-        scale_window=WINDOW,
-        min_scale=FLOOR,
+        **ds,
         fused=fused,
         patched=True,
         momentum=MOMENTUM,
@@ -268,9 +262,8 @@ def test_whole_steps_match_deepspeed_fp16_optimizer(fused, optimizer, runs):
 # ------------------------------------------------------------------------------
 # DeepSpeed 0.19's two bugs, pinned; fp16_scaling has neither.
 
-HALVES = [
-  np.full((4,), 0.5, np.float32)
-]  # true norm exactly 1.0; 0.5 * 2**k is exact in float16
+# true norm exactly 1.0; 0.5 * 2**k is exact in float16
+HALVES = [np.full((4,), 0.5, np.float32)]
 
 
 def _ours_exact(scaler, steps):
@@ -315,9 +308,8 @@ def test_unpatched_deepspeed_still_has_both_bugs(fused):
   # them.
   dynamic = run(init_scale=128.0, scale_window=2)
   before = [np.zeros(4, np.float32)] + [r.params[0] for r in dynamic[:-1]]
-  applied = [
-    b - r.params[0] for b, r in zip(before, dynamic)
-  ]  # SGD, lr 1: the applied gradient
+  # SGD, lr 1: the applied gradient
+  applied = [b - r.params[0] for b, r in zip(before, dynamic)]
   growth = [r.scale_after > r.scale_before for r in dynamic]
   assert growth == [False, False, True, False, True, False]
   for a, g in zip(applied, growth):

@@ -151,11 +151,7 @@ def runs():
       )
       params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
       seq, bad_steps = _gradient_sequence(rng)
-      decay = (
-        dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
-        if optimizer == "adamw"
-        else {}
-      )
+      decay = dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
       records = oracles.run_torch_amp(
         params0,
         seq,
@@ -164,18 +160,14 @@ def runs():
         betas=BETAS,
         eps=EPS,
         **cfg,
-        **decay,
+        **(decay if optimizer == "adamw" else {}),
       )
       keys.append((case, scaling))
       peer.append((records, bad_steps, params0))
+      scaler = fs.torch_scaler(**cfg)
       args.append(
         replay_args(
-          optimizer,
-          params0,
-          records,
-          fs.torch_scaler(**cfg),
-          MAX_NORM,
-          follow_peer=follow_peer,
+          optimizer, params0, records, scaler, MAX_NORM, follow_peer=follow_peer
         )
       )
   ours = oracles.scan_steps_each(args)
@@ -216,9 +208,8 @@ def test_whole_steps_match_torch_amp(case, scaling, runs):
   largest = max(float(np.abs(p).max()) for p in params0)
   assert max(float(b.max()) for b in bounds) < 1.5e-4 / 2 * largest
 
-  binds = (
-    MAX_NORM / (peer_norm + 1e-6) < 1
-  )  # clip_grad_norm_'s coefficient, clamped at 1
+  # clip_grad_norm_'s coefficient, clamped at 1
+  binds = MAX_NORM / (peer_norm + 1e-6) < 1
   counts = dict(
     skipped=int(skipped.sum()),
     clip_binds=int((binds & ~skipped).sum()),
