@@ -133,25 +133,12 @@ def ds_loss_scaler_step(cfg, cls=None):
   return step
 
 
-def ds_loss_scaler_trajectory(overflows, **cfg):
-  """DeepSpeed's `DynamicLossScaler` (the ZeRO path's scaler),
-  raise_error_at_min_scale=False; ``cfg``: init_scale, scale_window,
-  min_scale, delayed_shift, consecutive_hysteresis.
-  """
-  return steps(ds_loss_scaler_step(cfg), overflows)
-
-
 def _grad_scaler(
   torch, init_scale, growth_factor, backoff_factor, growth_interval
 ):
-  """A CPU ``torch.amp.GradScaler``."""
-  return torch.amp.GradScaler(
-    "cpu",
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
-  )
+  """A CPU ``torch.amp.GradScaler`` (its arguments in its order)."""
+  args = init_scale, growth_factor, backoff_factor, growth_interval
+  return torch.amp.GradScaler("cpu", *args)
 
 
 def _scale_a_loss(torch, scaler):
@@ -205,13 +192,6 @@ def torch_update_step(cfg, floor=0.0):
   return step
 
 
-def torch_scaler_trajectory_fast(overflows, **cfg):
-  """Same trajectory through the op `GradScaler.update` calls,
-  `torch._amp_update_scale_`, alone.
-  """
-  return steps(torch_update_step(cfg), overflows)
-
-
 @contextlib.contextmanager
 def _torch_tensor_on_cpu(torch):
   """Make every `torch.tensor(...)` land on the CPU, whatever device it asks
@@ -252,14 +232,6 @@ def megatron_scaler_step(cfg, clamp=False):
     return scaler.scale.item()
 
   return step
-
-
-def megatron_scaler_trajectory(overflows, **cfg):
-  """Megatron-core's `DynamicGradScaler` (see :func:`megatron_scaler_step`);
-  ``cfg``: initial_scale, min_scale, growth_factor, backoff_factor,
-  growth_interval, hysteresis.
-  """
-  return steps(megatron_scaler_step(cfg), overflows)
 
 
 # ------------------------------------------------------------------------------
@@ -547,9 +519,7 @@ def ds_fp16_optimizer(params0, optimizer, fused, patched, inner, **kwargs):
     torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32)).half())
     for p in params0
   ]
-  lr, momentum, betas, eps = (
-    inner[k] for k in ("lr", "momentum", "betas", "eps")
-  )
+  lr, momentum, betas, eps = map(inner.get, ("lr", "momentum", "betas", "eps"))
   if optimizer == "sgd_momentum":
     inner = torch.optim.SGD(model, lr=lr, momentum=momentum, foreach=False)
   elif optimizer == "adam":

@@ -59,6 +59,7 @@ NAN_RATE = 0.04
 # b**t is left and the drift is ~1 ulp.
 LR = {"sgd_momentum": 2.0**-7, "adam": 2.0**-10}
 MOMENTUM, BETAS, EPS = 0.875, (0.875, 1 - 2.0**-10), 1e-8
+HYPER = dict(momentum=MOMENTUM, betas=BETAS, eps=EPS)
 
 # Tolerances. The parameters here are held to float32_bounds' bound, derived
 # from each run (param_bounds below); PARAM_RTOL_OF_MAX, measured, is left
@@ -147,24 +148,14 @@ def param_bounds(optimizer, records, params0, clip):
   from the run: DeepSpeed's clip (``(norm + 1e-6) / clip``), the norms'
   NORM_RTOL, the optimizer's sensitivity and each side's roundings."""
   masters = [p.astype(np.float16).astype(np.float32) for p in params0]
+  common = dict(lr=LR[optimizer], max_norm=clip, norm_rtol=NORM_RTOL)
   if optimizer == "sgd_momentum":
     return float32_bounds.sgd_momentum_param_bounds(
-      records,
-      masters,
-      lr=LR[optimizer],
-      momentum=MOMENTUM,
-      max_norm=clip,
-      norm_rtol=NORM_RTOL,
+      records, masters, **common, momentum=MOMENTUM
     )
+  # count_offset: DeepSpeed's step on zero gradients, as in the replay
   return float32_bounds.adam_param_bounds(
-    records,
-    masters,
-    lr=LR[optimizer],
-    betas=BETAS,
-    eps=EPS,
-    max_norm=clip,
-    norm_rtol=NORM_RTOL,
-    count_offset=1,  # DeepSpeed's step on zero gradients, as in the replay
+    records, masters, **common, betas=BETAS, eps=EPS, count_offset=1
   )
 
 
@@ -222,9 +213,7 @@ def runs():
         **ds,
         fused=fused,
         patched=True,
-        momentum=MOMENTUM,
-        betas=BETAS,
-        eps=EPS,
+        **HYPER,
       )
       keys.append((fused, optimizer))
       peer.append((records, nan_steps, params0))

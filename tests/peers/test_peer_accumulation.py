@@ -132,14 +132,9 @@ def test_accumulation_matches_torch_amp_recipe(seed):
     bad_values=[np.nan, np.inf, -np.inf],
   )
   lr, betas, eps = test_torch.LR, test_torch.BETAS, test_torch.EPS
+  adam = dict(lr=lr, betas=betas, eps=eps, max_norm=TORCH_MAX_NORM)
   records = oracles_accumulate.run_torch_amp_accumulate(
-    params0,
-    _windows(seq),
-    lr=lr,
-    max_norm=TORCH_MAX_NORM,
-    betas=betas,
-    eps=eps,
-    **TORCH_SCALER,
+    params0, _windows(seq), **adam, **TORCH_SCALER
   )
   tx = fs.accumulate_gradients(
     fs.chain(
@@ -153,13 +148,7 @@ def test_accumulation_matches_torch_amp_recipe(seed):
   ours = _replay(tx, params, tx.init(params), records)
   # the window's float32 sums in .grad: k * 2**-24 of their |terms|
   bounds = float32_bounds.adam_param_bounds(
-    records,
-    params0,
-    lr=lr,
-    betas=betas,
-    eps=eps,
-    max_norm=TORCH_MAX_NORM,
-    norm_rtol=test_torch.NORM_RTOL,
+    records, params0, **adam, norm_rtol=test_torch.NORM_RTOL
   )
   skipped, peer_norm = _assert_same_windows(
     records, ours, test_torch.NORM_RTOL, bounds
@@ -224,9 +213,7 @@ def _ds_case(seed, fused, optimizer):
     clip_grad=DS_CLIP,
     **DS_SCALER,
     fused=fused,
-    momentum=test_deepspeed.MOMENTUM,
-    betas=test_deepspeed.BETAS,
-    eps=test_deepspeed.EPS,
+    **test_deepspeed.HYPER,
   )
   inner = test_deepspeed._optax_optimizer(optimizer)
   scaler = fs.deepspeed_scaler(

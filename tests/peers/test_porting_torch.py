@@ -164,13 +164,8 @@ def test_accumulation(page):
   run, p0, net, optimizer, scaler = one_net(page, "accum_run", torch.optim.SGD)
   iters_to_accumulate = 4
   # The 1st window, all at params0 (torch's backward at 2**10 / 4).
-  eps = (
-    sum(
-      one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4)[0]
-      for i in range(4)
-    )
-    / 4
-  )
+  bound = lambda i: one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4)[0]
+  eps = sum(bound(i) for i in range(4)) / 4
   # The float32 mean of 4 and the update: a few float32 roundings.
   d = 1e-2 * eps + 2 * fb.F32 * np.abs(fb.flat(run[3][0]))
   checked = 0
@@ -280,6 +275,7 @@ def test_two_models_one_scaler(page):
   # scaler.update().
   two, p0, p1 = page["two"], page["params0"], page["params1"]
   nets, opt0, opt1, scaler = two_nets(page)
+  current = page["fs"].current_scale
   for i, r in enumerate(two):
     q0, q1 = (p0, p1) if i == 0 else two[i - 1][:2]
     d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
@@ -291,11 +287,9 @@ def test_two_models_one_scaler(page):
     scaler.step(opt0)
     scaler.step(opt1)
     scaler.update()
-    assert scaler.get_scale() == float(page["fs"].current_scale(r[2]))
+    assert scaler.get_scale() == float(current(r[2]))
     if i != 2:
-      scale = (
-        2.0**6 if i == 0 else float(page["fs"].current_scale(two[i - 1][2]))
-      )
+      scale = 2.0**6 if i == 0 else float(current(two[i - 1][2]))
       losses = [((2.0, 3.0), i, False), ((3.0, -5.0), i, False)]
       eps, hess = two_net_bounds(page, q0, q1, losses, scale, (None, None))
       d = d + 1e-3 * (eps + hess @ d)

@@ -67,6 +67,8 @@ PARAM_RTOL_OF_MAX = 1e-6
 # per-tensor norms and the division by the scale add at most 10 roundings.
 # The two frameworks: within (N + 10) * 2**-24, N = 228 elements: 1.4e-5.
 NORM_RTOL = (sum(int(np.prod(s)) for s in SHAPES) + 10) * 2.0**-24
+# What torch's Adam, its clip and the bounds take.
+ADAM = dict(lr=LR, betas=BETAS, eps=EPS, max_norm=MAX_NORM)
 
 SCALERS = {
   # GradScaler's defaults but a short interval, so that the scale moves.
@@ -152,16 +154,8 @@ def runs():
       params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
       seq, bad_steps = _gradient_sequence(rng)
       decay = dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
-      records = oracles.run_torch_amp(
-        params0,
-        seq,
-        lr=LR,
-        max_norm=MAX_NORM,
-        betas=BETAS,
-        eps=EPS,
-        **cfg,
-        **(decay if optimizer == "adamw" else {}),
-      )
+      decay = decay if optimizer == "adamw" else {}
+      records = oracles.run_torch_amp(params0, seq, **ADAM, **cfg, **decay)
       keys.append((case, scaling))
       peer.append((records, bad_steps, params0))
       scaler = fs.torch_scaler(**cfg)
@@ -187,10 +181,7 @@ def test_whole_steps_match_torch_amp(case, scaling, runs):
   bounds = float32_bounds.adam_param_bounds(
     records,
     params0,
-    lr=LR,
-    betas=BETAS,
-    eps=EPS,
-    max_norm=MAX_NORM,
+    **ADAM,
     norm_rtol=NORM_RTOL,
     weight_decay=WEIGHT_DECAY if optimizer == "adamw" else 0.0,
     follow_peer=CASES[case][1],
@@ -218,8 +209,5 @@ def test_whole_steps_match_torch_amp(case, scaling, runs):
   )
   print(f"\n{optimizer} {scaling}: {STEPS} steps, {counts}")
   assert list(np.flatnonzero(skipped)) == bad_steps and len(bad_steps) >= 10
-  assert (
-    counts["clip_binds"] >= 50
-    and counts["clip_free"] >= 50
-    and counts["growths"] >= 10
-  )
+  assert counts["clip_binds"] >= 50 and counts["clip_free"] >= 50
+  assert counts["growths"] >= 10

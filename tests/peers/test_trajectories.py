@@ -60,9 +60,8 @@ oracles.init_deepspeed()
 grad_scaler = oracles.require("megatron.core.optimizer.grad_scaler")
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
 
-CONFIGS = (
-  16  # per preset; one jit per preset compiles them all (about 0.3 s each)
-)
+# per preset; one jit per preset compiles them all (about 0.3 s each)
+CONFIGS = 16
 SEQUENCES = 13  # per configuration: 208 sequences per preset
 STEPS = 2000
 
@@ -228,12 +227,8 @@ def _deepspeed_raises(overflows, cfg):
   loud = _ClampedDynamicLossScaler(**cfg, raise_error_at_min_scale=True)
   out, raised = [], 0
   for overflow in overflows:
-    loud.__dict__.update(
-      cur_scale=quiet.cur_scale,
-      cur_iter=quiet.cur_iter,
-      last_overflow_iter=quiet.last_overflow_iter,
-      cur_hysteresis=quiet.cur_hysteresis,
-    )
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    loud.__dict__.update({k: getattr(quiet, k) for k in keys})
     try:
       loud.update_scale(bool(overflow))
     except Exception as err:  # DeepSpeed raises a bare Exception
@@ -301,9 +296,8 @@ def _compare(name, index, seq, cfg, flags, ours_s, raw, clamped, tally):
     )
     tally["departures"] += 1
     before = ours_s[depart - 1] if depart else init
-    if (
-      raw[depart] > F32_MAX
-    ):  # growth past float32: ours keeps the largest scale it reached
+    # growth past float32: ours keeps the largest scale it reached
+    if raw[depart] > F32_MAX:
       assert ours_s[depart] == before, where
     # torch sank below the normals: ours sits on float32's smallest normal
     else:
@@ -313,6 +307,7 @@ def _compare(name, index, seq, cfg, flags, ours_s, raw, clamped, tally):
   prev = np.concatenate([[init], raw[:-1]])[:depart]
   now, o = raw[:depart], flags[:depart]
   floor = cfg.get("min_scale", TINY)
+  onto = o & (now == floor) & (prev > floor)
   tally["growths"] += int(np.sum(~o & (now > prev)))
   tally["back-offs"] += int(np.sum(o & (now < prev)))
   # An overflow that leaves a scale above the floor unchanged can only have been
@@ -320,17 +315,9 @@ def _compare(name, index, seq, cfg, flags, ours_s, raw, clamped, tally):
   tally["hysteresis absorptions"] += int(
     np.sum(o & (now == prev) & (prev > floor))
   )
-  tally["back-offs onto the floor"] += int(
-    np.sum(o & (now == floor) & (prev > floor))
-  )
-  tally["back-offs clamped by the floor"] += int(
-    np.sum(
-      o
-      & (now == floor)
-      & (prev > floor)
-      & (now > prev * cfg.get("backoff_factor", 0.5))
-    )
-  )
+  tally["back-offs onto the floor"] += int(np.sum(onto))
+  clamped_by_floor = onto & (now > prev * cfg.get("backoff_factor", 0.5))
+  tally["back-offs clamped by the floor"] += int(np.sum(clamped_by_floor))
 
 
 # ------------------------------------------------------------------------------
@@ -460,7 +447,7 @@ def test_megatron_growth_to_inf_is_refused_and_recovers():
     _MEGATRON_HIGH, growth_factor=2.0, backoff_factor=0.5, hysteresis=1
   )
   flags = [C] * 10 + [O, C, O, O, C]
-  raw = oracles.megatron_scaler_trajectory(flags, **cfg)
+  raw = oracles.steps(_megatron_peer(cfg), flags)
   got = _one(fs.megatron_scaler(**cfg), flags)
   # Megatron: inf for good
   assert raw[6] == 2.0**127 and raw[7] == np.inf and raw[-1] == np.inf
@@ -473,7 +460,7 @@ def test_megatron_non_power_of_two_growth_stops_below_inf():
     _MEGATRON_HIGH, growth_factor=1.5, backoff_factor=0.75, hysteresis=2
   )
   flags = [C] * 30 + [O, O, C]
-  raw = np.asarray(oracles.megatron_scaler_trajectory(flags, **cfg))
+  raw = np.asarray(oracles.steps(_megatron_peer(cfg), flags))
   got = _one(fs.megatron_scaler(**cfg), flags)
   top = int(np.argmax(np.isinf(raw)))
   assert top > 0 and np.isinf(raw[-1])
@@ -496,7 +483,7 @@ def test_deepspeed_growth_past_float32_is_refused_and_recovers():
     consecutive_hysteresis=False,
   )
   flags = [C] * 5 + [O, C, C, O]
-  raw = oracles.ds_loss_scaler_trajectory(flags, **cfg)
+  raw = oracles.steps(_deepspeed_peer(cfg), flags)
   got = _one(fs.deepspeed_scaler(**cfg), flags)
   # DeepSpeed grows on the second clean step and every one after: its Python
   # float passes float32's maximum (2**128 and up), then halves back from there.
@@ -515,7 +502,7 @@ def test_torch_scale_sinking_below_normals_is_floored_and_recovers(backoff):
     growth_interval=3,
   )
   flags = [O] * 400 + [C] * 6
-  raw = np.asarray(oracles.torch_scaler_trajectory_fast(flags, **cfg))
+  raw = np.asarray(oracles.steps(_torch_peer(cfg), flags))
   got = _one(fs.torch_scaler(**cfg), flags)
   sub = int(np.argmax(raw < TINY))
   assert sub > 0 and (raw[sub:400] < TINY).all()
@@ -539,13 +526,10 @@ def test_torch_growth_to_inf_is_refused_like_torch():
     growth_interval=1,
   )
   flags = [C] * 4 + [O, C, C]
-  raw = oracles.torch_scaler_trajectory_fast(flags, **cfg)
+  raw = oracles.steps(_torch_peer(cfg), flags)
   got = _one(fs.torch_scaler(**cfg), flags)
-  assert (
-    raw[0] == _f32(2.0**127 * 1.875)
-    and raw[1:4] == [raw[0]] * 3
-    and all(np.isfinite(raw))
-  )
+  assert raw[0] == _f32(2.0**127 * 1.875) and raw[1:4] == [raw[0]] * 3
+  assert all(np.isfinite(raw))
   np.testing.assert_array_equal(got, raw)
 
 
@@ -561,9 +545,7 @@ def test_torch_factor_that_is_not_a_float32_is_one_ulp_per_change():
     init_scale=3.0, growth_factor=1.1, backoff_factor=0.7, growth_interval=1
   )
   flags = [C, C, O, C, O, O, C, C, C, O]
-  raw = np.asarray(
-    oracles.torch_scaler_trajectory_fast(flags, **cfg), np.float32
-  )
+  raw = np.asarray(oracles.steps(_torch_peer(cfg), flags), np.float32)
   before = np.concatenate([[np.float32(cfg["init_scale"])], raw[:-1]])
   ours = []
   for start, flag in zip(before, flags):
