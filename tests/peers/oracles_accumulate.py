@@ -43,21 +43,18 @@ def run_torch_amp_accumulate(
   *,
   lr,
   max_norm,
-  init_scale,
-  growth_factor,
-  backoff_factor,
-  growth_interval,
   betas,
   eps,
+  **scaler_args,
 ):
-  """torch Adam on float32 parameters with torch.amp.GradScaler, each window
+  """torch Adam on float32 parameters with torch.amp.GradScaler (taking
+  ``scaler_args``: init_scale, growth_factor, backoff_factor,
+  growth_interval), each window
   accumulated over its microbatches by autograd. ``Step.norm`` is what
   ``clip_grad_norm_`` returns; ``skipped`` is read from Adam's step count.
   """
   torch, params, opt = oracles.torch_adam(params0, lr=lr, betas=betas, eps=eps)
-  scaler = oracles._grad_scaler(
-    torch, init_scale, growth_factor, backoff_factor, growth_interval
-  )
+  scaler = torch.amp.GradScaler("cpu", **scaler_args)
   records = []
   for window in windows:
     k = len(window)
@@ -88,17 +85,17 @@ def run_ds_fp16_optimizer_accumulate(
   optimizer,
   lr,
   clip_grad,
-  init_scale,
-  scale_window,
-  min_scale,
   fused,
   momentum,
   betas,
   eps,
+  **dynamic_loss_args,
 ):
   """DeepSpeed's ``FP16_Optimizer`` (``fused``) or ``FP16_UnfusedOptimizer``
   with the upstream fix (``oracles._scale_after_step``), over float16
-  parameters, each window accumulated by ``optimizer.backward(loss / k)``.
+  parameters, its dynamic scale taking ``dynamic_loss_args`` (init_scale,
+  scale_window, min_scale), each window accumulated by
+  ``optimizer.backward(loss / k)``.
   The inner optimizer and the record are those of
   ``oracles.run_ds_fp16_optimizer``; ``Step.norm`` is the unscaled norm
   (inf on an overflow window).
@@ -111,9 +108,7 @@ def run_ds_fp16_optimizer_accumulate(
     dict(lr=lr, momentum=momentum, betas=betas, eps=eps),
     clip_grad=clip_grad,
     dynamic_loss_scale=True,
-    dynamic_loss_args=dict(
-      init_scale=init_scale, scale_window=scale_window, min_scale=min_scale
-    ),
+    dynamic_loss_args=dynamic_loss_args,
   )
   records = []
   for window in windows:

@@ -155,9 +155,8 @@ def test_peer_to_fp16_scaling(name, cut, seed):
   for f in flags[:N]:
     peer.step(bool(f))
   tx, _ = ours(scaler)
-  state = fs.load_scaler_state_dict(
-    tx.init(jnp.zeros(2)), peer.state_dict(), scaler
-  )
+  start = tx.init(jnp.zeros(2))
+  state = fs.load_scaler_state_dict(start, peer.state_dict(), scaler)
   assert float(fs.current_scale(state)) == peer.scale
   check_together(name, peer, state, flags[N:])
 
