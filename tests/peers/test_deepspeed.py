@@ -135,10 +135,7 @@ def replay_args(optimizer, params0, records, scaler, clip):
     )
     loss_scale_state, clip_state, _ = state
     state = (loss_scale_state, clip_state, adam_state)
-  grads = [
-    jnp.asarray(np.stack([r.grads[i] for r in records]))
-    for i in range(len(params0))
-  ]
+  grads = [jnp.asarray(np.stack(g)) for g in zip(*(r.grads for r in records))]
   assert all(g.dtype == jnp.float16 for g in grads)
   return tx, params, state, grads, None
 

@@ -68,11 +68,8 @@ def _gradient_set(structure, rng):
 
 
 def _mask(structure):
-  expert_shapes, shared_shapes = STRUCTURES[structure]
-  return {
-    "experts": [True] * len(expert_shapes),
-    "shared": [False] * len(shared_shapes),
-  }
+  expert, shared = STRUCTURES[structure]
+  return {"experts": [True] * len(expert), "shared": [False] * len(shared)}
 
 
 def _tree(expert, shared):

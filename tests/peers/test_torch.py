@@ -120,10 +120,7 @@ def replay_args(optimizer, params0, records, scaler, max_norm, *, follow_peer):
     fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
   )
   params = [jnp.asarray(p) for p in params0]
-  grads = [
-    jnp.asarray(np.stack([r.grads[i] for r in records]))
-    for i in range(len(params0))
-  ]
+  grads = [jnp.asarray(np.stack(g)) for g in zip(*(r.grads for r in records))]
   assert all(g.dtype == jnp.float32 for g in grads)
   peer_before = [
     jnp.asarray(np.stack([p] + [r.params[i] for r in records[:-1]]))
