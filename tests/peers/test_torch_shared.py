@@ -40,6 +40,7 @@ torch = oracles.require("torch")
 STEPS = 300
 BATCH = 8
 INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 3
+SCALER_ARGS = dict(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 # float32 values (see test_torch.py): optax and torch then form Adam's bias
 # corrections alike.
 SGD_LR, MOMENTUM = 2.0**-5, 0.5
@@ -128,9 +129,7 @@ def run_torch(case):
   stayed unchanged, and the parameters."""
   models = [_linear(p) for p in case.params]
   opts = _optimizers_torch(models[0].parameters(), models[1].parameters())
-  scaler = torch.amp.GradScaler(
-    "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
-  )
+  scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
   mse = torch.nn.MSELoss()
   out = dict(scale=[], tracker=[], skipped=[], params=[])
   for t in range(STEPS):
@@ -211,12 +210,8 @@ def _injected(grads, bad, where):
 def run_ours(case_names):
   """Every case's fp16_scaling run, one ``lax.scan`` each in one jit."""
   cases = [Case(n) for n in case_names]
-  scaler = fs.torch_scaler(
-    init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
-  )
-  txs = [
-    fs.chain(fs.fp16_loss_scale(scaler), opt) for opt in _optimizers_optax()
-  ]
+  scaler = fs.torch_scaler(**SCALER_ARGS)
+  txs = [fs.chain(fs.fp16_loss_scale(scaler), o) for o in _optimizers_optax()]
 
   def run_one(name, params, xs):
     def body(carry, x):
