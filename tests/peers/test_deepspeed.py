@@ -259,11 +259,8 @@ def _ours_exact(scaler, steps):
   tx = guarded(scaler, fs.clip_by_unscaled_norm(1e9), optax.sgd(1.0))
   params = [jnp.zeros((4,), jnp.float32)]
   state = tx.init(params)
-  step = jax.jit(
-    lambda p, s: tx.update(
-      [(HALVES[0] * fs.current_scale(s)).astype(jnp.float16)], s, p
-    )
-  )
+  grads = lambda s: [(HALVES[0] * fs.current_scale(s)).astype(jnp.float16)]
+  step = jax.jit(lambda p, s: tx.update(grads(s), s, p))
   applied, norms, scales = [], [], []
   for _ in range(steps):
     updates, state = step(params, state)
@@ -277,13 +274,9 @@ def _ours_exact(scaler, steps):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_unpatched_deepspeed_still_has_both_bugs(fused):
+  zero, sgd = [np.zeros(4, np.float32)], dict(lr=1.0, momentum=0.0)
   run = lambda **kw: oracles.run_ds_fp16_optimizer(
-    [np.zeros(4, np.float32)],
-    [HALVES] * 6,
-    lr=1.0,
-    momentum=0.0,
-    fused=fused,
-    **kw,
+    zero, [HALVES] * 6, **sgd, fused=fused, **kw
   )
   # 1. The unfused optimizer reports the norm still multiplied by the scale:
   # 128.0 for a true 1.0.
@@ -293,7 +286,7 @@ def test_unpatched_deepspeed_still_has_both_bugs(fused):
   # so it divides those steps' gradients by the new scale and applies half of
   # them.
   dynamic = run(init_scale=128.0, scale_window=2)
-  before = [np.zeros(4, np.float32)] + [r.params[0] for r in dynamic[:-1]]
+  before = zero + [r.params[0] for r in dynamic[:-1]]
   # SGD, lr 1: the applied gradient
   applied = [b - r.params[0] for b, r in zip(before, dynamic)]
   growth = [r.scale_after > r.scale_before for r in dynamic]
