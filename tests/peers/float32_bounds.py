@@ -98,9 +98,8 @@ def adam_param_bounds(
       continue
     k += 1
     bc1, bc2 = 1 - b1 ** (k + count_offset), 1 - b2 ** (k + count_offset)
-    for i, (g, dg) in enumerate(
-      _inputs(rec, max_norm, norm_rtol, float16_sums)
-    ):
+    inputs = _inputs(rec, max_norm, norm_rtol, float16_sums)
+    for i, (g, dg) in enumerate(inputs):
       m[i] = b1 * m[i] + (1 - b1) * g
       m_abs[i] = b1 * m_abs[i] + (1 - b1) * np.abs(g)
       v[i] = b2 * v[i] + (1 - b2) * g**2
@@ -145,9 +144,8 @@ def sgd_momentum_param_bounds(
       for i in range(len(params0)):
         out[i].append(d[i].copy())
       continue
-    for i, (g, dg) in enumerate(
-      _inputs(rec, max_norm, norm_rtol, float16_sums)
-    ):
+    inputs = _inputs(rec, max_norm, norm_rtol, float16_sums)
+    for i, (g, dg) in enumerate(inputs):
       b[i] = momentum * b[i] + g
       b_abs[i] = momentum * b_abs[i] + np.abs(g)
       db[i] = momentum * db[i] + dg

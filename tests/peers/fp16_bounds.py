@@ -105,6 +105,19 @@ def flat(tree):
   return np.asarray(jax.flatten_util.ravel_pytree(tree)[0], np.float64)
 
 
+def mlp_bounds(params, x, y, rounds, scale):
+  """eps (``rounds`` float16 roundings of the absolute gradient, at loss
+  scale ``scale``), the |Hessian| bound, and the float32 gradient, flat, of
+  the page's mse at ``params`` on ``(x, y)``."""
+  losses = [((1.0,), x, y)]
+  eps = rounds * 2.0**-10 * flat(abs_grad([params], losses))
+  # A subnormal float16 result's rounding is absolute: at most 2**-25 in
+  # the scaled gradient; 8 rows of |x| carry it into dW.
+  eps += rounds * 8 * float(np.abs(x).max()) * 2.0**-25 / scale
+  g = jax.grad(lambda p: jnp.mean((_pred(p, x) - y) ** 2))(params)
+  return eps, abs_hessian([params], losses), flat(g)
+
+
 def adam_ratio_bound(t, b1=0.9, b2=0.999):
   """The largest |m_hat| / sqrt(v_hat) of bias-corrected Adam after ``t``
   steps, over every gradient sequence: with weights ``w`` (m's) and ``w2``

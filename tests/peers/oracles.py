@@ -25,6 +25,7 @@ Conventions
 
 import contextlib
 import importlib
+import inspect
 import math
 import os
 import socket
@@ -53,6 +54,29 @@ def require(name):
     pytest.skip(
       f"peer {name!r} is not importable: {err}", allow_module_level=True
     )
+
+
+def signature_params(fn, leave_out=()):
+  """``fn``'s parameters by name, less ``self`` and those in ``leave_out``."""
+  return {
+    name: p
+    for name, p in inspect.signature(fn).parameters.items()
+    if name not in ("self", *leave_out)
+  }
+
+
+def torch_mlp(torch, hidden, out):
+  """docs/porting-torch.md's MLP in torch, bias-free Linear(8, 32), ReLU,
+  Linear(32, 1), with the kernels ``hidden`` and ``out`` (JAX's layout)."""
+  net = torch.nn.Sequential(
+    torch.nn.Linear(8, 32, bias=False),
+    torch.nn.ReLU(),
+    torch.nn.Linear(32, 1, bias=False),
+  )
+  with torch.no_grad():
+    for layer, kernel in ((net[0], hidden), (net[2], out)):
+      layer.weight.copy_(torch.tensor(np.asarray(kernel).T))
+  return net
 
 
 def init_deepspeed():
@@ -86,46 +110,35 @@ def init_deepspeed():
 # overflowed.
 
 
-def ds_loss_scaler_trajectory(
-  overflows,
-  init_scale,
-  scale_window,
-  min_scale,
-  delayed_shift,
-  consecutive_hysteresis,
-):
-  """DeepSpeed's `DynamicLossScaler` (the ZeRO path's scaler),
-  raise_error_at_min_scale=False.
+def steps(step, overflows):
+  """The scale after each step of ``step(overflow) -> scale`` (one of the
+  ``*_step`` drivers below), given which steps overflowed."""
+  return [step(overflow) for overflow in overflows]
+
+
+def ds_loss_scaler_step(cfg, cls=None):
+  """DeepSpeed's `DynamicLossScaler` (the ZeRO path's scaler), or its subclass
+  ``cls``, built from ``cfg`` (its arguments) with
+  raise_error_at_min_scale=False: ``step(overflow) -> scale``.
   """
   init_deepspeed()
   from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-  scaler = DynamicLossScaler(
-    init_scale,
-    scale_window,
-    min_scale,
-    delayed_shift,
-    consecutive_hysteresis,
-    raise_error_at_min_scale=False,
-  )
-  out = []
-  for overflow in overflows:
+  scaler = (cls or DynamicLossScaler)(**cfg, raise_error_at_min_scale=False)
+
+  def step(overflow):
     scaler.update_scale(bool(overflow))
-    out.append(float(scaler.cur_scale))
-  return out
+    return float(scaler.cur_scale)
+
+  return step
 
 
 def _grad_scaler(
   torch, init_scale, growth_factor, backoff_factor, growth_interval
 ):
-  """A CPU ``torch.amp.GradScaler``."""
-  return torch.amp.GradScaler(
-    "cpu",
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
-  )
+  """A CPU ``torch.amp.GradScaler`` (its arguments in its order)."""
+  args = init_scale, growth_factor, backoff_factor, growth_interval
+  return torch.amp.GradScaler("cpu", *args)
 
 
 def _scale_a_loss(torch, scaler):
@@ -134,56 +147,49 @@ def _scale_a_loss(torch, scaler):
   scaler.scale(torch.zeros(()))
 
 
-def torch_scaler_trajectory(
-  overflows, init_scale, growth_factor, backoff_factor, growth_interval
-):
+def torch_scaler_trajectory(overflows, growth_interval, **cfg):
   """torch.amp.GradScaler on CPU through its public path: scale, step (unscale_
-  + inf check), update.
+  + inf check), update (``oracles_state.TorchGradScaler``).
 
   The one parameter's scaled gradient is inf on an overflow step, 1.0 otherwise;
   SGD with lr=0.
   """
-  torch = require("torch")
-  param = torch.nn.Parameter(torch.zeros(()))
-  opt = torch.optim.SGD([param], lr=0.0)
-  scaler = _grad_scaler(
-    torch, init_scale, growth_factor, backoff_factor, growth_interval
-  )
+  import oracles_state  # which builds on this module
+
+  peer = oracles_state.TorchGradScaler(**cfg, interval=growth_interval)
   out = []
   for overflow in overflows:
-    _scale_a_loss(torch, scaler)
-    param.grad = torch.full((), math.inf if overflow else 1.0)
-    scaler.step(opt)
-    scaler.update()
-    out.append(scaler.get_scale())
+    peer.step(overflow)
+    out.append(peer.scale)
   return out
 
 
-def torch_scaler_trajectory_fast(
-  overflows, init_scale, growth_factor, backoff_factor, growth_interval
-):
-  """Same trajectory through the op `GradScaler.update` calls,
-  `torch._amp_update_scale_`, alone.
+def torch_update_step(cfg, floor=0.0):
+  """The op `GradScaler.update` calls, `torch._amp_update_scale_`, alone, from
+  ``cfg`` (init_scale, growth_factor, backoff_factor, growth_interval):
+  ``step(overflow) -> scale``. A scale below ``floor`` is then raised to it
+  (the default never acts).
   """
   torch = require("torch")
-  scale = torch.full((), init_scale, dtype=torch.float32)
+  scale = torch.full((), cfg["init_scale"], dtype=torch.float32)
   growth_tracker = torch.zeros((), dtype=torch.int32)
-  found_inf = (
-    torch.zeros(()),
-    torch.ones(()),
-  )  # what unscale_ leaves in found_inf: 0.0 or 1.0
-  out = []
-  for overflow in overflows:
+  # what unscale_ leaves in found_inf: 0.0 or 1.0
+  found_inf = (torch.zeros(()), torch.ones(()))
+
+  def step(overflow):
     torch._amp_update_scale_(
       scale,
       growth_tracker,
       found_inf[bool(overflow)],
-      growth_factor,
-      backoff_factor,
-      growth_interval,
+      cfg["growth_factor"],
+      cfg["backoff_factor"],
+      cfg["growth_interval"],
     )
-    out.append(scale.item())
-  return out
+    if scale.item() < floor:
+      scale.fill_(floor)
+    return scale.item()
+
+  return step
 
 
 @contextlib.contextmanager
@@ -204,16 +210,10 @@ def _torch_tensor_on_cpu(torch):
     torch.tensor = real
 
 
-def megatron_scaler_trajectory(
-  overflows,
-  initial_scale,
-  min_scale,
-  growth_factor,
-  backoff_factor,
-  growth_interval,
-  hysteresis,
-):
-  """Megatron-core's `DynamicGradScaler`. Its __init__ hard-codes device='cuda'
+def megatron_scaler_step(cfg, clamp=False):
+  """Megatron-core's `DynamicGradScaler` built from ``cfg`` (its arguments):
+  ``step(overflow) -> scale``; with ``clamp``, a growth to inf is refused.
+  Its __init__ hard-codes device='cuda'
   (the only CUDA use:
   `update` is plain Python over the tensors made there), so it is built with
   torch.tensor forced to CPU.
@@ -221,19 +221,17 @@ def megatron_scaler_trajectory(
   torch = require("torch")
   grad_scaler = require("megatron.core.optimizer.grad_scaler")
   with _torch_tensor_on_cpu(torch):
-    scaler = grad_scaler.DynamicGradScaler(
-      initial_scale,
-      min_scale,
-      growth_factor,
-      backoff_factor,
-      growth_interval,
-      hysteresis,
-    )
-  out = []
-  for overflow in overflows:
+    scaler = grad_scaler.DynamicGradScaler(**cfg)
+
+  def step(overflow):
+    # update() assigns a new tensor; it does not write into this one
+    before = scaler._scale
     scaler.update(bool(overflow))
-    out.append(scaler.scale.item())
-  return out
+    if clamp and not math.isfinite(scaler._scale.item()):
+      scaler._scale = before
+    return scaler.scale.item()
+
+  return step
 
 
 # ------------------------------------------------------------------------------
@@ -316,14 +314,8 @@ def scan_steps_each(runs):
       updates, state = tx.update(list(g), state, params)
       params = optax.apply_updates(params, updates)
       m = fs.scale_metrics(state)
-      return (params, state), (
-        params,
-        before,
-        m["prev_loss_scale"],
-        m["loss_scale"],
-        m["overflow"],
-        m["grad_norm"],
-      )
+      keys = ("prev_loss_scale", "loss_scale", "overflow", "grad_norm")
+      return (params, state), (params, before, *(m[k] for k in keys))
 
     return jax.lax.scan(step, (params, state), (grads, given))[1]
 
@@ -345,13 +337,12 @@ def assert_same_skips_and_scales(records, overflow, before, prev, after):
   the peer's skip mask."""
   skipped = np.array([r.skipped for r in records])
   np.testing.assert_array_equal(overflow, skipped, err_msg="skip decisions")
+  peer_before = [r.scale_before for r in records]
   np.testing.assert_array_equal(
-    before, [r.scale_before for r in records], err_msg="scale before the step"
+    before, peer_before, err_msg="scale before the step"
   )
   np.testing.assert_array_equal(
-    prev,
-    [r.scale_before for r in records],
-    err_msg="scale the grads were made with",
+    prev, peer_before, err_msg="scale the grads were made with"
   )
   np.testing.assert_array_equal(
     after, [r.scale_after for r in records], err_msg="scale after the step"
@@ -423,9 +414,8 @@ def _scale_after_step(cls, unscale_reported_norm):
 
   class ScaleAfterStep(cls):
     def _update_scale(self, skip):
-      self._deferred_skip = (
-        skip  # step() applies it once the gradients have been used
-      )
+      # step() applies it once the gradients have been used
+      self._deferred_skip = skip
 
     def step(self, closure=None):
       scale = self.loss_scale_config.cur_scale
@@ -487,6 +477,36 @@ def run_ds_fp16_optimizer(
   fused, the scaled norm over the updated scale (over the scale used, when
   patched); unfused, the scaled norm itself (unscaled, when patched).
   """
+  if dynamic:
+    scaling = dict(
+      dynamic_loss_scale=True,
+      dynamic_loss_args=dict(
+        init_scale=init_scale, scale_window=scale_window, min_scale=min_scale
+      ),
+    )
+  else:
+    scaling = dict(static_loss_scale=init_scale)
+  inner = dict(lr=lr, momentum=momentum, betas=betas, eps=eps)
+  torch, model, opt = ds_fp16_optimizer(
+    params0, optimizer, fused, patched, inner, clip_grad=clip_grad, **scaling
+  )
+  records = []
+  for grads in grad_seq:
+    before = float(opt.loss_scale_config.cur_scale)
+    grads16 = _present(grads, before, scaled, np.float16)
+    for p, g in zip(model, grads16):
+      p.grad = torch.tensor(g)
+    overflow = opt.step()
+    records.append(ds_record(opt, fused, overflow, before, grads16))
+  return records
+
+
+def ds_fp16_optimizer(params0, optimizer, fused, patched, inner, **kwargs):
+  """``(torch, model, opt)``: the fp16 parameters (``params0`` cast) and the
+  DeepSpeed fp16 optimizer over them that `run_ds_fp16_optimizer` describes,
+  the inner optimizer taking ``inner`` (lr, momentum, betas, eps) and the
+  wrapper ``kwargs``.
+  """
   torch = require("torch")
   init_deepspeed()
   from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
@@ -499,44 +519,27 @@ def run_ds_fp16_optimizer(
     torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32)).half())
     for p in params0
   ]
+  lr, momentum, betas, eps = map(inner.get, ("lr", "momentum", "betas", "eps"))
   if optimizer == "sgd_momentum":
     inner = torch.optim.SGD(model, lr=lr, momentum=momentum, foreach=False)
   elif optimizer == "adam":
     inner = torch.optim.Adam(model, lr=lr, betas=betas, eps=eps, foreach=False)
   else:
     raise ValueError(f"unknown optimizer {optimizer!r}")
-  if dynamic:
-    scaling = dict(
-      dynamic_loss_scale=True,
-      dynamic_loss_args=dict(
-        init_scale=init_scale, scale_window=scale_window, min_scale=min_scale
-      ),
-    )
-  else:
-    scaling = dict(static_loss_scale=init_scale)
-  opt = cls(inner, clip_grad=clip_grad, verbose=False, **scaling)
+  return torch, model, cls(inner, verbose=False, **kwargs)
 
-  def masters():
-    return ds_master_params(opt, fused)
 
-  records = []
-  for grads in grad_seq:
-    before = float(opt.loss_scale_config.cur_scale)
-    grads16 = _present(grads, before, scaled, np.float16)
-    for p, g in zip(model, grads16):
-      p.grad = torch.tensor(g)
-    overflow = opt.step()
-    records.append(
-      Step(
-        bool(overflow),
-        before,
-        float(opt.loss_scale_config.cur_scale),
-        float(opt._global_grad_norm),
-        grads16,
-        masters(),
-      )
-    )
-  return records
+def ds_record(opt, fused, overflow, before, grads):
+  """The `Step` a DeepSpeed fp16 optimizer's ``step`` leaves, made at scale
+  ``before`` from ``grads``."""
+  return Step(
+    bool(overflow),
+    before,
+    float(opt.loss_scale_config.cur_scale),
+    float(opt._global_grad_norm),
+    grads,
+    ds_master_params(opt, fused),
+  )
 
 
 def run_torch_amp(
@@ -565,26 +568,17 @@ def run_torch_amp(
   read from Adam's step count, which only advances when the scaler lets
   optimizer.step() run.
   """
-  torch = require("torch")
-  params = [
-    torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32))) for p in params0
-  ]
-  opt = torch.optim.Adam(
-    params,
+  torch, params, opt = torch_adam(
+    params0,
     lr=lr,
     betas=betas,
     eps=eps,
     weight_decay=weight_decay,
     decoupled_weight_decay=decoupled_weight_decay,
-    foreach=False,
   )
   scaler = _grad_scaler(
     torch, init_scale, growth_factor, backoff_factor, growth_interval
   )
-
-  def adam_steps():
-    return float(opt.state[params[0]].get("step", 0))
-
   records = []
   for grads in grad_seq:
     _scale_a_loss(torch, scaler)
@@ -592,22 +586,42 @@ def run_torch_amp(
     grads32 = _present(grads, before, scaled, np.float32)
     for p, g in zip(params, grads32):
       p.grad = torch.tensor(g)
-    steps = adam_steps()
+    steps = _adam_steps(opt, params)
     scaler.unscale_(opt)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     scaler.step(opt)
     scaler.update()
     records.append(
-      Step(
-        adam_steps() == steps,
-        before,
-        scaler.get_scale(),
-        float(norm),
-        grads32,
-        [p.detach().numpy().copy() for p in params],
-      )
+      torch_record(opt, params, scaler, steps, before, norm, grads32)
     )
   return records
+
+
+def torch_adam(params0, **kwargs):
+  """``(torch, params, opt)``: float32 parameters (``params0``) and torch Adam
+  over them, foreach off, taking ``kwargs``."""
+  torch = require("torch")
+  params = [
+    torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32))) for p in params0
+  ]
+  return torch, params, torch.optim.Adam(params, **kwargs, foreach=False)
+
+
+def _adam_steps(opt, params):
+  return float(opt.state[params[0]].get("step", 0))
+
+
+def torch_record(opt, params, scaler, steps, before, norm, grads):
+  """The `Step` of one torch.amp step made at scale ``before`` from ``grads``:
+  skipped when Adam's step count is still ``steps``, its count before."""
+  return Step(
+    _adam_steps(opt, params) == steps,
+    before,
+    scaler.get_scale(),
+    float(norm),
+    grads,
+    [p.detach().numpy().copy() for p in params],
+  )
 
 
 def ds_moe_norm(

@@ -43,37 +43,22 @@ def run_torch_amp_accumulate(
   *,
   lr,
   max_norm,
-  init_scale,
-  growth_factor,
-  backoff_factor,
-  growth_interval,
   betas,
   eps,
+  **scaler_args,
 ):
-  """torch Adam on float32 parameters with torch.amp.GradScaler, each window
+  """torch Adam on float32 parameters with torch.amp.GradScaler (taking
+  ``scaler_args``: init_scale, growth_factor, backoff_factor,
+  growth_interval), each window
   accumulated over its microbatches by autograd. ``Step.norm`` is what
   ``clip_grad_norm_`` returns; ``skipped`` is read from Adam's step count.
   """
-  torch = oracles.require("torch")
-  params = [
-    torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32))) for p in params0
-  ]
-  opt = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, foreach=False)
-  scaler = torch.amp.GradScaler(
-    "cpu",
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
-  )
-
-  def adam_steps():
-    return float(opt.state[params[0]].get("step", 0))
-
+  torch, params, opt = oracles.torch_adam(params0, lr=lr, betas=betas, eps=eps)
+  scaler = torch.amp.GradScaler("cpu", **scaler_args)
   records = []
   for window in windows:
     k = len(window)
-    scaler.scale(torch.zeros(()))  # creates the scale on first use
+    oracles._scale_a_loss(torch, scaler)  # creates the scale on first use
     before = scaler.get_scale()
     presented = []
     for grads in window:
@@ -81,21 +66,14 @@ def run_torch_amp_accumulate(
       presented.append(h)
       loss = sum((p * ci).sum() for p, ci in zip(params, c))
       scaler.scale(loss / k).backward()
-    steps = adam_steps()
+    steps = oracles._adam_steps(opt, params)
     scaler.unscale_(opt)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
     records.append(
-      oracles.Step(
-        adam_steps() == steps,
-        before,
-        scaler.get_scale(),
-        float(norm),
-        presented,
-        [p.detach().numpy().copy() for p in params],
-      )
+      oracles.torch_record(opt, params, scaler, steps, before, norm, presented)
     )
   return records
 
@@ -107,51 +85,31 @@ def run_ds_fp16_optimizer_accumulate(
   optimizer,
   lr,
   clip_grad,
-  init_scale,
-  scale_window,
-  min_scale,
   fused,
   momentum,
   betas,
   eps,
+  **dynamic_loss_args,
 ):
   """DeepSpeed's ``FP16_Optimizer`` (``fused``) or ``FP16_UnfusedOptimizer``
   with the upstream fix (``oracles._scale_after_step``), over float16
-  parameters, each window accumulated by ``optimizer.backward(loss / k)``.
+  parameters, its dynamic scale taking ``dynamic_loss_args`` (init_scale,
+  scale_window, min_scale), each window accumulated by
+  ``optimizer.backward(loss / k)``.
   The inner optimizer and the record are those of
   ``oracles.run_ds_fp16_optimizer``; ``Step.norm`` is the unscaled norm
   (inf on an overflow window).
   """
-  torch = oracles.require("torch")
-  oracles.init_deepspeed()
-  from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-  from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-  cls = oracles._scale_after_step(
-    FP16_Optimizer if fused else FP16_UnfusedOptimizer,
-    unscale_reported_norm=not fused,
-  )
-  model = [
-    torch.nn.Parameter(torch.tensor(np.asarray(p, np.float32)).half())
-    for p in params0
-  ]
-  if optimizer == "sgd_momentum":
-    inner = torch.optim.SGD(model, lr=lr, momentum=momentum, foreach=False)
-  else:
-    inner = torch.optim.Adam(model, lr=lr, betas=betas, eps=eps, foreach=False)
-  opt = cls(
-    inner,
+  torch, model, opt = oracles.ds_fp16_optimizer(
+    params0,
+    optimizer,
+    fused,
+    True,
+    dict(lr=lr, momentum=momentum, betas=betas, eps=eps),
     clip_grad=clip_grad,
-    verbose=False,
     dynamic_loss_scale=True,
-    dynamic_loss_args=dict(
-      init_scale=init_scale, scale_window=scale_window, min_scale=min_scale
-    ),
+    dynamic_loss_args=dynamic_loss_args,
   )
-
-  def masters():
-    return oracles.ds_master_params(opt, fused)
-
   records = []
   for window in windows:
     k = len(window)
@@ -164,14 +122,5 @@ def run_ds_fp16_optimizer_accumulate(
       opt.backward(loss / k)  # the engine's backward divides by k
     overflow = opt.step()
     opt.zero_grad()  # the engine's step at the accumulation boundary
-    records.append(
-      oracles.Step(
-        bool(overflow),
-        before,
-        float(opt.loss_scale_config.cur_scale),
-        float(opt._global_grad_norm),
-        presented,
-        masters(),
-      )
-    )
+    records.append(oracles.ds_record(opt, fused, overflow, before, presented))
   return records

@@ -5,6 +5,7 @@ process imports only torch and numpy."""
 import os
 
 import numpy as np
+import oracles  # its torch drivers import no JAX
 
 
 def _worker(rank, world, port, folder):
@@ -16,14 +17,7 @@ def _worker(rank, world, port, folder):
   os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
   dist.init_process_group("gloo", rank=rank, world_size=world)
   data = np.load(os.path.join(folder, "data.npz"))
-  net = torch.nn.Sequential(
-    torch.nn.Linear(8, 32, bias=False),
-    torch.nn.ReLU(),
-    torch.nn.Linear(32, 1, bias=False),
-  )
-  with torch.no_grad():
-    net[0].weight.copy_(torch.tensor(data["hidden"].T))
-    net[2].weight.copy_(torch.tensor(data["out"].T))
+  net = oracles.torch_mlp(torch, data["hidden"], data["out"])
   ddp = torch.nn.parallel.DistributedDataParallel(net)
   opt = torch.optim.Adam(ddp.parameters(), lr=float(data["lr"]))
   scaler = torch.amp.GradScaler(

@@ -10,6 +10,7 @@ an inf or a finite gradient of 1.0 (already scaled) to the peer's own step.
 import contextlib
 import math
 
+import numpy as np
 import oracles
 
 
@@ -120,22 +121,15 @@ class DeepSpeedFP16Optimizer:
   """DeepSpeed's ``FP16_Optimizer`` (fused) or ``FP16_UnfusedOptimizer`` over
   one fp16 parameter, inner SGD with lr 0."""
 
-  def __init__(self, *, fused, init_scale, scale_window, min_scale):
-    self.torch = torch = oracles.require("torch")
-    oracles.init_deepspeed()
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    self.param = torch.nn.Parameter(torch.zeros(4).half())
-    inner = torch.optim.SGD([self.param], lr=0.0)
-    cls = FP16_Optimizer if fused else FP16_UnfusedOptimizer
-    self.opt = cls(
-      inner,
+  def __init__(self, *, fused, **dynamic_loss_args):
+    self.torch, (self.param,), self.opt = oracles.ds_fp16_optimizer(
+      [np.zeros(4)],
+      "sgd_momentum",
+      fused,
+      False,
+      dict(lr=0.0, momentum=0.0),
       dynamic_loss_scale=True,
-      dynamic_loss_args=dict(
-        init_scale=init_scale, scale_window=scale_window, min_scale=min_scale
-      ),
-      verbose=False,
+      dynamic_loss_args=dynamic_loss_args,
     )
 
   def step(self, overflow):

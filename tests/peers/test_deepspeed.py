@@ -59,6 +59,7 @@ NAN_RATE = 0.04
 # b**t is left and the drift is ~1 ulp.
 LR = {"sgd_momentum": 2.0**-7, "adam": 2.0**-10}
 MOMENTUM, BETAS, EPS = 0.875, (0.875, 1 - 2.0**-10), 1e-8
+HYPER = dict(momentum=MOMENTUM, betas=BETAS, eps=EPS)
 
 # Tolerances. The parameters here are held to float32_bounds' bound, derived
 # from each run (param_bounds below); PARAM_RTOL_OF_MAX, measured, is left
@@ -103,12 +104,10 @@ def _gradient_sequence(rng):
 
 def _optax_optimizer(name):
   if name == "sgd_momentum":
-    return optax.sgd(
-      LR[name], momentum=MOMENTUM
-    )  # torch SGD: buf = m * buf + g; p -= lr * buf
-  return optax.adam(
-    LR[name], b1=BETAS[0], b2=BETAS[1], eps=EPS
-  )  # eps added to sqrt(v_hat) in both
+    # torch SGD: buf = m * buf + g; p -= lr * buf
+    return optax.sgd(LR[name], momentum=MOMENTUM)
+  # eps added to sqrt(v_hat) in both
+  return optax.adam(LR[name], b1=BETAS[0], b2=BETAS[1], eps=EPS)
 
 
 def replay_args(optimizer, params0, records, scaler, clip):
@@ -121,9 +120,10 @@ def replay_args(optimizer, params0, records, scaler, clip):
   tx = fs.chain(
     fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(clip), inner
   )
+  # DeepSpeed's masters
   params = [
     jnp.asarray(p.astype(np.float16).astype(np.float32)) for p in params0
-  ]  # DeepSpeed's masters
+  ]
   state = tx.init(params)
   if optimizer == "adam":
     # DeepSpeed's fp16 optimizers run one inner step on zero gradients when
@@ -135,10 +135,7 @@ def replay_args(optimizer, params0, records, scaler, clip):
     )
     loss_scale_state, clip_state, _ = state
     state = (loss_scale_state, clip_state, adam_state)
-  grads = [
-    jnp.asarray(np.stack([r.grads[i] for r in records]))
-    for i in range(len(params0))
-  ]
+  grads = [jnp.asarray(np.stack(g)) for g in zip(*(r.grads for r in records))]
   assert all(g.dtype == jnp.float16 for g in grads)
   return tx, params, state, grads, None
 
@@ -148,24 +145,14 @@ def param_bounds(optimizer, records, params0, clip):
   from the run: DeepSpeed's clip (``(norm + 1e-6) / clip``), the norms'
   NORM_RTOL, the optimizer's sensitivity and each side's roundings."""
   masters = [p.astype(np.float16).astype(np.float32) for p in params0]
+  common = dict(lr=LR[optimizer], max_norm=clip, norm_rtol=NORM_RTOL)
   if optimizer == "sgd_momentum":
     return float32_bounds.sgd_momentum_param_bounds(
-      records,
-      masters,
-      lr=LR[optimizer],
-      momentum=MOMENTUM,
-      max_norm=clip,
-      norm_rtol=NORM_RTOL,
+      records, masters, **common, momentum=MOMENTUM
     )
+  # count_offset: DeepSpeed's step on zero gradients, as in the replay
   return float32_bounds.adam_param_bounds(
-    records,
-    masters,
-    lr=LR[optimizer],
-    betas=BETAS,
-    eps=EPS,
-    max_norm=clip,
-    norm_rtol=NORM_RTOL,
-    count_offset=1,  # DeepSpeed's step on zero gradients, as in the replay
+    records, masters, **common, betas=BETAS, eps=EPS, count_offset=1
   )
 
 
@@ -204,12 +191,9 @@ def runs():
   each case, the steps given a NaN, and fp16_scaling's replay. The peer runs
   case by case; one jit replays every case (a jit each compiled again what
   the chains share)."""
+  ds = dict(init_scale=INIT_SCALE, scale_window=WINDOW, min_scale=FLOOR)
   scaler = fs.deepspeed_scaler(
-    init_scale=INIT_SCALE,
-    scale_window=WINDOW,
-    min_scale=FLOOR,
-    delayed_shift=1,
-    raise_error_at_min_scale=False,
+    **ds, delayed_shift=1, raise_error_at_min_scale=False
   )
   keys, peer, args = [], [], []
   for fused in FUSED:
@@ -223,14 +207,10 @@ def runs():
         optimizer=optimizer,
         lr=LR[optimizer],
         clip_grad=CLIP,
-        init_scale=INIT_SCALE,
-        scale_window=WINDOW,
-        min_scale=FLOOR,
+        **ds,
         fused=fused,
         patched=True,
-        momentum=MOMENTUM,
-        betas=BETAS,
-        eps=EPS,
+        **HYPER,
       )
       keys.append((fused, optimizer))
       peer.append((records, nan_steps, params0))
@@ -268,9 +248,8 @@ def test_whole_steps_match_deepspeed_fp16_optimizer(fused, optimizer, runs):
 # ------------------------------------------------------------------------------
 # DeepSpeed 0.19's two bugs, pinned; fp16_scaling has neither.
 
-HALVES = [
-  np.full((4,), 0.5, np.float32)
-]  # true norm exactly 1.0; 0.5 * 2**k is exact in float16
+# true norm exactly 1.0; 0.5 * 2**k is exact in float16
+HALVES = [np.full((4,), 0.5, np.float32)]
 
 
 def _ours_exact(scaler, steps):
@@ -280,11 +259,8 @@ def _ours_exact(scaler, steps):
   tx = guarded(scaler, fs.clip_by_unscaled_norm(1e9), optax.sgd(1.0))
   params = [jnp.zeros((4,), jnp.float32)]
   state = tx.init(params)
-  step = jax.jit(
-    lambda p, s: tx.update(
-      [(HALVES[0] * fs.current_scale(s)).astype(jnp.float16)], s, p
-    )
-  )
+  grads = lambda s: [(HALVES[0] * fs.current_scale(s)).astype(jnp.float16)]
+  step = jax.jit(lambda p, s: tx.update(grads(s), s, p))
   applied, norms, scales = [], [], []
   for _ in range(steps):
     updates, state = step(params, state)
@@ -298,13 +274,9 @@ def _ours_exact(scaler, steps):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_unpatched_deepspeed_still_has_both_bugs(fused):
+  zero, sgd = [np.zeros(4, np.float32)], dict(lr=1.0, momentum=0.0)
   run = lambda **kw: oracles.run_ds_fp16_optimizer(
-    [np.zeros(4, np.float32)],
-    [HALVES] * 6,
-    lr=1.0,
-    momentum=0.0,
-    fused=fused,
-    **kw,
+    zero, [HALVES] * 6, **sgd, fused=fused, **kw
   )
   # 1. The unfused optimizer reports the norm still multiplied by the scale:
   # 128.0 for a true 1.0.
@@ -314,10 +286,9 @@ def test_unpatched_deepspeed_still_has_both_bugs(fused):
   # so it divides those steps' gradients by the new scale and applies half of
   # them.
   dynamic = run(init_scale=128.0, scale_window=2)
-  before = [np.zeros(4, np.float32)] + [r.params[0] for r in dynamic[:-1]]
-  applied = [
-    b - r.params[0] for b, r in zip(before, dynamic)
-  ]  # SGD, lr 1: the applied gradient
+  before = zero + [r.params[0] for r in dynamic[:-1]]
+  # SGD, lr 1: the applied gradient
+  applied = [b - r.params[0] for b, r in zip(before, dynamic)]
   growth = [r.scale_after > r.scale_before for r in dynamic]
   assert growth == [False, False, True, False, True, False]
   for a, g in zip(applied, growth):

@@ -37,11 +37,8 @@ def _ds_reads(config):
   if stage == 0:
     lsc = ds_ls.LossScaleConfig(torch.float16, True, fp16.loss_scale, args)
     return "fp16_optimizer", lsc, clip
-  return (
-    "zero",
-    ds_ls.CreateLossScaler(torch.float16, fp16.loss_scale, True, args),
-    clip,
-  )
+  scaler = ds_ls.CreateLossScaler(torch.float16, fp16.loss_scale, True, args)
+  return "zero", scaler, clip
 
 
 def _trajectory(scaler, overflows):
@@ -68,28 +65,17 @@ def _ds_optimizer_trajectory(lsc, overflows):
   return out
 
 
+_FP16 = {
+  "enabled": True,
+  "initial_scale_power": 8,
+  "loss_scale_window": 3,
+  "hysteresis": 3,
+  "min_loss_scale": 4,
+}
 CONFIGS = [
   {"fp16": {"enabled": True}},
-  {
-    "fp16": {
-      "enabled": True,
-      "initial_scale_power": 8,
-      "loss_scale_window": 3,
-      "hysteresis": 3,
-      "min_loss_scale": 4,
-    },
-    "gradient_clipping": 0.5,
-  },
-  {
-    "fp16": {
-      "enabled": True,
-      "initial_scale_power": 8,
-      "loss_scale_window": 3,
-      "hysteresis": 3,
-      "min_loss_scale": 4,
-    },
-    "zero_optimization": {"stage": 2},
-  },
+  {"fp16": _FP16, "gradient_clipping": 0.5},
+  {"fp16": _FP16, "zero_optimization": {"stage": 2}},
   {
     "fp16": {
       "enabled": True,
@@ -156,25 +142,19 @@ def test_deepspeed_validation_errors(fp16, field):
     fs.from_deepspeed_config(config)  # ... and so do we, naming the field.
 
 
+_B, _M = "train_batch_size", "train_micro_batch_size_per_gpu"
+_G = "gradient_accumulation_steps"
 BATCHES = [
-  {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4},
-  {"train_batch_size": 32, "gradient_accumulation_steps": 4},
-  {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
-  {"train_batch_size": 16},
-  {"train_micro_batch_size_per_gpu": 4},
-  {
-    "train_batch_size": 24,
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 12,
-  },
-  {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3},
-  {
-    "train_batch_size": 8,
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 3,
-  },
-  {"train_batch_size": 8, "gradient_accumulation_steps": 0},
-  {"train_batch_size": 0, "train_micro_batch_size_per_gpu": 4},
+  {_B: 32, _M: 4},
+  {_B: 32, _G: 4},
+  {_M: 4, _G: 3},
+  {_B: 16},
+  {_M: 4},
+  {_B: 24, _M: 2, _G: 12},
+  {_B: 10, _M: 3},
+  {_B: 8, _M: 2, _G: 3},
+  {_B: 8, _G: 0},
+  {_B: 0, _M: 4},
 ]
 
 

@@ -41,13 +41,8 @@ def _replay(step, state, batches, scale_of):
   log = []
   for x, y in batches:
     _, *state = step(*state, x, y)
-    log.append(
-      (
-        float(scale_of(state[2])),
-        [np.asarray(a) for a in state[0]],
-        [np.asarray(a) for a in state[1]],
-      )
-    )
+    trainable, non_trainable = ([np.asarray(a) for a in s] for s in state[:2])
+    log.append((float(scale_of(state[2])), trainable, non_trainable))
   return log
 
 

@@ -16,7 +16,6 @@ state into the peer and back.
 """
 
 import dataclasses
-import inspect
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"  # before keras is first imported
@@ -133,12 +132,8 @@ def run_jmp(kw, mags, nans, start=None):
     finite = jmp.all_finite(grads)
     params = jmp.select_tree(finite, params - LR * grads, params)
     ls = ls.adjust(finite)
-    return (ls.loss_scale, ls.counter, params), (
-      scale,
-      ~finite,
-      ls.loss_scale,
-      params,
-    )
+    out = (scale, ~finite, ls.loss_scale, params)
+    return (ls.loss_scale, ls.counter, params), out
 
   carry = (
     jnp.asarray(start.loss_scale, jnp.float32),
@@ -369,11 +364,8 @@ def test_jmp_state_into_jmp_and_back():
   # The preset jmp's state holds: its configuration, its scale.
   expected = fs.jmp_scaler(**{**kw, "loss_scale": float(ls.loss_scale)})
   assert fs.scaler_from_state_dict(ls) == expected
-  both = [
-    run_fs(scaler, mags[23:], nans[23:], state),
-    run_jmp(kw, mags[23:], nans[23:], ls),
-  ]
-  (ours, (_, state)), (theirs, ls) = both
+  ours, (_, state) = run_fs(scaler, mags[23:], nans[23:], state)
+  theirs, ls = run_jmp(kw, mags[23:], nans[23:], ls)
   assert_same(ours[:3], theirs[:3], params=False)
   # And back: jmp's state after those steps into fp16_scaling, as an
   # object and as its fields.
@@ -412,15 +404,9 @@ def test_keras_state_into_keras_and_back():
   assert sd["growth_tracker"] == int(vs["step_counter"])
   for v, x in zip(keras_run.opt.variables, keras_run.values):
     v.assign(x)
-  assert (
-    fs.scaler_state_dict(
-      fs.load_scaler_state_dict(state, keras_run.opt, scaler)
-    )
-    == sd
-  )
-  expected = fs.keras_scaler(
-    initial_scale=float(vs["dynamic_scale"]), dynamic_growth_steps=7
-  )
+  from_opt = fs.load_scaler_state_dict(state, keras_run.opt, scaler)
+  assert fs.scaler_state_dict(from_opt) == sd
+  expected = fs.keras_scaler(**kw, initial_scale=float(vs["dynamic_scale"]))
   assert fs.scaler_from_state_dict(keras_run.opt) == expected
   again = run_fs(scaler, mags, nans, loaded)[0], keras_run.run(mags, nans)
   assert_same(again[0][:3], again[1][:3], params=False)
@@ -436,12 +422,7 @@ def test_a_float16_loss_scale_runs_in_float32():
   assert fs.jmp_scaler(loss_scale=jnp.float16(2**15)) == fs.jmp_scaler()
 
 
-def _params(fn, leave_out=()):
-  return {
-    name: p
-    for name, p in inspect.signature(fn).parameters.items()
-    if name not in ("self", *leave_out)
-  }
+_params = oracles.signature_params
 
 
 def test_presets_take_the_peers_names_and_defaults():

@@ -126,14 +126,12 @@ def test_value_and_grad_takes_a_jmp_policy_as_an_fs_policy():
     return jnp.mean(jnp.tanh(x.astype(p["w"].dtype) @ p["w"] + p["b"]) ** 2)
 
   spec = "p=f32,c=f16,o=f32"
-  results = [
-    jax.jit(
-      lambda p, s, x, policy=policy: fs.value_and_grad(loss, s, policy=policy)(
-        p, x
-      )
-    )(params, state, x)
-    for policy in (jmp.get_policy(spec), fs.get_policy(spec), spec)
-  ]
+
+  def run(policy):
+    grad = lambda p, s, x: fs.value_and_grad(loss, s, policy=policy)(p, x)
+    return jax.jit(grad)(params, state, x)
+
+  results = [run(p) for p in (jmp.get_policy(spec), fs.get_policy(spec), spec)]
   for value, grads in results[1:]:
     assert _bits(value) == _bits(results[0][0])
     assert _bits(grads) == _bits(results[0][1])

@@ -38,9 +38,8 @@ import fp16_scaling as fs
 oracles.require("torch")
 oracles.init_deepspeed()
 
-SCALE = (
-  2.0**10
-)  # the static loss scale of the chained run: the float16 casts stay finite
+# the static loss scale of the chained run: the float16 casts stay finite
+SCALE = 2.0**10
 # (expert leaf shapes, shared leaf shapes): a few leaves each, up to a few
 # hundred elements.
 STRUCTURES = [
@@ -62,24 +61,15 @@ def _gradient_set(structure, rng):
   expert_shapes, shared_shapes = STRUCTURES[structure]
   e = rng.uniform(-4, 1)
   m_expert, m_shared = 10**e, 10 ** rng.uniform(max(-4, e - 1), min(1, e + 1))
-  return (
-    [
-      (rng.standard_normal(s) * m_expert).astype(np.float32)
-      for s in expert_shapes
-    ],
-    [
-      (rng.standard_normal(s) * m_shared).astype(np.float32)
-      for s in shared_shapes
-    ],
+  return tuple(
+    [(rng.standard_normal(s) * m).astype(np.float32) for s in shapes]
+    for m, shapes in ((m_expert, expert_shapes), (m_shared, shared_shapes))
   )
 
 
 def _mask(structure):
-  expert_shapes, shared_shapes = STRUCTURES[structure]
-  return {
-    "experts": [True] * len(expert_shapes),
-    "shared": [False] * len(shared_shapes),
-  }
+  expert, shared = STRUCTURES[structure]
+  return {"experts": [True] * len(expert), "shared": [False] * len(shared)}
 
 
 def _tree(expert, shared):
@@ -126,16 +116,13 @@ def test_norm_with_expert_groups_matches_deepspeed(structure, draw):
   expert, shared = _gradient_set(structure, rng)
   state = _clip_alone(structure, expert, shared)
   expert_only = oracles.ds_moe_norm(expert, [])
+  both = oracles.ds_moe_norm(expert, shared)
   # Both groups count: leaving either out would move the norm by far more than
   # NORM_RTOL.
-  assert 0.02 < expert_only / oracles.ds_moe_norm(expert, shared) < 1 - 1e-4
+  assert 0.02 < expert_only / both < 1 - 1e-4
+  np.testing.assert_allclose(float(state.grad_norm), both, rtol=NORM_RTOL)
   np.testing.assert_allclose(
-    float(state.grad_norm), oracles.ds_moe_norm(expert, shared), rtol=NORM_RTOL
-  )
-  np.testing.assert_allclose(
-    float(state.expert_grad_norm),
-    oracles.ds_moe_norm(expert, []),
-    rtol=NORM_RTOL,
+    float(state.expert_grad_norm), expert_only, rtol=NORM_RTOL
   )
 
 
@@ -173,9 +160,7 @@ def test_non_finite_expert_gradient():
   expert[1].reshape(-1)[3] = np.inf
   assert oracles.ds_moe_norm(expert, shared) == -1.0
   metrics = _chained(
-    0,
-    [g.astype(np.float16) for g in expert],
-    [g.astype(np.float16) for g in shared],
+    0, *([g.astype(np.float16) for g in gs] for gs in (expert, shared))
   )
   assert bool(metrics["overflow"])
   assert float(metrics["grad_norm"]) == 0.0

@@ -52,12 +52,8 @@ def mse(params, x, y):
 
 
 def run_ours(x, y, params):
-  tx = fs.chain(
-    fs.fp16_loss_scale(
-      fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=2)
-    ),
-    optax.adam(LR),
-  )
+  scaler = fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=2)
+  tx = fs.chain(fs.fp16_loss_scale(scaler), optax.adam(LR))
   mesh = Mesh(np.array(jax.devices()[:WORLD]), ("data",))
 
   @jax.jit
@@ -90,10 +86,6 @@ def _tree(hidden, out):
   return {"hidden": {"kernel": hidden}, "out": {"kernel": out}}
 
 
-def _mse32(params, x, y):
-  return jnp.mean((fb._pred(params, x) - y) ** 2)
-
-
 def _assert_within_the_fp16_bound(x, y, params, ours, theirs):
   """The weights within tests/peers/fp16_bounds.py's bound, step by step:
   each rank's float16 backward and XLA's make gradients that differ by at
@@ -114,13 +106,10 @@ def _assert_within_the_fp16_bound(x, y, params, ours, theirs):
     if t == BAD:
       bound = d  # both skipped: neither moved
     else:
-      losses = [((1.0,), x[t], y[t])]
-      eps = 6 * 2.0**-10 * fb.flat(fb.abs_grad([mine], losses))
       scale = INIT_SCALE if t == 0 else ours["scale"][t - 1]
-      # A subnormal float16 rounding: 2**-25 absolute, scaled, over 8 rows.
-      eps += 6 * 8 * float(np.abs(x[t]).max()) * 2.0**-25 / scale
-      g = fb.flat(jax.grad(_mse32)(mine, x[t], y[t]))
-      hess = fb.abs_hessian([mine], losses)
+      # R = 6; a subnormal float16 rounding: 2**-25 absolute, scaled, over 8
+      # rows.
+      eps, hess, g = fb.mlp_bounds(mine, x[t], y[t], 6, scale)
       steps.append((d, eps, hess, fb.flat(at(ours, t)), g))
       bound = fb.adam_step_bounds(steps, LR)[-1]
       medians.append(np.median(bound))
@@ -146,6 +135,5 @@ def test_shard_map_port_matches_torch_ddp(tmp_path):
     # The skipped step kept torch's weights as ours: every bit.
     np.testing.assert_array_equal(theirs[k][BAD], theirs[k][BAD - 1])
   # The scale grew and backed off on the way.
-  assert max(ours["scale"]) > INIT_SCALE and min(ours["scale"]) < max(
-    ours["scale"]
-  )
+  scales = ours["scale"]
+  assert max(scales) > INIT_SCALE and min(scales) < max(scales)

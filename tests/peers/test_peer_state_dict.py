@@ -20,6 +20,8 @@ import fp16_scaling as fs
 N, M, RATE = 20, 40, 0.3
 W = 3  # growth interval: several growths in M steps
 
+_FACTORS = dict(init_scale=2.0**10, growth_factor=1.5, backoff_factor=0.25)
+_MEGATRON = dict(initial_scale=2.0**10, min_scale=4.0, hysteresis=2)
 CASES = {
   "torch": (
     "torch",
@@ -30,29 +32,15 @@ CASES = {
   ),
   "torch_factors": (
     "torch",
-    lambda: peers.TorchGradScaler(
-      init_scale=2.0**10, growth_factor=1.5, backoff_factor=0.25, interval=2
-    ),
-    fs.torch_scaler(
-      init_scale=2.0**10,
-      growth_factor=1.5,
-      backoff_factor=0.25,
-      growth_interval=2,
-    ),
+    lambda: peers.TorchGradScaler(**_FACTORS, interval=2),
+    fs.torch_scaler(**_FACTORS, growth_interval=2),
   ),
   "megatron": (
     "megatron",
     lambda: peers.MegatronGradScaler(
-      initial_scale=2.0**10,
-      min_scale=4.0,
-      growth_factor=2.0,
-      backoff_factor=0.5,
-      growth_interval=W,
-      hysteresis=2,
+      **_MEGATRON, growth_interval=W, growth_factor=2.0, backoff_factor=0.5
     ),
-    fs.megatron_scaler(
-      initial_scale=2.0**10, min_scale=4.0, growth_interval=W, hysteresis=2
-    ),
+    fs.megatron_scaler(**_MEGATRON, growth_interval=W),
   ),
 }
 # DeepSpeed's ZeRO loss scaler, with and without consecutive hysteresis.
@@ -71,23 +59,20 @@ for _consecutive in (False, True):
     ),
     fs.deepspeed_scaler(**_ZERO, consecutive_hysteresis=_consecutive),
   )
+# What from_deepspeed_config builds for stage 0 (0.19.8).
+_STAGE0 = {
+  "enabled": True,
+  "initial_scale_power": 10,
+  "loss_scale_window": W,
+  "min_loss_scale": 4,
+}
 for _fused in (True, False):
   CASES["deepspeed_" + ("fused" if _fused else "unfused")] = (
     "deepspeed",
     lambda fused=_fused: peers.DeepSpeedFP16Optimizer(
       fused=fused, init_scale=2.0**10, scale_window=W, min_scale=4.0
     ),
-    # What from_deepspeed_config builds for stage 0 (0.19.8).
-    fs.from_deepspeed_config(
-      {
-        "fp16": {
-          "enabled": True,
-          "initial_scale_power": 10,
-          "loss_scale_window": W,
-          "min_loss_scale": 4,
-        }
-      }
-    ).scaler,
+    fs.from_deepspeed_config({"fp16": _STAGE0}).scaler,
   )
 
 _TX = {}
@@ -170,9 +155,8 @@ def test_peer_to_fp16_scaling(name, cut, seed):
   for f in flags[:N]:
     peer.step(bool(f))
   tx, _ = ours(scaler)
-  state = fs.load_scaler_state_dict(
-    tx.init(jnp.zeros(2)), peer.state_dict(), scaler
-  )
+  start = tx.init(jnp.zeros(2))
+  state = fs.load_scaler_state_dict(start, peer.state_dict(), scaler)
   assert float(fs.current_scale(state)) == peer.scale
   check_together(name, peer, state, flags[N:])
 
@@ -197,24 +181,9 @@ def test_deepspeed_after_0198_stage0_checkpoint(seed):
   DynamicLossScaler does and saves it in its state_dict. The installed
   0.19.8 cannot run that optimizer, so DynamicLossScaler is the oracle and
   its attributes are written in the optimizer's state_dict format."""
-  config = {
-    "fp16": {
-      "enabled": True,
-      "initial_scale_power": 10,
-      "loss_scale_window": W,
-      "min_loss_scale": 4,
-      "hysteresis": 2,
-    }
-  }
+  config = {"fp16": dict(_STAGE0, hysteresis=2)}
   scaler = fs.from_deepspeed_config(config, stage0_hysteresis=True).scaler
-  peer = peers.DeepSpeedLossScaler(
-    init_scale=2.0**10,
-    scale_window=W,
-    min_scale=4.0,
-    delayed_shift=2,
-    consecutive_hysteresis=False,
-    raise_error_at_min_scale=False,
-  )
+  peer = peers.DeepSpeedLossScaler(**_ZERO, consecutive_hysteresis=False)
   flags = np.random.default_rng([seed, 3]).random(N + M) < RATE
   flags[N - 2 : N] = [True, False]  # hysteresis spent or refilled at the cut
   for f in flags[:N]:
@@ -232,7 +201,5 @@ def test_deepspeed_after_0198_stage0_checkpoint(seed):
     peer.step(bool(f))
     state = step(state, jnp.bool_(f))
     assert float(fs.current_scale(state)) == peer.scale
-    assert (
-      fs.scaler_state_dict(state)["hysteresis_left"]
-      == peer.scaler.cur_hysteresis - 1
-    )
+    left = fs.scaler_state_dict(state)["hysteresis_left"]
+    assert left == peer.scaler.cur_hysteresis - 1

@@ -19,7 +19,6 @@ each bound (asserted below).
 
 import docs_snippets
 import fp16_bounds as fb
-import jax
 import numpy as np
 import oracles
 import pytest
@@ -52,15 +51,8 @@ def test_the_page_runs(page):
 
 def torch_net(params):
   """The page's MLP in torch, with the same weights (torch's layout)."""
-  net = torch.nn.Sequential(
-    torch.nn.Linear(8, 32, bias=False),
-    torch.nn.ReLU(),
-    torch.nn.Linear(32, 1, bias=False),
-  )
-  with torch.no_grad():
-    for layer, name in ((net[0], "hidden"), (net[2], "out")):
-      layer.weight.copy_(torch.tensor(np.asarray(params[name]["kernel"]).T))
-  return net
+  kernels = (params[name]["kernel"] for name in ("hidden", "out"))
+  return oracles.torch_mlp(torch, *kernels)
 
 
 def torch_batch(page, i, bad=False):
@@ -89,30 +81,30 @@ def assert_within(net, params, bound):
 def one_net_bounds(page, params, i, bad, rounds, scale):
   """eps, the |Hessian| bound, and the float32 gradient, flat, of the
   page's mse at ``params`` on batch ``i``."""
-  x, y = page["batch"](i, bad)
-  losses = [((1.0,), x, y)]
-  eps = rounds * 2.0**-10 * fb.flat(fb.abs_grad([params], losses))
-  # A subnormal float16 result's rounding is absolute: at most 2**-25 in
-  # the scaled gradient; 8 rows of |x| carry it into dW.
-  eps += rounds * 8 * float(np.abs(x).max()) * 2.0**-25 / scale
-  g = jax.grad(_mse32)(params, x, y)
-  return eps, fb.abs_hessian([params], losses), fb.flat(g)
-
-
-def _mse32(params, x, y):
-  return ((fb._pred(params, x) - y) ** 2).mean()
+  return fb.mlp_bounds(params, *page["batch"](i, bad), rounds, scale)
 
 
 def before(run, params0, i):
   return params0 if i == 0 else run[i - 1][0]
 
 
+def one_net(page, key, optimizer):
+  """The page's run ``key``, params0, torch's net, optimizer and scaler."""
+  run, p0 = page[key], page["params0"]
+  net = torch_net(p0)
+  scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
+  return run, p0, net, optimizer(net.parameters(), lr=1e-2), scaler
+
+
+def bounds_before(page, run, p0, i):
+  """one_net_bounds of clean step ``i`` at its start's params and scale."""
+  scale = float(run[i - 1][1]["loss_scale"]) if i else 2.0**10
+  return one_net_bounds(page, before(run, p0, i), i, False, R_MLP, scale)
+
+
 def test_typical(page):
   # torch: scaler.scale(loss).backward(); scaler.step; scaler.update.
-  run, p0 = page["amp_run"], page["params0"]
-  net = torch_net(p0)
-  optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
-  scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
+  run, p0, net, optimizer, scaler = one_net(page, "amp_run", torch.optim.Adam)
   steps, bounds = [], []
   for i, (params, m) in enumerate(run):
     d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
@@ -122,10 +114,7 @@ def test_typical(page):
     scaler.update()
     assert scaler.get_scale() == float(m["loss_scale"])
     if i != 3:  # the skipped step: neither moves
-      scale = float(run[i - 1][1]["loss_scale"]) if i else 2.0**10
-      eps, hess, g = one_net_bounds(
-        page, before(run, p0, i), i, False, R_MLP, scale
-      )
+      eps, hess, g = bounds_before(page, run, p0, i)
       steps.append((d, eps, hess, fb.flat(params), g))
       bounds = fb.adam_step_bounds(steps, 1e-2)
     else:
@@ -139,10 +128,7 @@ def test_typical(page):
 
 def test_clipping(page):
   # torch: scaler.unscale_(optimizer); clip_grad_norm_(..., 1.0).
-  run, p0 = page["clip_run"], page["params0"]
-  net = torch_net(p0)
-  optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
-  scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
+  run, p0, net, optimizer, scaler = one_net(page, "clip_run", torch.optim.SGD)
   for i, (params, m) in enumerate(run):
     d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
     optimizer.zero_grad()
@@ -155,10 +141,7 @@ def test_clipping(page):
     if i == 3:
       assert not np.isfinite(norm.item())
     else:
-      scale = float(run[i - 1][1]["loss_scale"]) if i else 2.0**10
-      eps, hess, g = one_net_bounds(
-        page, before(run, p0, i), i, False, R_MLP, scale
-      )
+      eps, hess, g = bounds_before(page, run, p0, i)
       e = eps + hess @ d  # each run's gradient at its own parameters
       e2 = float(np.linalg.norm(e))
       # |norm' - norm| <= |g' - g|_2 <= |e|_2, and the float32 sums of
@@ -178,19 +161,11 @@ def test_clipping(page):
 
 def test_accumulation(page):
   # torch: loss / iters_to_accumulate; step and update once a window.
-  run, p0 = page["accum_run"], page["params0"]
-  net = torch_net(p0)
-  optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
-  scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
+  run, p0, net, optimizer, scaler = one_net(page, "accum_run", torch.optim.SGD)
   iters_to_accumulate = 4
   # The 1st window, all at params0 (torch's backward at 2**10 / 4).
-  eps = (
-    sum(
-      one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4)[0]
-      for i in range(4)
-    )
-    / 4
-  )
+  bound = lambda i: one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4)[0]
+  eps = sum(bound(i) for i in range(4)) / 4
   # The float32 mean of 4 and the update: a few float32 roundings.
   d = 1e-2 * eps + 2 * fb.F32 * np.abs(fb.flat(run[3][0]))
   checked = 0
@@ -212,10 +187,7 @@ def test_accumulation(page):
 def test_gradient_penalty(page):
   # torch: autograd.grad(scaled loss, create_graph=True), unscale by hand,
   # add the gradients' norm, backward of the scaled sum.
-  run, p0 = page["pen_run"], page["params0"]
-  net = torch_net(p0)
-  optimizer = torch.optim.SGD(net.parameters(), lr=1e-2)
-  scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
+  run, p0, net, optimizer, scaler = one_net(page, "pen_run", torch.optim.SGD)
   for i, (params, m) in enumerate(run):
     d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
     optimizer.zero_grad()
@@ -232,9 +204,7 @@ def test_gradient_penalty(page):
     scaler.update()
     assert scaler.get_scale() == float(m["loss_scale"])
     if i != 3:
-      scale = float(run[i - 1][1]["loss_scale"]) if i else 2.0**10
-      p = before(run, p0, i)
-      eps, hess, g = one_net_bounds(page, p, i, False, R_MLP, scale)
+      eps, hess, g = bounds_before(page, run, p0, i)
       # The penalty's gradient H g / |g|: its terms are bounded by
       # H_abs @ G / |g| (G the absolute gradient); R_PEN roundings of it.
       big_g = eps / R_MLP * 2.0**10
@@ -279,28 +249,36 @@ def two_net_bounds(page, p0, p1, losses, scale, which=(0, 1)):
   return np.concatenate(eps), fb.abs_hessian([p0, p1], data)
 
 
+def _flat2(p0, p1):
+  return np.concatenate([fb.flat(p0), fb.flat(p1)])
+
+
 def _two_flat(net0, net1):
-  return np.concatenate([fb.flat(weights(net0)), fb.flat(weights(net1))])
+  return _flat2(weights(net0), weights(net1))
 
 
 def _check_two(nets, r, d):
-  diff = np.abs(
-    _two_flat(*nets) - np.concatenate([fb.flat(r[0]), fb.flat(r[1])])
-  )
+  diff = np.abs(_two_flat(*nets) - _flat2(r[0], r[1]))
   assert (diff <= d).all(), (diff.max(), d[diff.argmax()])
+
+
+def two_nets(page):
+  """torch's two nets (params0, params1), their SGDs and one GradScaler."""
+  nets = torch_net(page["params0"]), torch_net(page["params1"])
+  opt0, opt1 = (torch.optim.SGD(n.parameters(), lr=1e-3) for n in nets)
+  shared_args = dict(init_scale=2.0**6, growth_interval=2)
+  return nets, opt0, opt1, torch.amp.GradScaler("cpu", **shared_args)
 
 
 def test_two_models_one_scaler(page):
   # torch: two backward passes, scaler.step(opt0), scaler.step(opt1), one
   # scaler.update().
   two, p0, p1 = page["two"], page["params0"], page["params1"]
-  shared_args = dict(init_scale=2.0**6, growth_interval=2)
-  nets = torch_net(p0), torch_net(p1)
-  opt0, opt1 = (torch.optim.SGD(n.parameters(), lr=1e-3) for n in nets)
-  scaler = torch.amp.GradScaler("cpu", **shared_args)
+  nets, opt0, opt1, scaler = two_nets(page)
+  current = page["fs"].current_scale
   for i, r in enumerate(two):
     q0, q1 = (p0, p1) if i == 0 else two[i - 1][:2]
-    d = np.abs(_two_flat(*nets) - np.concatenate([fb.flat(q0), fb.flat(q1)]))
+    d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
     opt0.zero_grad()
     opt1.zero_grad()
     loss0, loss1 = torch_losses(page, nets, i, bad=i == 2)
@@ -309,15 +287,13 @@ def test_two_models_one_scaler(page):
     scaler.step(opt0)
     scaler.step(opt1)
     scaler.update()
-    assert scaler.get_scale() == float(page["fs"].current_scale(r[2]))
+    assert scaler.get_scale() == float(current(r[2]))
     if i != 2:
-      scale = (
-        2.0**6 if i == 0 else float(page["fs"].current_scale(two[i - 1][2]))
-      )
+      scale = 2.0**6 if i == 0 else float(current(two[i - 1][2]))
       losses = [((2.0, 3.0), i, False), ((3.0, -5.0), i, False)]
       eps, hess = two_net_bounds(page, q0, q1, losses, scale, (None, None))
       d = d + 1e-3 * (eps + hess @ d)
-      d = d + fb.F32 * np.abs(np.concatenate([fb.flat(r[0]), fb.flat(r[1])]))
+      d = d + fb.F32 * np.abs(_flat2(r[0], r[1]))
     _check_two(nets, r, d)
   step = np.abs(fb.flat(two[1][0]) - fb.flat(two[0][0])).max()
   assert d.max() < step  # below one step's move
@@ -327,14 +303,11 @@ def test_gan_order(page):
   # The 2nd loss after the 1st optimizer stepped; model 1's gradients
   # zeroed before its backward, as fake.detach() does.
   gan, p0, p1 = page["gan"], page["params0"], page["params1"]
-  shared_args = dict(init_scale=2.0**6, growth_interval=2)
-  nets = torch_net(p0), torch_net(p1)
-  opt0, opt1 = (torch.optim.SGD(n.parameters(), lr=1e-3) for n in nets)
-  scaler = torch.amp.GradScaler("cpu", **shared_args)
+  nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(gan):
     q0, q1 = (p0, p1) if i == 0 else gan[i - 1][:2]
-    d = np.abs(_two_flat(*nets) - np.concatenate([fb.flat(q0), fb.flat(q1)]))
+    d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
     opt0.zero_grad()
     opt1.zero_grad()
     scaler.scale(torch_losses(page, nets, i)[0]).backward()
@@ -357,7 +330,7 @@ def test_gan_order(page):
       eps[half:] = 0.0
       hess[half:] = 0.0  # model 1 does not move
     d = d + 1e-3 * (eps + hess @ d)
-    d = d + fb.F32 * np.abs(np.concatenate([fb.flat(r[0]), fb.flat(r[1])]))
+    d = d + fb.F32 * np.abs(_flat2(r[0], r[1]))
     _check_two(nets, r, d)
   step = np.abs(fb.flat(gan[1][0]) - fb.flat(gan[0][0])).max()
   assert d.max() < step  # below one step's move

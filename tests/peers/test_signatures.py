@@ -2,8 +2,6 @@
 torch_scaler its peer's defaults, as docs/peers.md says.
 (flax_scaler's are checked in tests/test_flax.py.)"""
 
-import inspect
-
 import oracles
 import pytest
 
@@ -14,13 +12,7 @@ oracles.init_deepspeed()
 grad_scaler = oracles.require("megatron.core.optimizer.grad_scaler")
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
 
-
-def _params(fn, leave_out=()):
-  return {
-    name: p
-    for name, p in inspect.signature(fn).parameters.items()
-    if name not in ("self", *leave_out)
-  }
+_params = oracles.signature_params
 
 
 @pytest.mark.parametrize(

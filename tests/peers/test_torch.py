@@ -67,6 +67,8 @@ PARAM_RTOL_OF_MAX = 1e-6
 # per-tensor norms and the division by the scale add at most 10 roundings.
 # The two frameworks: within (N + 10) * 2**-24, N = 228 elements: 1.4e-5.
 NORM_RTOL = (sum(int(np.prod(s)) for s in SHAPES) + 10) * 2.0**-24
+# What torch's Adam, its clip and the bounds take.
+ADAM = dict(lr=LR, betas=BETAS, eps=EPS, max_norm=MAX_NORM)
 
 SCALERS = {
   # GradScaler's defaults but a short interval, so that the scale moves.
@@ -118,10 +120,7 @@ def replay_args(optimizer, params0, records, scaler, max_norm, *, follow_peer):
     fs.fp16_loss_scale(scaler), fs.clip_by_unscaled_norm(max_norm), inner
   )
   params = [jnp.asarray(p) for p in params0]
-  grads = [
-    jnp.asarray(np.stack([r.grads[i] for r in records]))
-    for i in range(len(params0))
-  ]
+  grads = [jnp.asarray(np.stack(g)) for g in zip(*(r.grads for r in records))]
   assert all(g.dtype == jnp.float32 for g in grads)
   peer_before = [
     jnp.asarray(np.stack([p] + [r.params[i] for r in records[:-1]]))
@@ -151,31 +150,15 @@ def runs():
       )
       params0 = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
       seq, bad_steps = _gradient_sequence(rng)
-      decay = (
-        dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
-        if optimizer == "adamw"
-        else {}
-      )
-      records = oracles.run_torch_amp(
-        params0,
-        seq,
-        lr=LR,
-        max_norm=MAX_NORM,
-        betas=BETAS,
-        eps=EPS,
-        **cfg,
-        **decay,
-      )
+      decay = dict(weight_decay=WEIGHT_DECAY, decoupled_weight_decay=True)
+      decay = decay if optimizer == "adamw" else {}
+      records = oracles.run_torch_amp(params0, seq, **ADAM, **cfg, **decay)
       keys.append((case, scaling))
       peer.append((records, bad_steps, params0))
+      scaler = fs.torch_scaler(**cfg)
       args.append(
         replay_args(
-          optimizer,
-          params0,
-          records,
-          fs.torch_scaler(**cfg),
-          MAX_NORM,
-          follow_peer=follow_peer,
+          optimizer, params0, records, scaler, MAX_NORM, follow_peer=follow_peer
         )
       )
   ours = oracles.scan_steps_each(args)
@@ -195,10 +178,7 @@ def test_whole_steps_match_torch_amp(case, scaling, runs):
   bounds = float32_bounds.adam_param_bounds(
     records,
     params0,
-    lr=LR,
-    betas=BETAS,
-    eps=EPS,
-    max_norm=MAX_NORM,
+    **ADAM,
     norm_rtol=NORM_RTOL,
     weight_decay=WEIGHT_DECAY if optimizer == "adamw" else 0.0,
     follow_peer=CASES[case][1],
@@ -216,9 +196,8 @@ def test_whole_steps_match_torch_amp(case, scaling, runs):
   largest = max(float(np.abs(p).max()) for p in params0)
   assert max(float(b.max()) for b in bounds) < 1.5e-4 / 2 * largest
 
-  binds = (
-    MAX_NORM / (peer_norm + 1e-6) < 1
-  )  # clip_grad_norm_'s coefficient, clamped at 1
+  # clip_grad_norm_'s coefficient, clamped at 1
+  binds = MAX_NORM / (peer_norm + 1e-6) < 1
   counts = dict(
     skipped=int(skipped.sum()),
     clip_binds=int((binds & ~skipped).sum()),
@@ -227,8 +206,5 @@ def test_whole_steps_match_torch_amp(case, scaling, runs):
   )
   print(f"\n{optimizer} {scaling}: {STEPS} steps, {counts}")
   assert list(np.flatnonzero(skipped)) == bad_steps and len(bad_steps) >= 10
-  assert (
-    counts["clip_binds"] >= 50
-    and counts["clip_free"] >= 50
-    and counts["growths"] >= 10
-  )
+  assert counts["clip_binds"] >= 50 and counts["clip_free"] >= 50
+  assert counts["growths"] >= 10

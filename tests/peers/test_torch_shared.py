@@ -40,6 +40,7 @@ torch = oracles.require("torch")
 STEPS = 300
 BATCH = 8
 INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 3
+SCALER_ARGS = dict(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 # float32 values (see test_torch.py): optax and torch then form Adam's bias
 # corrections alike.
 SGD_LR, MOMENTUM = 2.0**-5, 0.5
@@ -64,9 +65,8 @@ def _optimizers_torch(params0, params1):
 
 
 def _optimizers_optax():
-  return optax.sgd(SGD_LR, momentum=MOMENTUM), optax.adam(
-    ADAM_LR, b1=BETAS[0], b2=BETAS[1], eps=EPS
-  )
+  adam = optax.adam(ADAM_LR, b1=BETAS[0], b2=BETAS[1], eps=EPS)
+  return optax.sgd(SGD_LR, momentum=MOMENTUM), adam
 
 
 class Case:
@@ -120,15 +120,16 @@ def _inject(model, case, i, t):
     param.grad.view(-1)[index] = float(value)
 
 
+_LEAVES = ("weight", "bias")
+
+
 def run_torch(case):
   """The AMP examples page's recipe for ``case``; per step the scale and
   growth tracker after ``scaler.update()``, whether each model's parameters
   stayed unchanged, and the parameters."""
   models = [_linear(p) for p in case.params]
   opts = _optimizers_torch(models[0].parameters(), models[1].parameters())
-  scaler = torch.amp.GradScaler(
-    "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
-  )
+  scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
   mse = torch.nn.MSELoss()
   out = dict(scale=[], tracker=[], skipped=[], params=[])
   for t in range(STEPS):
@@ -148,34 +149,22 @@ def run_torch(case):
       scaler.step(opts[1])
     else:  # GAN order: D = models[0], G = models[1]
       d, g = models
-      loss_d = mse(d(y), torch.ones(BATCH, 1)) + mse(
-        d(g(x).detach()), torch.zeros(BATCH, 1)
-      )
+      ones, zeros = torch.ones(BATCH, 1), torch.zeros(BATCH, 1)
+      loss_d = mse(d(y), ones) + mse(d(g(x).detach()), zeros)
       scaler.scale(loss_d).backward()
       _inject(d, case, 0, t)
       scaler.step(opts[0])
-      loss_g = mse(d(g(x)), torch.ones(BATCH, 1))  # through the updated D
+      loss_g = mse(d(g(x)), ones)  # through the updated D
       scaler.scale(loss_g).backward()
       _inject(g, case, 1, t)
       scaler.step(opts[1])
     scaler.update()
     out["scale"].append(scaler.get_scale())
     out["tracker"].append(scaler.state_dict()["_growth_tracker"])
-    out["skipped"].append(
-      [
-        all(torch.equal(a, b) for a, b in zip(old, m.parameters()))
-        for old, m in zip(before, models)
-      ]
-    )
-    out["params"].append(
-      [
-        {
-          "weight": m.weight.detach().numpy().copy(),
-          "bias": m.bias.detach().numpy().copy(),
-        }
-        for m in models
-      ]
-    )
+    kept = lambda old, m: all(map(torch.equal, old, m.parameters()))
+    out["skipped"].append([kept(old, m) for old, m in zip(before, models)])
+    numpy = lambda m, k: getattr(m, k).detach().numpy().copy()
+    out["params"].append([{k: numpy(m, k) for k in _LEAVES} for m in models])
   return out
 
 
@@ -221,12 +210,8 @@ def _injected(grads, bad, where):
 def run_ours(case_names):
   """Every case's fp16_scaling run, one ``lax.scan`` each in one jit."""
   cases = [Case(n) for n in case_names]
-  scaler = fs.torch_scaler(
-    init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL
-  )
-  txs = [
-    fs.chain(fs.fp16_loss_scale(scaler), opt) for opt in _optimizers_optax()
-  ]
+  scaler = fs.torch_scaler(**SCALER_ARGS)
+  txs = [fs.chain(fs.fp16_loss_scale(scaler), o) for o in _optimizers_optax()]
 
   def run_one(name, params, xs):
     def body(carry, x):

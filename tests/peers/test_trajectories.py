@@ -42,6 +42,7 @@ differ:
 Seeds are fixed; set ``FP16_SCALING_PEER_SEED`` to draw another set.
 """
 
+import functools
 import math
 
 from helpers import F32_MAX
@@ -59,9 +60,8 @@ oracles.init_deepspeed()
 grad_scaler = oracles.require("megatron.core.optimizer.grad_scaler")
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
 
-CONFIGS = (
-  16  # per preset; one jit per preset compiles them all (about 0.3 s each)
-)
+# per preset; one jit per preset compiles them all (about 0.3 s each)
+CONFIGS = 16
 SEQUENCES = 13  # per configuration: 208 sequences per preset
 STEPS = 2000
 
@@ -105,17 +105,14 @@ def _floor(rng, init):
   return _f32(min(init, low * int(rng.integers(65, 128)) / 64))
 
 
-def _overflows(rng, make_peer, init, sequences=SEQUENCES, steps=STEPS):
-  """SEQUENCES overflow sequences for one configuration (see
-  :func:`_overflows_and_scales`)."""
-  return _overflows_and_scales(rng, make_peer, init, sequences, steps)[0]
+def _init(cfg):
+  """A configuration's initial scale (Megatron names it initial_scale)."""
+  return _f32(cfg.get("init_scale", cfg.get("initial_scale")))
 
 
-def _overflows_and_scales(
-  rng, make_peer, init, sequences=SEQUENCES, steps=STEPS
-):
-  """SEQUENCES overflow sequences for one configuration, as a training run
-  would see them, and the peer's scale after each of their steps.
+def _overflows_and_scales(rng, peer, cfg, sequences=SEQUENCES, steps=STEPS):
+  """SEQUENCES overflow sequences for configuration ``cfg``, as a training run
+  would see them, and the scale after each of their steps of ``peer(cfg)``.
 
   A step overflows when a NaN strikes (probability ``p``, drawn per sequence
   log-uniform in [0.001, 0.5]) or when the scale the peer holds for it exceeds
@@ -129,6 +126,7 @@ def _overflows_and_scales(
   its own code's trajectory on that sequence: the comparison reads them
   rather than running the peer over the sequence a second time.
   """
+  init = _init(cfg)
   out = np.zeros((sequences, steps), bool)
   scales = np.zeros((sequences, steps), np.float64)
   for j in range(sequences):
@@ -139,7 +137,7 @@ def _overflows_and_scales(
       + rng.uniform(-8, 24)
       + rng.uniform(0, 3) * rng.standard_normal(steps)
     )
-    step, scale = make_peer(), init
+    step, scale = peer(cfg), init
     for t in range(steps):
       out[j, t] = nan[t] or (scale > 0 and math.log2(scale) > ceiling[t])
       scale = scales[j, t] = step(out[j, t])
@@ -147,19 +145,16 @@ def _overflows_and_scales(
 
 
 def _deepspeed_configs(rng):
-  out = []
-  for _ in range(CONFIGS):
-    init = _scale(rng, 0, 32)
-    out.append(
-      dict(
-        init_scale=init,
-        scale_window=_interval(rng),
-        min_scale=_floor(rng, init),
-        delayed_shift=int(rng.integers(1, 5)),
-        consecutive_hysteresis=bool(rng.integers(2)),
-      )
+  return [
+    dict(
+      init_scale=(init := _scale(rng, 0, 32)),
+      scale_window=_interval(rng),
+      min_scale=_floor(rng, init),
+      delayed_shift=int(rng.integers(1, 5)),
+      consecutive_hysteresis=bool(rng.integers(2)),
     )
-  return out
+    for _ in range(CONFIGS)
+  ]
 
 
 def _torch_configs(rng):
@@ -175,60 +170,22 @@ def _torch_configs(rng):
 
 
 def _megatron_configs(rng):
-  out = []
-  for _ in range(CONFIGS):
-    init = _scale(rng, 0, 40)
-    out.append(
-      dict(
-        initial_scale=init,
-        min_scale=_floor(rng, init),
-        growth_factor=_f32(int(rng.integers(65, 257)) / 64),
-        backoff_factor=_f32(int(rng.integers(8, 64)) / 64),
-        growth_interval=_interval(rng),
-        hysteresis=int(rng.integers(1, 5)),
-      )
+  return [
+    dict(
+      initial_scale=(init := _scale(rng, 0, 40)),
+      min_scale=_floor(rng, init),
+      growth_factor=_f32(int(rng.integers(65, 257)) / 64),
+      backoff_factor=_f32(int(rng.integers(8, 64)) / 64),
+      growth_interval=_interval(rng),
+      hysteresis=int(rng.integers(1, 5)),
     )
-  return out
+    for _ in range(CONFIGS)
+  ]
 
 
-def _deepspeed_peer(cfg):
-  scaler = DynamicLossScaler(**cfg, raise_error_at_min_scale=False)
-
-  def step(overflow):
-    scaler.update_scale(bool(overflow))
-    return scaler.cur_scale
-
-  return step
-
-
-def _torch_peer(cfg):
-  scale = torch.full((), cfg["init_scale"], dtype=torch.float32)
-  tracker = torch.zeros((), dtype=torch.int32)
-  found_inf = (torch.zeros(()), torch.ones(()))
-
-  def step(overflow):
-    torch._amp_update_scale_(
-      scale,
-      tracker,
-      found_inf[bool(overflow)],
-      cfg["growth_factor"],
-      cfg["backoff_factor"],
-      cfg["growth_interval"],
-    )
-    return scale.item()
-
-  return step
-
-
-def _megatron_peer(cfg):
-  with oracles._torch_tensor_on_cpu(torch):
-    scaler = grad_scaler.DynamicGradScaler(**cfg)
-
-  def step(overflow):
-    scaler.update(bool(overflow))
-    return scaler.scale.item()
-
-  return step
+_deepspeed_peer = oracles.ds_loss_scaler_step
+_torch_peer = oracles.torch_update_step
+_megatron_peer = oracles.megatron_scaler_step
 
 
 # ------------------------------------------------------------------------------
@@ -256,12 +213,8 @@ class _ClampedDynamicLossScaler(DynamicLossScaler):
 
 
 def _deepspeed_clamped(overflows, cfg):
-  scaler = _ClampedDynamicLossScaler(**cfg, raise_error_at_min_scale=False)
-  out = []
-  for overflow in overflows:
-    scaler.update_scale(bool(overflow))
-    out.append(float(scaler.cur_scale))
-  return out
+  step = oracles.ds_loss_scaler_step(cfg, _ClampedDynamicLossScaler)
+  return oracles.steps(step, overflows)
 
 
 def _deepspeed_raises(overflows, cfg):
@@ -274,12 +227,8 @@ def _deepspeed_raises(overflows, cfg):
   loud = _ClampedDynamicLossScaler(**cfg, raise_error_at_min_scale=True)
   out, raised = [], 0
   for overflow in overflows:
-    loud.__dict__.update(
-      cur_scale=quiet.cur_scale,
-      cur_iter=quiet.cur_iter,
-      last_overflow_iter=quiet.last_overflow_iter,
-      cur_hysteresis=quiet.cur_hysteresis,
-    )
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    loud.__dict__.update({k: getattr(quiet, k) for k in keys})
     try:
       loud.update_scale(bool(overflow))
     except Exception as err:  # DeepSpeed raises a bare Exception
@@ -292,43 +241,27 @@ def _deepspeed_raises(overflows, cfg):
 
 def _torch_clamped(overflows, cfg):
   """torch's update op, then the scale floored at float32's smallest normal."""
-  scale = torch.full((), cfg["init_scale"], dtype=torch.float32)
-  tracker = torch.zeros((), dtype=torch.int32)
-  found_inf = (torch.zeros(()), torch.ones(()))
-  out = []
-  for overflow in overflows:
-    torch._amp_update_scale_(
-      scale,
-      tracker,
-      found_inf[bool(overflow)],
-      cfg["growth_factor"],
-      cfg["backoff_factor"],
-      cfg["growth_interval"],
-    )
-    if scale.item() < TINY:
-      scale.fill_(TINY)
-    out.append(scale.item())
-  return out
+  return oracles.steps(oracles.torch_update_step(cfg, TINY), overflows)
 
 
 def _megatron_clamped(overflows, cfg):
   """Megatron's scaler, except that a growth to inf is refused."""
-  with oracles._torch_tensor_on_cpu(torch):
-    scaler = grad_scaler.DynamicGradScaler(**cfg)
-  out = []
-  for overflow in overflows:
-    before = (
-      scaler._scale
-    )  # update() assigns a new tensor; it does not write into this one
-    scaler.update(bool(overflow))
-    if not math.isfinite(scaler._scale.item()):
-      scaler._scale = before
-    out.append(scaler._scale.item())
-  return out
+  return oracles.steps(oracles.megatron_scaler_step(cfg, True), overflows)
 
 
 # ------------------------------------------------------------------------------
 # Comparison and event counts.
+
+
+# The events a preset with a floor and hysteresis must show, each at least
+# 20 times over its sequences, so that the comparison cannot pass vacuously.
+_EVENTS = (
+  "growths",
+  "back-offs",
+  "hysteresis absorptions",
+  "back-offs onto the floor",
+  "back-offs clamped by the floor",
+)
 
 
 def _normal(s):
@@ -347,6 +280,7 @@ def _compare(name, index, seq, cfg, flags, ours_s, raw, clamped, tally):
   bad = np.flatnonzero(~_normal(raw))
   depart = int(bad[0]) if bad.size else STEPS
   where = f"{name} config {index} {cfg} sequence {seq}"
+  init = _init(cfg)
   np.testing.assert_array_equal(
     ours_s[:depart],
     raw[:depart],
@@ -361,25 +295,19 @@ def _compare(name, index, seq, cfg, flags, ours_s, raw, clamped, tally):
       "(no growth past float32, floor at its smallest normal)",
     )
     tally["departures"] += 1
-    before = (
-      ours_s[depart - 1]
-      if depart
-      else _f32(cfg.get("init_scale", cfg.get("initial_scale")))
-    )
-    if (
-      raw[depart] > F32_MAX
-    ):  # growth past float32: ours keeps the largest scale it reached
+    before = ours_s[depart - 1] if depart else init
+    # growth past float32: ours keeps the largest scale it reached
+    if raw[depart] > F32_MAX:
       assert ours_s[depart] == before, where
     # torch sank below the normals: ours sits on float32's smallest normal
     else:
       assert ours_s[depart] == TINY, where
   tally["steps"] += STEPS
   tally["steps_vs_raw_peer"] += depart
-  prev = np.concatenate(
-    [[_f32(cfg.get("init_scale", cfg.get("initial_scale")))], raw[:-1]]
-  )[:depart]
+  prev = np.concatenate([[init], raw[:-1]])[:depart]
   now, o = raw[:depart], flags[:depart]
   floor = cfg.get("min_scale", TINY)
+  onto = o & (now == floor) & (prev > floor)
   tally["growths"] += int(np.sum(~o & (now > prev)))
   tally["back-offs"] += int(np.sum(o & (now < prev)))
   # An overflow that leaves a scale above the floor unchanged can only have been
@@ -387,87 +315,58 @@ def _compare(name, index, seq, cfg, flags, ours_s, raw, clamped, tally):
   tally["hysteresis absorptions"] += int(
     np.sum(o & (now == prev) & (prev > floor))
   )
-  tally["back-offs onto the floor"] += int(
-    np.sum(o & (now == floor) & (prev > floor))
-  )
-  tally["back-offs clamped by the floor"] += int(
-    np.sum(
-      o
-      & (now == floor)
-      & (prev > floor)
-      & (now > prev * cfg.get("backoff_factor", 0.5))
-    )
-  )
-
-
-def _tally():
-  return dict.fromkeys(
-    [
-      "steps",
-      "steps_vs_raw_peer",
-      "departures",
-      "growths",
-      "back-offs",
-      "hysteresis absorptions",
-      "back-offs onto the floor",
-      "back-offs clamped by the floor",
-    ],
-    0,
-  )
-
-
-def _report(name, tally):
-  print(
-    f"\n{name}: {CONFIGS} configs x {SEQUENCES} sequences x {STEPS} steps: "
-    f"{tally}"
-  )
-
-
-def _drawn(rng, make_peer, cfgs, init):
-  """Per config, the drawn sequences and the peer's scales on them: arrays
-  [config, sequence, step]."""
-  drawn = [
-    _overflows_and_scales(rng, lambda c=c: make_peer(c), c[init]) for c in cfgs
-  ]
-  return tuple(np.stack(x) for x in zip(*drawn))
-
-
-def _compare_all(name, cfgs, flags, scales, raws, clamped):
-  """Compares every (config, sequence) of ``scales`` with the peer's
-  trajectory ``raws``. Returns the tally, already reported."""
-  tally = _tally()
-  for i, cfg in enumerate(cfgs):
-    for j in range(SEQUENCES):
-      raw = raws[i, j]
-      _compare(name, i, j, cfg, flags[i, j], scales[i, j], raw, clamped, tally)
-  _report(name, tally)
-  return tally
+  tally["back-offs onto the floor"] += int(np.sum(onto))
+  clamped_by_floor = onto & (now > prev * cfg.get("backoff_factor", 0.5))
+  tally["back-offs clamped by the floor"] += int(np.sum(clamped_by_floor))
 
 
 # ------------------------------------------------------------------------------
 # Random sequences.
 
 
-# The events a preset with a floor and hysteresis must show, each at least
-# 20 times over its sequences, so that the comparison cannot pass vacuously.
-_EVENTS = (
-  "growths",
-  "back-offs",
-  "hysteresis absorptions",
-  "back-offs onto the floor",
-  "back-offs clamped by the floor",
-)
+# name: (configurations, peer, peer with the designed difference, preset).
+PEERS = {
+  "deepspeed": (
+    _deepspeed_configs,
+    _deepspeed_peer,
+    _deepspeed_clamped,
+    functools.partial(fs.deepspeed_scaler, raise_error_at_min_scale=True),
+  ),
+  "torch": (_torch_configs, _torch_peer, _torch_clamped, fs.torch_scaler),
+  "megatron": (
+    _megatron_configs,
+    _megatron_peer,
+    _megatron_clamped,
+    fs.megatron_scaler,
+  ),
+}
 
 
-def _random_sequences(name, k, configs, peer, init, preset, clamped):
+def _random_sequences(name, k):
   """Draws the configurations and their sequences (seed ``[SEED, k]``), runs
-  ``preset`` on them and compares with the peer. Returns ``(cfgs, flags,
-  min_scale_errors, tally)``."""
+  ``name``'s preset on them and compares with the peer. Returns ``(cfgs,
+  flags, min_scale_errors, tally)``, the tally already reported."""
+  configs, peer, clamped, preset = PEERS[name]
   rng = np.random.default_rng([SEED, k])
   cfgs = configs(rng)
-  flags, raws = _drawn(rng, peer, cfgs, init)
-  scales, errors = ours([preset(c) for c in cfgs], flags)
-  tally = _compare_all(name, cfgs, flags, scales, raws, clamped)
+  # Per config, the drawn sequences and the peer's scales on them: arrays
+  # [config, sequence, step].
+  drawn = [_overflows_and_scales(rng, peer, c) for c in cfgs]
+  flags, raws = (np.stack(x) for x in zip(*drawn))
+  scales, errors = ours([preset(**c) for c in cfgs], flags)
+  # Every (config, sequence) of ``scales`` against the peer's trajectory
+  # ``raws``.
+  tally = dict.fromkeys(
+    ("steps", "steps_vs_raw_peer", "departures") + _EVENTS, 0
+  )
+  for i, cfg in enumerate(cfgs):
+    for j in range(SEQUENCES):
+      raw = raws[i, j]
+      _compare(name, i, j, cfg, flags[i, j], scales[i, j], raw, clamped, tally)
+  print(
+    f"\n{name}: {CONFIGS} configs x {SEQUENCES} sequences x {STEPS} steps: "
+    f"{tally}"
+  )
   return cfgs, flags, errors, tally
 
 
@@ -479,15 +378,7 @@ def _assert_exercised(tally, events):
 
 
 def test_deepspeed_trajectories_match_dynamic_loss_scaler():
-  cfgs, flags, errors, tally = _random_sequences(
-    "deepspeed",
-    1,
-    _deepspeed_configs,
-    _deepspeed_peer,
-    "init_scale",
-    lambda c: fs.deepspeed_scaler(**c, raise_error_at_min_scale=True),
-    _deepspeed_clamped,
-  )
+  cfgs, flags, errors, tally = _random_sequences("deepspeed", 1)
   tally["raises at the floor"] = 0
   for i, cfg in enumerate(cfgs):
     for j in range(SEQUENCES):
@@ -502,15 +393,7 @@ def test_deepspeed_trajectories_match_dynamic_loss_scaler():
 
 
 def test_torch_trajectories_match_grad_scaler_update():
-  *_, tally = _random_sequences(
-    "torch",
-    2,
-    _torch_configs,
-    _torch_peer,
-    "init_scale",
-    lambda c: fs.torch_scaler(**c),
-    _torch_clamped,
-  )
+  *_, tally = _random_sequences("torch", 2)
   # Without a floor, NaN-heavy sequences (p near 0.5, long intervals) sink
   # torch's scale below the normals within a few hundred steps: departures,
   # compared with the clamped torch from there on.
@@ -521,15 +404,7 @@ def test_torch_trajectories_match_grad_scaler_update():
 
 
 def test_megatron_trajectories_match_dynamic_grad_scaler():
-  *_, tally = _random_sequences(
-    "megatron",
-    3,
-    _megatron_configs,
-    _megatron_peer,
-    "initial_scale",
-    lambda c: fs.megatron_scaler(**c),
-    _megatron_clamped,
-  )
+  *_, tally = _random_sequences("megatron", 3)
   _assert_exercised(tally, _EVENTS)
 
 
@@ -540,10 +415,7 @@ def test_torch_public_path_matches_on_a_few_sequences():
   rng = np.random.default_rng([SEED, 4])
   cfgs = _torch_configs(rng)[:4]
   flags = np.stack(
-    [
-      _overflows(rng, lambda: _torch_peer(c), c["init_scale"], 1, 500)
-      for c in cfgs
-    ]
+    [_overflows_and_scales(rng, _torch_peer, c, 1, 500)[0] for c in cfgs]
   )
   scales, _ = ours([fs.torch_scaler(**c) for c in cfgs], flags)
   for i, cfg in enumerate(cfgs):
@@ -566,46 +438,39 @@ def _one(scaler, flags):
   return ours([scaler], np.asarray(flags)[None, None])[0][0, 0]
 
 
+# Megatron from 2**120, growing every clean step.
+_MEGATRON_HIGH = dict(initial_scale=2.0**120, min_scale=1.0, growth_interval=1)
+
+
 def test_megatron_growth_to_inf_is_refused_and_recovers():
   cfg = dict(
-    initial_scale=2.0**120,
-    min_scale=1.0,
-    growth_factor=2.0,
-    backoff_factor=0.5,
-    growth_interval=1,
-    hysteresis=1,
+    _MEGATRON_HIGH, growth_factor=2.0, backoff_factor=0.5, hysteresis=1
   )
   flags = [C] * 10 + [O, C, O, O, C]
-  raw = oracles.megatron_scaler_trajectory(flags, **cfg)
+  raw = oracles.steps(_megatron_peer(cfg), flags)
   got = _one(fs.megatron_scaler(**cfg), flags)
-  assert (
-    raw[6] == 2.0**127 and raw[7] == np.inf and raw[-1] == np.inf
-  )  # Megatron: inf for good
+  # Megatron: inf for good
+  assert raw[6] == 2.0**127 and raw[7] == np.inf and raw[-1] == np.inf
   assert list(got[:10]) == [2.0**k for k in range(121, 128)] + [2.0**127] * 3
   assert list(got[10:]) == [2.0**126, 2.0**127, 2.0**126, 2.0**125, 2.0**126]
 
 
 def test_megatron_non_power_of_two_growth_stops_below_inf():
   cfg = dict(
-    initial_scale=2.0**120,
-    min_scale=1.0,
-    growth_factor=1.5,
-    backoff_factor=0.75,
-    growth_interval=1,
-    hysteresis=2,
+    _MEGATRON_HIGH, growth_factor=1.5, backoff_factor=0.75, hysteresis=2
   )
   flags = [C] * 30 + [O, O, C]
-  raw = np.asarray(oracles.megatron_scaler_trajectory(flags, **cfg))
+  raw = np.asarray(oracles.steps(_megatron_peer(cfg), flags))
   got = _one(fs.megatron_scaler(**cfg), flags)
   top = int(np.argmax(np.isinf(raw)))
   assert top > 0 and np.isinf(raw[-1])
   np.testing.assert_array_equal(got[:top], raw[:top])
-  assert (
-    got[top:30] == raw[top - 1]
-  ).all()  # the largest finite scale reached, held
+  # the largest finite scale reached, held
+  assert (got[top:30] == raw[top - 1]).all()
+  # absorbed, backed off
   assert got[30] == got[29] and got[31] == np.float32(
     got[30] * np.float32(0.75)
-  )  # absorbed, backed off
+  )
   assert got[32] == np.float32(got[31] * np.float32(1.5))
 
 
@@ -618,31 +483,13 @@ def test_deepspeed_growth_past_float32_is_refused_and_recovers():
     consecutive_hysteresis=False,
   )
   flags = [C] * 5 + [O, C, C, O]
-  raw = oracles.ds_loss_scaler_trajectory(flags, **cfg)
+  raw = oracles.steps(_deepspeed_peer(cfg), flags)
   got = _one(fs.deepspeed_scaler(**cfg), flags)
   # DeepSpeed grows on the second clean step and every one after: its Python
   # float passes float32's maximum (2**128 and up), then halves back from there.
-  assert raw == [
-    2.0**126,
-    2.0**127,
-    2.0**128,
-    2.0**129,
-    2.0**130,
-    2.0**129,
-    2.0**129,
-    2.0**130,
-    2.0**129,
-  ]
+  assert raw == [2.0**k for k in (126, 127, 128, 129, 130, 129, 129, 130, 129)]
   assert list(got) == [
-    2.0**126,
-    2.0**127,
-    2.0**127,
-    2.0**127,
-    2.0**127,
-    2.0**126,
-    2.0**126,
-    2.0**127,
-    2.0**126,
+    2.0**k for k in (126, 127, 127, 127, 127, 126, 126, 127, 126)
   ]
 
 
@@ -655,7 +502,7 @@ def test_torch_scale_sinking_below_normals_is_floored_and_recovers(backoff):
     growth_interval=3,
   )
   flags = [O] * 400 + [C] * 6
-  raw = np.asarray(oracles.torch_scaler_trajectory_fast(flags, **cfg))
+  raw = np.asarray(oracles.steps(_torch_peer(cfg), flags))
   got = _one(fs.torch_scaler(**cfg), flags)
   sub = int(np.argmax(raw < TINY))
   assert sub > 0 and (raw[sub:400] < TINY).all()
@@ -679,13 +526,10 @@ def test_torch_growth_to_inf_is_refused_like_torch():
     growth_interval=1,
   )
   flags = [C] * 4 + [O, C, C]
-  raw = oracles.torch_scaler_trajectory_fast(flags, **cfg)
+  raw = oracles.steps(_torch_peer(cfg), flags)
   got = _one(fs.torch_scaler(**cfg), flags)
-  assert (
-    raw[0] == _f32(2.0**127 * 1.875)
-    and raw[1:4] == [raw[0]] * 3
-    and all(np.isfinite(raw))
-  )
+  assert raw[0] == _f32(2.0**127 * 1.875) and raw[1:4] == [raw[0]] * 3
+  assert all(np.isfinite(raw))
   np.testing.assert_array_equal(got, raw)
 
 
@@ -701,9 +545,7 @@ def test_torch_factor_that_is_not_a_float32_is_one_ulp_per_change():
     init_scale=3.0, growth_factor=1.1, backoff_factor=0.7, growth_interval=1
   )
   flags = [C, C, O, C, O, O, C, C, C, O]
-  raw = np.asarray(
-    oracles.torch_scaler_trajectory_fast(flags, **cfg), np.float32
-  )
+  raw = np.asarray(oracles.steps(_torch_peer(cfg), flags), np.float32)
   before = np.concatenate([[np.float32(cfg["init_scale"])], raw[:-1]])
   ours = []
   for start, flag in zip(before, flags):
@@ -712,6 +554,5 @@ def test_torch_factor_that_is_not_a_float32_is_one_ulp_per_change():
   ours = np.asarray(ours, np.float32)
   ulps = np.abs(ours.view(np.int32) - raw.view(np.int32))
   assert ulps.max() <= 1
-  assert (
-    ulps.max() == 1
-  )  # the difference is real: the test documents it, not a no-op
+  # the difference is real: the test documents it, not a no-op
+  assert ulps.max() == 1

@@ -26,38 +26,18 @@ RECORDING = (
 SEED = 20251130  # fixed: the recording does not follow FP16_SCALING_PEER_SEED
 CONFIGS, SEQUENCES, STEPS = 6, 3, 1500
 
-_PRESETS = {
-  # name: (configs, peer for the overflow draws, clamped trajectory, init key)
-  "deepspeed": (
-    tt._deepspeed_configs,
-    tt._deepspeed_peer,
-    tt._deepspeed_clamped,
-    "init_scale",
-  ),
-  "torch": (tt._torch_configs, tt._torch_peer, tt._torch_clamped, "init_scale"),
-  "megatron": (
-    tt._megatron_configs,
-    tt._megatron_peer,
-    tt._megatron_clamped,
-    "initial_scale",
-  ),
-}
+# name: (configs, peer for the overflow draws, clamped trajectory, preset)
+_PRESETS = tt.PEERS
 
 
 def record() -> dict:
   """The recording's arrays, made by the peers' own code."""
   out = {}
-  for k, (name, (configs, peer, clamped, init)) in enumerate(_PRESETS.items()):
+  for k, (name, (configs, peer, clamped, _)) in enumerate(_PRESETS.items()):
     rng = np.random.default_rng([SEED, k])
     cfgs = configs(rng)[:CONFIGS]
-    flags = np.stack(
-      [
-        tt._overflows(
-          rng, lambda c=c: peer(c), c[init], sequences=SEQUENCES, steps=STEPS
-        )
-        for c in cfgs
-      ]
-    )
+    draw = lambda c: tt._overflows_and_scales(rng, peer, c, SEQUENCES, STEPS)
+    flags = np.stack([draw(c)[0] for c in cfgs])
     scales = np.array(
       [[clamped(f, c) for f in fc] for fc, c in zip(flags, cfgs)], np.float64
     )
