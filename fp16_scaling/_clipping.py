@@ -21,6 +21,8 @@ from fp16_scaling._states import EXPERT
 from fp16_scaling._states import SHARED
 from fp16_scaling._states import ClipState
 
+_WHAT = "clip_by_unscaled_norm"  # the name its messages give it
+
 
 def _mask_leaves(mask) -> list:
   """The leaves of an expert mask, each checked to be a Python (or numpy)
@@ -95,20 +97,16 @@ class UnscaledClip(optax.GradientTransformation):
 
 def clip_state(norms: _norm.Norms) -> ClipState:
   """The :class:`ClipState` that records ``norms``."""
-  return ClipState(
-    grad_norm=norms.norm,
-    expert_grad_norm=norms.group_norms[EXPERT],
-    shared_grad_norm=norms.group_norms[SHARED],
-  )
+  groups = norms.group_norms
+  return ClipState(norms.norm, groups[EXPERT], groups[SHARED])
 
 
 def init_state(config: ClipConfig, params) -> ClipState:
   """The :class:`ClipState` before the first step, ``config`` checked on
   ``params``."""
-  what = "clip_by_unscaled_norm"
-  _norm.check_float_leaves(jax.tree.leaves(params), f"{what} params", params)
+  _norm.check_float_leaves(jax.tree.leaves(params), f"{_WHAT} params", params)
   _expert_groups(config.expert_mask, params)
-  _sharding.leaf_axes_from_specs(config.partition_specs, params, what)
+  _sharding.leaf_axes_from_specs(config.partition_specs, params, _WHAT)
   # Three buffers: a donating step reuses each for its own field.
   zero = lambda: jnp.zeros([], jnp.float32)
   return ClipState(zero(), zero(), zero())
@@ -176,8 +174,7 @@ def clip_by_unscaled_norm(
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    what = "clip_by_unscaled_norm"
-    own = measure(updates, 1.0, config.partition_specs, what=what)
+    own = measure(updates, 1.0, config.partition_specs, what=_WHAT)
     norms = config.norms(own, updates)
     factor = config.factor(norms)
     leaves = _norm.discard_if(norms.overflow, leaves)

@@ -93,9 +93,7 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
     raise ValueError(f"{what}: {_WHAT}: {e}") from None
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [jax.tree_util.keystr(p) for p, _ in with_paths]
-  specs = [None] * len(names)
-  if partition_specs is not None and names:
-    specs = _sharding._leaf_specs(partition_specs, tree, what)
+  specs = _sharding._leaf_specs(partition_specs, tree, what)
   boxes = _partition_names(tree, len(names))
   layer_names = {"layers"}
   if isinstance(stacked_axes, StackedUnder):
