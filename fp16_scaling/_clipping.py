@@ -162,26 +162,22 @@ def clip_by_unscaled_norm(
     >>> print(updates.round(6))  # norm 5 clipped to 1
     [0.6 0.8]
   """
-  config = ClipConfig(
-    _validate.positive("max_norm", max_norm),
-    expert_mask,
-    _validate.non_negative("eps", eps),
-    partition_specs,
-  )
+  max_norm = _validate.positive("max_norm", max_norm)
+  eps = _validate.non_negative("eps", eps)
+  config = ClipConfig(max_norm, expert_mask, eps, partition_specs)
   if expert_mask is not None and not callable(expert_mask):
     _mask_leaves(expert_mask)
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = jax.tree.flatten(updates)
     own = measure(updates, 1.0, config.partition_specs, what=_WHAT)
     norms = config.norms(own, updates)
     factor = config.factor(norms)
-    leaves = _norm.discard_if(norms.overflow, leaves)
+    leaves = _norm.discard_if(norms.overflow, own.grads)
     clipped = [x * factor.astype(x.dtype) for x in leaves]
     # Write-only: each field reads its old value to keep its donated buffer.
     new_state = _donation.written_over(state, clip_state(norms))
-    return jax.tree.unflatten(treedef, clipped), new_state
+    return jax.tree.unflatten(jax.tree.structure(updates), clipped), new_state
 
   tx = UnscaledClip(functools.partial(init_state, config), update_fn)
   tx.config = config
