@@ -47,11 +47,9 @@ def _expert_groups(expert_mask, tree) -> tuple:
     # No leaves (optax.tree_map_params calls init with such a placeholder).
     return (SHARED,) * n
   mask = expert_mask(tree) if callable(expert_mask) else expert_mask
-  leaves = _mask_leaves(mask)
+  groups = [EXPERT if bool(m) else SHARED for m in _mask_leaves(mask)]
   try:
-    return _sharding.broadcast_prefix(
-      [EXPERT if bool(m) else SHARED for m in leaves], mask, tree
-    )
+    return _sharding.broadcast_prefix(groups, mask, tree)
   except (ValueError, TypeError) as e:
     raise ValueError(
       "expert_mask must have the structure of the gradients, or a prefix of "

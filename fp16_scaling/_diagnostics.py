@@ -59,7 +59,8 @@ class MinLossScaleError(RuntimeError):
 
 
 MinLossScaleError.__module__ = "fp16_scaling"  # its public name
-# The limits of raise_if_min_scale_reached, in the order they are checked.
+# The limits of raise_if_min_scale_reached, in the order they are checked;
+# each bounds a count of the state (floor overflows, steps skipped in a row).
 _LIMITS = ("max_floor_overflows", "max_consecutive_errors")
 
 
@@ -335,10 +336,8 @@ def raise_if_min_scale_reached(
   ls = jax.device_get(ls._replace(leaf_paths=None))
   # Summed, so that a batched (vmapped) state raises if any member would.
   errors = int(np.sum(ls.scaler.min_scale_errors))
-  counts = {
-    "max_floor_overflows": int(np.max(ls.scaler.floor_overflows)),
-    "max_consecutive_errors": int(np.max(ls.consecutive_skipped_steps)),
-  }
+  seen = zip(_LIMITS, (ls.scaler.floor_overflows, ls.consecutive_skipped_steps))
+  counts = {k: int(np.max(v)) for k, v in seen}
   reached = [k for k in limits if counts[k] >= limits[k]]
   scale = float(np.min(ls.scaler.loss_scale))
   at_min = (
