@@ -118,8 +118,7 @@ class OverflowReport:
 
   def top_leaves(self) -> list:
     """Up to ``top`` (path, count) pairs, most overflows first."""
-    order = sorted(self.counts.items(), key=lambda kv: -kv[1])
-    return order[: self.top]
+    return sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.top]
 
   def top_leaves_text(self) -> str:
     """``path (count)`` for :meth:`top_leaves`, comma-separated."""
@@ -186,12 +185,11 @@ class OverflowReport:
     those that held an inf or NaN, whose range is of their finite values
     only (none, for a leaf with no finite nonzero value)."""
     bad = set(self.nonfinite_leaves)
-    by_headroom = lambda kv: kv[1].headroom_bits
     finite = [kv for kv in self.grad_range.items() if kv[0] not in bad]
     lines = [
       f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "
       f"{r.zero_fraction:6.1%}  {p}"
-      for p, r in sorted(finite, key=by_headroom)[: self.top]
+      for p, r in sorted(finite, key=lambda kv: kv[1].headroom_bits)[: self.top]
     ]
     held = [(p, self.grad_range[p]) for p in self.nonfinite_leaves]
     if held:
