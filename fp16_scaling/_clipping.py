@@ -21,6 +21,8 @@ from fp16_scaling._states import EXPERT
 from fp16_scaling._states import SHARED
 from fp16_scaling._states import ClipState
 
+_WHAT = "clip_by_unscaled_norm"  # the name its messages give it
+
 
 def _mask_leaves(mask) -> list:
   """The leaves of an expert mask, each checked to be a Python (or numpy)
@@ -45,11 +47,9 @@ def _expert_groups(expert_mask, tree) -> tuple:
     # No leaves (optax.tree_map_params calls init with such a placeholder).
     return (SHARED,) * n
   mask = expert_mask(tree) if callable(expert_mask) else expert_mask
-  leaves = _mask_leaves(mask)
+  groups = [EXPERT if bool(m) else SHARED for m in _mask_leaves(mask)]
   try:
-    return _sharding.broadcast_prefix(
-      [EXPERT if bool(m) else SHARED for m in leaves], mask, tree
-    )
+    return _sharding.broadcast_prefix(groups, mask, tree)
   except (ValueError, TypeError) as e:
     raise ValueError(
       "expert_mask must have the structure of the gradients, or a prefix of "
@@ -95,20 +95,16 @@ class UnscaledClip(optax.GradientTransformation):
 
 def clip_state(norms: _norm.Norms) -> ClipState:
   """The :class:`ClipState` that records ``norms``."""
-  return ClipState(
-    grad_norm=norms.norm,
-    expert_grad_norm=norms.group_norms[EXPERT],
-    shared_grad_norm=norms.group_norms[SHARED],
-  )
+  groups = norms.group_norms
+  return ClipState(norms.norm, groups[EXPERT], groups[SHARED])
 
 
 def init_state(config: ClipConfig, params) -> ClipState:
   """The :class:`ClipState` before the first step, ``config`` checked on
   ``params``."""
-  what = "clip_by_unscaled_norm"
-  _norm.check_float_leaves(jax.tree.leaves(params), f"{what} params", params)
+  _norm.check_float_leaves(jax.tree.leaves(params), f"{_WHAT} params", params)
   _expert_groups(config.expert_mask, params)
-  _sharding.leaf_axes_from_specs(config.partition_specs, params, what)
+  _sharding.leaf_axes_from_specs(config.partition_specs, params, _WHAT)
   # Three buffers: a donating step reuses each for its own field.
   zero = lambda: jnp.zeros([], jnp.float32)
   return ClipState(zero(), zero(), zero())
@@ -164,27 +160,22 @@ def clip_by_unscaled_norm(
     >>> print(updates.round(6))  # norm 5 clipped to 1
     [0.6 0.8]
   """
-  config = ClipConfig(
-    _validate.positive("max_norm", max_norm),
-    expert_mask,
-    _validate.non_negative("eps", eps),
-    partition_specs,
-  )
+  max_norm = _validate.positive("max_norm", max_norm)
+  eps = _validate.non_negative("eps", eps)
+  config = ClipConfig(max_norm, expert_mask, eps, partition_specs)
   if expert_mask is not None and not callable(expert_mask):
     _mask_leaves(expert_mask)
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = jax.tree.flatten(updates)
-    what = "clip_by_unscaled_norm"
-    own = measure(updates, 1.0, config.partition_specs, what=what)
+    own = measure(updates, 1.0, config.partition_specs, what=_WHAT)
     norms = config.norms(own, updates)
     factor = config.factor(norms)
-    leaves = _norm.discard_if(norms.overflow, leaves)
+    leaves = _norm.discard_if(norms.overflow, own.grads)
     clipped = [x * factor.astype(x.dtype) for x in leaves]
     # Write-only: each field reads its old value to keep its donated buffer.
     new_state = _donation.written_over(state, clip_state(norms))
-    return jax.tree.unflatten(treedef, clipped), new_state
+    return jax.tree.unflatten(jax.tree.structure(updates), clipped), new_state
 
   tx = UnscaledClip(functools.partial(init_state, config), update_fn)
   tx.config = config

@@ -59,6 +59,9 @@ class MinLossScaleError(RuntimeError):
 
 
 MinLossScaleError.__module__ = "fp16_scaling"  # its public name
+# The limits of raise_if_min_scale_reached, in the order they are checked;
+# each bounds a count of the state (floor overflows, steps skipped in a row).
+_LIMITS = ("max_floor_overflows", "max_consecutive_errors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +118,7 @@ class OverflowReport:
 
   def top_leaves(self) -> list:
     """Up to ``top`` (path, count) pairs, most overflows first."""
-    order = sorted(self.counts.items(), key=lambda kv: -kv[1])
-    return order[: self.top]
+    return sorted(self.counts.items(), key=lambda kv: -kv[1])[: self.top]
 
   def top_leaves_text(self) -> str:
     """``path (count)`` for :meth:`top_leaves`, comma-separated."""
@@ -145,14 +147,10 @@ class OverflowReport:
       f"scale's floor: {self.floor_overflows}.",
     ]
     if self.step_overflowed:
-      shown = self.nonfinite_leaves[: self.top]
-      lines.append(
-        f"Non-finite gradient leaves on the last step "
-        f"({len(self.nonfinite_leaves)}):"
-      )
-      lines += [f"  {p}" for p in shown]
-      if len(self.nonfinite_leaves) > len(shown):
-        lines.append(f"  ... and {len(self.nonfinite_leaves) - len(shown)}")
+      n = len(self.nonfinite_leaves)
+      lines.append(f"Non-finite gradient leaves on the last step ({n}):")
+      lines += [f"  {p}" for p in self.nonfinite_leaves[: self.top]]
+      lines += self._more(n)
       if self.nonfinite_layers:
         layers = ", ".join(map(str, self.nonfinite_layers))
         lines.append(
@@ -164,9 +162,7 @@ class OverflowReport:
       )
       width = max(len(str(n)) for n in self.counts.values())
       lines += [f"  {n:>{width}}  {p}" for p, n in self.top_leaves()]
-      more = len(self.counts) - min(len(self.counts), self.top)
-      if more:
-        lines.append(f"  ... and {more} more leaves")
+      lines += self._more(len(self.counts), " more leaves")
     if self.layer_counts:
       by_layer = sorted(self.layer_counts.items(), key=lambda kv: -kv[1])
       lines.append(
@@ -189,12 +185,11 @@ class OverflowReport:
     those that held an inf or NaN, whose range is of their finite values
     only (none, for a leaf with no finite nonzero value)."""
     bad = set(self.nonfinite_leaves)
-    by_headroom = lambda kv: kv[1].headroom_bits
     finite = [kv for kv in self.grad_range.items() if kv[0] not in bad]
     lines = [
       f"  {r.max_abs:10.3g}  {r.headroom_bits:6.1f}  "
       f"{r.zero_fraction:6.1%}  {p}"
-      for p, r in sorted(finite, key=by_headroom)[: self.top]
+      for p, r in sorted(finite, key=lambda kv: kv[1].headroom_bits)[: self.top]
     ]
     held = [(p, self.grad_range[p]) for p in self.nonfinite_leaves]
     if held:
@@ -205,9 +200,11 @@ class OverflowReport:
     for p, r in held[: self.top]:
       peak = f"{r.max_abs:10.3g}" if r.max_abs > 0 else "      none"
       lines.append(f"  {peak}  {'-':>6}  {r.zero_fraction:6.1%}  {p}")
-    if len(held) > self.top:
-      lines.append(f"  ... and {len(held) - self.top} more")
-    return lines
+    return lines + self._more(len(held), " more")
+
+  def _more(self, n: int, what: str = "") -> list:
+    """The line that counts the rows of ``n`` past ``top``, if any."""
+    return [f"  ... and {n - self.top}{what}"] if n > self.top else []
 
 
 def _fmt_scale(s: float) -> str:
@@ -330,22 +327,15 @@ def raise_if_min_scale_reached(
     fp16_scaling.MinLossScaleError: Current loss scale already at
     minimum (1.0) - cannot decrease scale anymore: 1 overflowing step(s) ...
   """
-  limits = {
-    "max_floor_overflows": max_floor_overflows,
-    "max_consecutive_errors": max_consecutive_errors,
-  }
-  limits = {
-    k: _validate.count(k, v) for k, v in limits.items() if v is not None
-  }
+  given = zip(_LIMITS, (max_floor_overflows, max_consecutive_errors))
+  limits = {k: _validate.count(k, v) for k, v in given if v is not None}
   _validate.require_host(opt_state, "raise_if_min_scale_reached")
   ls = _lookup.loss_scale_state(opt_state)
   ls = jax.device_get(ls._replace(leaf_paths=None))
   # Summed, so that a batched (vmapped) state raises if any member would.
   errors = int(np.sum(ls.scaler.min_scale_errors))
-  counts = {
-    "max_floor_overflows": int(np.max(ls.scaler.floor_overflows)),
-    "max_consecutive_errors": int(np.max(ls.consecutive_skipped_steps)),
-  }
+  seen = zip(_LIMITS, (ls.scaler.floor_overflows, ls.consecutive_skipped_steps))
+  counts = {k: int(np.max(v)) for k, v in seen}
   reached = [k for k in limits if counts[k] >= limits[k]]
   scale = float(np.min(ls.scaler.loss_scale))
   at_min = (

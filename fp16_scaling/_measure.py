@@ -111,21 +111,16 @@ def measure(
     TypeError: a leaf is not floating (integer or bool gradients).
     ValueError: ``partition_specs`` does not fit ``grads``.
   """
-  leaves = jax.tree.leaves(grads)
+  leaves = tuple(jax.tree.leaves(grads))
   _norm.check_float_leaves(leaves, f"{what} gradients", grads)
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
   if layer_axes is not None and len(layer_axes) != len(leaves):
     layer_axes = None  # not the params' tree: _loss_scale._leaf_fitter warns
-  sums = _norm.leaf_sums(leaves, layer_axes)
+  sums = tuple(_norm.leaf_sums(leaves, layer_axes))
   norms = _norm.reduce_norms(
     sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range
   )
+  scale = jnp.asarray(scale, jnp.float32)
   return Measurement(
-    tuple(leaves),
-    tuple(sums),
-    norms,
-    jnp.asarray(scale, jnp.float32),
-    tuple(leaf_axes),
-    in_float16_range,
-    layer_axes,
+    leaves, sums, norms, scale, leaf_axes, in_float16_range, layer_axes
   )

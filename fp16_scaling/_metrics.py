@@ -116,8 +116,9 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     expert, shared = clip.expert_grad_norm, clip.shared_grad_norm
   else:
     expert, shared = jnp.zeros_like(ls.grad_norm), ls.grad_norm
+  scale = ls.scaler.loss_scale
   metrics = {
-    "loss_scale": ls.scaler.loss_scale,
+    "loss_scale": scale,
     "prev_loss_scale": ls.prev_loss_scale,
     "overflow": ls.overflow,
     "skipped_steps": ls.skipped_steps,
@@ -149,9 +150,7 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     metrics.update(
       # Between windows the last window's flag is not news.
       overflow=ls.overflow & ended,
-      prev_loss_scale=jnp.where(
-        ended, ls.prev_loss_scale, ls.scaler.loss_scale
-      ),
+      prev_loss_scale=jnp.where(ended, ls.prev_loss_scale, scale),
       microbatches=acc.microbatches,
       applied_steps=acc.applied_steps,
       dropped_microbatches=acc.dropped_microbatches,

@@ -229,32 +229,24 @@ def reduce_norms(
     root, group_roots = _roots(total, common)
   # -inf exactly for a leaf (and so a total) with a non-finite element.
   overflow = total < 0
-  return Norms(
-    norm=jnp.where(overflow, 0.0, root),
-    group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
-    overflow=overflow,
-    leaf_nonfinite=per_leaf < 0,
-    leaf_sums=per_leaf,
-  )
+  norm = jnp.where(overflow, 0.0, root)
+  group_norms = jnp.where(jnp.isinf(group_roots), 0.0, group_roots)
+  return Norms(norm, group_norms, overflow, per_leaf < 0, per_leaf)
 
 
 def _group_sums(per_leaf, leaf_groups, num_groups) -> tuple:
   """``(per-group sums, total)`` of the per-leaf vector."""
-  present = sorted(set(leaf_groups))
+  present, zero = set(leaf_groups), jnp.float32(0)
   if len(present) == 1:
     total = jnp.sum(per_leaf)
-    zero = jnp.float32(0)
-    sums = [total if g == present[0] else zero for g in range(num_groups)]
+    sums = [total if g in present else zero for g in range(num_groups)]
     return jnp.stack(sums), total
   groups = np.asarray(leaf_groups, np.int32)
-  common = jnp.stack(
-    [
-      jnp.sum(jnp.where(groups == g, per_leaf, 0.0))
-      if g in present
-      else jnp.float32(0)
-      for g in range(num_groups)
-    ]
-  )
+  common = [
+    jnp.sum(jnp.where(groups == g, per_leaf, 0.0)) if g in present else zero
+    for g in range(num_groups)
+  ]
+  common = jnp.stack(common)
   return common, jnp.sum(common)
 
 
@@ -299,6 +291,14 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
   return norm, peaks * jnp.sqrt(rel)
 
 
+def _finite_peak(x: jax.Array, axes: tuple) -> jax.Array:
+  """The largest finite ``|x|`` over ``axes``, in float32 (of :func:`widen`'s
+  ``x``: 0 for a float16 element out of float16's range)."""
+  w = widen(x)
+  finite = jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype))
+  return jnp.max(finite, axes, initial=0).astype(jnp.float32)
+
+
 def leaf_range(
   leaves: Sequence[jax.Array], leaf_axes, layer_axes=None
 ) -> tuple:
@@ -307,14 +307,7 @@ def leaf_range(
   fraction of zero elements."""
   layer_axes = layer_axes or (None,) * len(leaves)
   axes = [summed_axes(x, a) for x, a in zip(leaves, layer_axes)]
-  peaks = [
-    jnp.max(
-      jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype)),
-      ax,
-      initial=0,
-    ).astype(jnp.float32)
-    for w, ax in zip(map(widen, leaves), axes)
-  ]
+  peaks = [_finite_peak(x, ax) for x, ax in zip(leaves, axes)]
   zeros = [
     jnp.sum(x == 0, ax, dtype=jnp.float32) for x, ax in zip(leaves, axes)
   ]

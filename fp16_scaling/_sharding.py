@@ -34,14 +34,11 @@ def leaf_vector(values, leaf_axes, collective, prepare=None) -> jax.Array:
 
 def spec_axes(spec) -> AxisNames:
   """Mesh axes a ``PartitionSpec`` splits an array over."""
-  if spec is None:
-    return ()
-  names = []
-  for entry in spec:
-    if entry is None:
-      continue
-    names.extend(entry if isinstance(entry, tuple) else (entry,))
-  return tuple(sorted(set(names)))
+  names = set()
+  for entry in () if spec is None else spec:
+    if entry is not None:
+      names.update(entry if isinstance(entry, tuple) else (entry,))
+  return tuple(sorted(names))
 
 
 def is_spec(s) -> bool:
@@ -60,7 +57,12 @@ def varying_axes(t, *, unreduced: bool = False) -> AxisNames:
 
 
 def _leaf_specs(partition_specs, tree, what: str) -> list:
-  """The ``PartitionSpec`` (or None) of each leaf of ``tree``, in leaf order."""
+  """The ``PartitionSpec`` (or None) of each leaf of ``tree``, in leaf order;
+  all None without ``partition_specs``, or for a tree without leaves
+  (optax.tree_map_params' placeholder)."""
+  n = len(jax.tree.leaves(tree))
+  if partition_specs is None or not n:
+    return [None] * n
   specs = jax.tree.leaves(partition_specs, is_leaf=is_spec)
   for spec in specs:
     if not is_spec(spec):
@@ -78,76 +80,49 @@ def _leaf_specs(partition_specs, tree, what: str) -> list:
     ) from None
 
 
-class _Repeated:
-  """``value`` for each of ``count`` leaves; a pytree leaf itself."""
-
-  def __init__(self, value, count):
-    self.value, self.count = value, count
-
-
 def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
   """One of ``values`` (one per leaf of ``prefix``, a prefix of ``tree`` as in
   ``optax.masked``) per leaf of ``tree``."""
-  it = iter(values)
-  repeated = jax.tree.map(
-    lambda _, sub: _Repeated(next(it), len(jax.tree.leaves(sub))),
-    prefix,
-    tree,
-    is_leaf=is_leaf,
-  )
-  return tuple(
-    r.value
-    for r in jax.tree.leaves(
-      repeated, is_leaf=lambda x: isinstance(x, _Repeated)
-    )
-    for _ in range(r.count)
-  )
+  it, out = iter(values), []
+  repeat = lambda _, sub: out.extend([next(it)] * len(jax.tree.leaves(sub)))
+  jax.tree.map(repeat, prefix, tree, is_leaf=is_leaf)
+  return tuple(out)
 
 
 def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
   """Static per-leaf mesh axes to sum each leaf's squares over: the manual
   (``shard_map``'s) axes its spec names, checked against the mesh."""
-  leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  if partition_specs is None:
-    for path, x in leaves_with_paths:
-      varying = varying_axes(jax.typeof(x), unreduced=True)
-      if varying:
-        raise ValueError(
-          f"{what}: under shard_map, gradient leaf "
-          f"{jax.tree_util.keystr(path)} varies over mesh axis "
-          f"{varying[0]!r}, and no partition_specs were given, so its sum "
-          "of squares would be this device's alone. Pass partition_specs= "
-          "(the gradients' PartitionSpecs, as given to shard_map), so that "
-          "each leaf's sum is reduced over the axes it is split over, or "
-          f"reduce the gradients over {varying[0]!r} first (lax.pmean)."
-        )
-  if partition_specs is None or not leaves_with_paths:
-    # No leaves: optax.tree_map_params' placeholder.
-    return ((),) * len(leaves_with_paths)
   specs = _leaf_specs(partition_specs, tree, what)
   mesh = jax.sharding.get_abstract_mesh()
   mesh_axes = tuple(mesh.axis_names)
   manual = frozenset(mesh.manual_axes) if mesh_axes else frozenset()
   axes = []
-  for (path, x), spec in zip(leaves_with_paths, specs):
+  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(tree), specs):
+    leaf = jax.tree_util.keystr(path)
+    varying = varying_axes(jax.typeof(x), unreduced=True)
+    if partition_specs is None and varying:
+      raise ValueError(
+        f"{what}: under shard_map, gradient leaf {leaf} varies over mesh "
+        f"axis {varying[0]!r}, and no partition_specs were given, so its sum "
+        "of squares would be this device's alone. Pass partition_specs= "
+        "(the gradients' PartitionSpecs, as given to shard_map), so that "
+        "each leaf's sum is reduced over the axes it is split over, or "
+        f"reduce the gradients over {varying[0]!r} first (lax.pmean)."
+      )
     named = spec_axes(spec)
     missing = [a for a in named if a not in mesh_axes]
     if mesh_axes and missing:
       raise ValueError(
-        f"{what}: partition_specs give gradient leaf "
-        f"{jax.tree_util.keystr(path)} the spec {spec}, which names mesh "
-        f"axis {missing[0]!r}; the mesh has axes {mesh_axes}"
+        f"{what}: partition_specs give gradient leaf {leaf} the spec {spec}, "
+        f"which names mesh axis {missing[0]!r}; the mesh has axes {mesh_axes}"
       )
-    unnamed = sorted(
-      set(varying_axes(jax.typeof(x), unreduced=True)) - set(named)
-    )
+    unnamed = sorted(set(varying) - set(named))
     if unnamed:
       raise ValueError(
-        f"{what}: partition_specs give gradient leaf "
-        f"{jax.tree_util.keystr(path)} the spec {spec}, replicated over "
-        f"mesh axis {unnamed[0]!r}, but under shard_map it varies over that "
-        f"axis: reduce it over {unnamed[0]!r} first (lax.psum or lax.pmean) "
-        f"or name {unnamed[0]!r} in its PartitionSpec"
+        f"{what}: partition_specs give gradient leaf {leaf} the spec {spec}, "
+        f"replicated over mesh axis {unnamed[0]!r}, but under shard_map it "
+        f"varies over that axis: reduce it over {unnamed[0]!r} first "
+        f"(lax.psum or lax.pmean) or name {unnamed[0]!r} in its PartitionSpec"
       )
     axes.append(tuple(a for a in named if a in manual))
   return tuple(axes)

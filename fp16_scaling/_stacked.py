@@ -79,11 +79,11 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
-  key = check(stacked_axes, what)
+  key, under = check(stacked_axes, what), isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
   except ValueError as e:
-    if not isinstance(stacked_axes, StackedUnder):
+    if not under:
       raise
     raise ValueError(f"{what}: stacked_axes: {e}") from None
   values = _leaves(prefix, what)
@@ -93,20 +93,16 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
     raise ValueError(f"{what}: {_WHAT}: {e}") from None
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [jax.tree_util.keystr(p) for p, _ in with_paths]
-  specs = [None] * len(names)
-  if partition_specs is not None and names:
-    specs = _sharding._leaf_specs(partition_specs, tree, what)
+  specs = _sharding._leaf_specs(partition_specs, tree, what)
   boxes = _partition_names(tree, len(names))
-  layer_names = {"layers"}
-  if isinstance(stacked_axes, StackedUnder):
-    layer_names |= set(stacked_axes.names)
+  layer_names = {"layers", *(stacked_axes.names if under else ())}
   axes, found = [], {}
-  for i, (name, (_, x), a, spec) in enumerate(
-    zip(names, with_paths, per_leaf, specs)
+  for name, (_, x), a, spec, box in zip(
+    names, with_paths, per_leaf, specs, boxes
   ):
     if a is not None:
       a = _leaf_axis(name, np.ndim(x), a, spec, what)
-      _check_named_axis(name, a, boxes[i], layer_names, what)
+      _check_named_axis(name, a, box, layer_names, what)
       found[name] = np.shape(x)[a]
     axes.append(a)
   if len(set(found.values())) > 1:
