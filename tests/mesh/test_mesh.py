@@ -32,23 +32,15 @@ import fp16_scaling as fs
 
 STEPS = 12
 INJECT_STEP = 6  # one element of one expert shard is inf on this step
-RESCUE_STEP = (
-  9  # float32 leaf with finite elements whose squares overflow float32
-)
+# A float32 leaf with finite elements whose squares overflow float32.
+RESCUE_STEP = 9
 INIT_SCALE = 2.0**17
 GROWTH_INTERVAL = 3
 MAX_NORM = 1.0
 LR = 1e-2
 STD = 0.25
-KEYS = (
-  "prev_loss_scale",
-  "loss_scale",
-  "overflow",
-  "skipped_steps",
-  "grad_norm",
-  "expert_grad_norm",
-  "shared_grad_norm",
-)
+KEYS = ("prev_loss_scale", "loss_scale", "overflow", "skipped_steps")
+KEYS += ("grad_norm", "expert_grad_norm", "shared_grad_norm")
 
 
 class Layout(NamedTuple):
@@ -77,10 +69,8 @@ DATA_EXPERT = Layout(
     "expert": {"w_in": P("expert"), "w_out": P("expert", None, "data")},
   },
   f32_leaf=("shared", "head"),
-  inject=(
-    ("expert", "w_out"),
-    (3, 0, 15),
-  ),  # expert 3 -> expert shard 1; column 15 -> data shard 3
+  # expert 3 -> expert shard 1; column 15 -> data shard 3
+  inject=(("expert", "w_out"), (3, 0, 15)),
 )
 
 DATA_EXPERT_MODEL = Layout(
@@ -106,10 +96,8 @@ DATA_EXPERT_MODEL = Layout(
     },
   },
   f32_leaf=("shared", "head"),
-  inject=(
-    ("expert", "w_out"),
-    (2, 7, 0),
-  ),  # expert shard 1, model shard 1, data shard 0
+  # expert shard 1, model shard 1, data shard 0
+  inject=(("expert", "w_out"), (2, 7, 0)),
 )
 
 LAYOUTS = [DATA_EXPERT, DATA_EXPERT_MODEL]
@@ -202,7 +190,7 @@ def make_tx(layout, partition_specs="layout"):
   )
 
 
-def state_specs(tx, layout, params):
+def state_specs(tx, layout, params, specs=None):
   """The optimizer state's PartitionSpecs: Adam's moments like the params,
   scalars
   replicated.
@@ -211,7 +199,7 @@ def state_specs(tx, layout, params):
     tx,
     lambda _, spec: spec,
     tx.init(params),
-    full_specs(layout),
+    full_specs(layout) if specs is None else specs,
     transform_non_params=lambda _: P(),
     is_leaf=lambda s: isinstance(s, P),
   )
@@ -237,6 +225,17 @@ def place(tree, specs, mesh):
     )
 
   return jax.tree.map(put, tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def placed(tx, layout, mesh, state_tx=None):
+  """``(specs, state specs, params, state)``: the layout's parameters and
+  ``state_tx``'s (default ``tx``) first state, placed on ``mesh``."""
+  state_tx = state_tx or tx
+  specs = full_specs(layout)
+  st_specs = state_specs(state_tx, layout, init_params(layout))
+  params = place(init_params(layout), specs, mesh)
+  state = place(state_tx.init(init_params(layout)), st_specs, mesh)
+  return specs, st_specs, params, state
 
 
 def step_fn(tx):
@@ -320,15 +319,9 @@ def single_device_run(layout):
 def jit_mesh_run(layout):
   tx = make_tx(layout)
   mesh = make_mesh(layout)
-  specs = full_specs(layout)
   with jax.set_mesh(mesh):
     step = jax.jit(step_fn(tx))
-    params = place(init_params(layout), specs, mesh)
-    state = place(
-      tx.init(init_params(layout)),
-      state_specs(tx, layout, init_params(layout)),
-      mesh,
-    )
+    specs, _, params, state = placed(tx, layout, mesh)
     before = jax.tree.map(lambda x: x.sharding, (params, state))
     history = []
     for t in range(STEPS):
@@ -349,8 +342,7 @@ def shard_map_run(layout, check_vma):
   """
   tx = make_tx(layout)
   mesh = make_mesh(layout)
-  specs = full_specs(layout)
-  st_specs = state_specs(tx, layout, init_params(layout))
+  specs, st_specs, params, state = placed(tx, layout, mesh)
   step = step_fn(tx)
 
   def local_step(grads, state, params):
@@ -369,21 +361,14 @@ def shard_map_run(layout, check_vma):
     )
   )
   with jax.set_mesh(mesh):
-    params = place(init_params(layout), specs, mesh)
-    state = place(tx.init(init_params(layout)), st_specs, mesh)
     history = []
     for t in range(STEPS):
       global_grads = scaled_grads(layout, t, float(fs.current_scale(state)))
       grads = place(global_grads, specs, mesh)
       if t == INJECT_STEP:  # the inf is held by exactly one device
-        leaf = _get(grads, layout.inject[0])
-        assert (
-          sum(
-            not np.isfinite(np.asarray(s.data)).all()
-            for s in leaf.addressable_shards
-          )
-          == 1
-        )
+        shards = _get(grads, layout.inject[0]).addressable_shards
+        finite = [np.isfinite(np.asarray(s.data)).all() for s in shards]
+        assert finite.count(False) == 1
       params, state, per_device = sharded_step(grads, state, params)
       rec = _record(fs.scale_metrics(state), params)
       rec["per_device"] = np.asarray(per_device)
@@ -470,6 +455,17 @@ def test_single_device_matches_reference(single, reference):
   check_against_reference(single, reference)
 
 
+def check_against_single(t, got, one):
+  for k in KEYS:
+    np.testing.assert_allclose(
+      got[k], one[k], rtol=1e-6, err_msg=f"step {t} {k}"
+    )
+  for g, w in zip(
+    jax.tree.leaves(got["params"]), jax.tree.leaves(one["params"])
+  ):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
 def test_jit_over_mesh_matches_reference_and_single_device(
   layout, single, reference
 ):
@@ -479,13 +475,8 @@ def test_jit_over_mesh_matches_reference_and_single_device(
   """
   history = jit_mesh_run(layout)
   check_against_reference(history, reference)
-  for got, one in zip(history, single):
-    for k in KEYS:
-      np.testing.assert_allclose(got[k], one[k], rtol=1e-6)
-    for g, w in zip(
-      jax.tree.leaves(got["params"]), jax.tree.leaves(one["params"])
-    ):
-      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+  for t, (got, one) in enumerate(zip(history, single)):
+    check_against_single(t, got, one)
 
 
 @pytest.mark.parametrize(
@@ -497,14 +488,7 @@ def test_shard_map_matches_reference_and_single_device(
   history = shard_map_run(layout, check_vma)
   check_against_reference(history, reference)
   for t, (got, one) in enumerate(zip(history, single)):
-    for k in KEYS:
-      np.testing.assert_allclose(
-        got[k], one[k], rtol=1e-6, err_msg=f"step {t} {k}"
-      )
-    for g, w in zip(
-      jax.tree.leaves(got["params"]), jax.tree.leaves(one["params"])
-    ):
-      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    check_against_single(t, got, one)
     # Every device took the same decision and ends the step with the same scale,
     # counters and norms: one inf on one device made all eight skip.
     per_device = got["per_device"]
@@ -528,8 +512,7 @@ def test_jit_update_keeps_state_shardings(layout):
   """
   tx = make_tx(layout)
   mesh = make_mesh(layout, AxisType.Auto)
-  specs = full_specs(layout)
-  st_specs = state_specs(tx, layout, init_params(layout))
+  specs, st_specs, params, state = placed(tx, layout, mesh)
   shardings = lambda sp: jax.tree.map(
     lambda s: NamedSharding(mesh, s), sp, is_leaf=lambda s: isinstance(s, P)
   )
@@ -538,14 +521,9 @@ def test_jit_update_keeps_state_shardings(layout):
       step_fn(tx),
       in_shardings=(shardings(specs), shardings(st_specs), shardings(specs)),
     )
-    params = place(init_params(layout), specs, mesh)
-    state = place(tx.init(init_params(layout)), st_specs, mesh)
     before = jax.tree.map(lambda x: x.sharding, (params, state))
-    for t in (
-      INJECT_STEP,
-      RESCUE_STEP,
-      RESCUE_STEP + 1,
-    ):  # overflow, rescue, plain
+    # Overflow, rescue, plain.
+    for t in (INJECT_STEP, RESCUE_STEP, RESCUE_STEP + 1):
       grads = place(
         scaled_grads(layout, t, float(fs.current_scale(state))), specs, mesh
       )
@@ -560,15 +538,10 @@ def test_jit_update_keeps_state_shardings(layout):
         assert a.is_equivalent_to(b, x.ndim), f"step {t}: {b} became {a}"
   # Adam's moments really are split (the comparison above is not between
   # replicated shardings).
-  mu = state[2][0].mu
-  assert _get(mu, layout.inject[0]).sharding.spec == _get(
-    specs, layout.inject[0]
-  )
-  assert len(_get(mu, layout.inject[0]).addressable_shards[0].data.shape) == 3
-  assert (
-    _get(mu, layout.inject[0]).addressable_shards[0].data.size
-    < _get(mu, layout.inject[0]).size
-  )
+  mu = _get(state[2][0].mu, layout.inject[0])
+  assert mu.sharding.spec == _get(specs, layout.inject[0])
+  assert len(mu.addressable_shards[0].data.shape) == 3
+  assert mu.addressable_shards[0].data.size < mu.size
 
 
 # ------------------------------------------------------------------------------
@@ -579,27 +552,17 @@ def _shard_map_update(layout, tx, check_vma=True, grads_hook=None):
   """Traces one shard_map'd update of `tx` (built with any specs) with correct
   in/out specs.
   """
-  good = make_tx(layout)
   mesh = make_mesh(layout)
-  st_specs = state_specs(good, layout, init_params(layout))
-
-  def local(grads, state, params):
-    if grads_hook is not None:
-      grads = grads_hook(grads)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+  specs, st_specs, params, state = placed(tx, layout, mesh, make_tx(layout))
+  hook = grads_hook or (lambda g: g)
   fn = jax.shard_map(
-    local,
+    lambda grads, *rest: step_fn(tx)(hook(grads), *rest),
     mesh=mesh,
     in_specs=(layout.specs, st_specs, layout.specs),
     out_specs=(layout.specs, st_specs),
     check_vma=check_vma,
   )
   with jax.set_mesh(mesh):
-    specs = full_specs(layout)
-    params = place(init_params(layout), specs, mesh)
-    state = place(good.init(init_params(layout)), st_specs, mesh)
     grads = place(scaled_grads(layout, 1, 1.0), specs, mesh)
     return jax.eval_shape(fn, grads, state, params)
 
@@ -705,21 +668,9 @@ def test_device_varying_gradients_without_partition_specs_are_named(varying):
     "f32": np.ones((8, 4), np.float32),
   }
   specs = {k: P("data") if k in varying else P() for k in params}
-  st_specs = optax.tree_map_params(  # Adam's moments like the params
-    tx,
-    lambda _, spec: spec,
-    tx.init(params),
-    specs,
-    transform_non_params=lambda _: P(),
-    is_leaf=lambda s: isinstance(s, P),
-  )
-
-  def local(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+  st_specs = state_specs(tx, None, params, specs)  # Adam's moments like params
   fn = jax.shard_map(
-    local,
+    step_fn(tx),
     mesh=mesh,
     in_specs=(specs, st_specs, specs),
     out_specs=(specs, st_specs),
