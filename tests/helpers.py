@@ -156,3 +156,18 @@ def replay_scalers(scalers, overflows):
 
   scales, errors = run(jnp.asarray(overflows))
   return np.asarray(scales, np.float64), np.asarray(errors)
+
+
+def jaxpr_eqns(jaxpr, out=None) -> list:
+  """Every equation of ``jaxpr`` and of the jaxprs inside its equations
+  (jit, custom_jvp, scan bodies), appended to ``out``."""
+  out = [] if out is None else out
+  for e in jaxpr.eqns:
+    out.append(e)
+    for v in e.params.values():
+      for w in v if isinstance(v, (list, tuple)) else [v]:
+        if hasattr(w, "eqns"):
+          jaxpr_eqns(w, out)
+        elif hasattr(getattr(w, "jaxpr", None), "eqns"):
+          jaxpr_eqns(w.jaxpr, out)
+  return out

@@ -16,11 +16,7 @@ import pytest
 import fp16_scaling as fs
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "float32-ops.md"
-F16, BF16, F32 = (
-  jnp.dtype("float16"),
-  jnp.dtype("bfloat16"),
-  jnp.dtype("float32"),
-)
+F16, BF16, F32 = map(jnp.dtype, ("float16", "bfloat16", "float32"))
 
 
 # ---------------------------------------------------------------------------
@@ -160,18 +156,9 @@ def test_the_table_has_its_rows():
   assert len(_ops_rows()) == 56
 
 
-def _eqns(jaxpr, out):
-  """Every equation of ``jaxpr`` and of the jaxprs inside its equations
-  (jit, custom_jvp, scan bodies)."""
-  for e in jaxpr.eqns:
-    out.append(e)
-    for v in e.params.values():
-      for w in v if isinstance(v, (list, tuple)) else [v]:
-        if hasattr(w, "eqns"):
-          _eqns(w, out)
-        elif hasattr(getattr(w, "jaxpr", None), "eqns"):
-          _eqns(w.jaxpr, out)
-  return out
+# Every equation of a jaxpr and of the jaxprs inside its equations (jit,
+# custom_jvp, scan bodies).
+_eqns = helpers.jaxpr_eqns
 
 
 def _namespace():
@@ -261,12 +248,13 @@ def test_the_row_check_can_fail():
   assert _floating_operands(e) == {F16}
 
 
+def wrapped(**kwargs):
+  return fs.float32(jax.nn.log_softmax, **kwargs)
+
+
 def test_log_softmax_runs_exp_and_log_in_float32_when_wrapped():
   x = jnp.zeros((4, 16), F16)
-  for f, want in (
-    (jax.nn.log_softmax, F16),
-    (fs.float32(jax.nn.log_softmax), F32),
-  ):
+  for f, want in ((jax.nn.log_softmax, F16), (wrapped(), F32)):
     eqns = _eqns(jax.make_jaxpr(f)(x).jaxpr, [])
     for prim in ("exp", "log"):
       got = _operands_of(eqns, prim)
@@ -286,11 +274,7 @@ def _errors(std):
   top = x64.max(-1, keepdims=True)
   ref = x64 - top - np.log(np.exp(x64 - top).sum(-1, keepdims=True))
   out = []
-  for f in (
-    jax.nn.log_softmax,
-    fs.float32(jax.nn.log_softmax),
-    fs.float32(jax.nn.log_softmax, keep_dtype=True),
-  ):
+  for f in (jax.nn.log_softmax, wrapped(), wrapped(keep_dtype=True)):
     err = np.abs(np.asarray(jax.jit(f)(x), np.float64) - ref)
     out += [err.max(), err.mean()]
   return np.array(out)
@@ -305,17 +289,14 @@ def test_measured_log_softmax_errors_are_the_pages(std):
   # ...and handed back in float16 it is never worse.
   assert kept_max <= plain_max and kept_mean <= plain_mean
   print(f"std {std}: " + " ".join(f"{e:.3g}" for e in errors))
-  page = np.array(
-    [float(c) for c in helpers.table_rows(PAGE.read_text())[f"std {std}"]]
-  )
+  page = helpers.table_rows(PAGE.read_text())[f"std {std}"]
+  page = np.array([float(c) for c in page])
   # The figures are the backend's exp and log roundings (3 digits printed);
   # another CPU's implementation may round a few elements differently: a
   # factor of 1.5 leaves that and still catches a stale page (the columns
   # differ by factors of 1,000 or more, plain against wrapped).
-  assert np.all(errors < page * 1.5) and np.all(errors > page / 1.5), (
-    errors,
-    page,
-  )
+  within = np.all(errors < page * 1.5) and np.all(errors > page / 1.5)
+  assert within, (errors, page)
 
 
 def test_page_code_runs():

@@ -6,6 +6,7 @@ pytrees, Equinox, Linen and NNX models; double casts refused by name."""
 
 import warnings
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +22,8 @@ TX = fs.chain(fs.fp16_loss_scale(fs.static_scaler(S)), optax.sgd(0.1))
 
 
 def _bits(tree):
-  return [
-    (np.asarray(x).dtype, np.asarray(x).tobytes())
-    for x in jax.tree.leaves(tree)
-  ]
+  leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+  return [(x.dtype, x.tobytes()) for x in leaves]
 
 
 def _mlp_params():
@@ -91,12 +90,8 @@ def test_the_loss_is_cast_to_the_output_dtype():
 
 
 def rl_loss(params, obs, advantages, old_logp, seen):
-  seen.update(
-    params=params["w1"].dtype,
-    obs=obs.dtype,
-    advantages=advantages.dtype,
-    old_logp=old_logp.dtype,
-  )
+  seen.update(params=params["w1"].dtype, obs=obs.dtype)
+  seen.update(advantages=advantages.dtype, old_logp=old_logp.dtype)
   logits = (jax.nn.relu(obs @ params["w1"]) @ params["w2"]).astype(F32)
   logp = jax.nn.log_softmax(logits)[:, 0]
   ratio = jnp.exp(logp - old_logp)
@@ -204,26 +199,19 @@ def test_linen_gradients_are_the_hand_written_forms():
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   state = TX.init(params)
-  _, grads = jax.jit(
-    lambda p, s: fs.value_and_grad(loss, s, policy=POLICY, cast_args=(1,))(
-      p, x, y
-    )
-  )(params, state)
-  expected = jax.jit(
-    jax.grad(
-      lambda p: (
-        loss(POLICY.cast_to_compute(p), x.astype(F16), y).astype(F32) * S
-      )
-    )
-  )(params)
+  grad = lambda p, s: fs.value_and_grad(loss, s, policy=POLICY, cast_args=(1,))(
+    p, x, y
+  )
+  _, grads = jax.jit(grad)(params, state)
+
+  def by_hand(p):
+    return loss(POLICY.cast_to_compute(p), x.astype(F16), y).astype(F32) * S
+
+  expected = jax.jit(jax.grad(by_hand))(params)
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
   # The policy's form runs the layers' products in float16.
-  jaxpr = jax.make_jaxpr(
-    lambda p, s: fs.value_and_grad(loss, s, policy=POLICY, cast_args=(1,))(
-      p, x, y
-    )
-  )(params, state)
+  jaxpr = jax.make_jaxpr(grad)(params, state)
   dots = _dot_dtypes(jaxpr.jaxpr)  # forward and backward products
   assert dots and dots <= {F16}, dots
   # A Linen module built with dtype=float16 casts its parameters and inputs
@@ -238,16 +226,9 @@ def test_linen_gradients_are_the_hand_written_forms():
 def _dot_dtypes(jaxpr):
   """The operand dtypes of every dot_general in ``jaxpr`` and the jaxprs
   inside its equations."""
-  found = set()
-  for e in jaxpr.eqns:
-    if e.primitive.name == "dot_general":
-      found |= {v.aval.dtype for v in e.invars}
-    for v in e.params.values():
-      for w in v if isinstance(v, (list, tuple)) else [v]:
-        inner = w if hasattr(w, "eqns") else getattr(w, "jaxpr", None)
-        if hasattr(inner, "eqns"):
-          found |= _dot_dtypes(inner)
-  return found
+  eqns = helpers.jaxpr_eqns(jaxpr)
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  return {v.aval.dtype for e in dots for v in e.invars}
 
 
 def _nnx_model(nnx, dtype=None):
@@ -280,11 +261,10 @@ def test_nnx_functional_gradients_are_the_hand_written_forms():
   _, grads = jax.jit(
     lambda p, s: fs.value_and_grad(loss, s, policy=POLICY)(p, rest, x, y)
   )(params, state)
-  expected = jax.jit(
-    jax.grad(
-      lambda p: loss(POLICY.cast_to_compute(p), rest, x, y).astype(F32) * S
-    )
-  )(params)
+  by_hand = lambda p: (
+    loss(POLICY.cast_to_compute(p), rest, x, y).astype(F32) * S
+  )
+  expected = jax.jit(jax.grad(by_hand))(params)
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
@@ -306,10 +286,8 @@ def test_nnx_optimizer_casts_the_params_and_keeps_the_batch_statistics():
 
   @nnx.jit
   def step(model, optimizer):
-    _, grads = fs.value_and_grad(_nnx_loss, optimizer, policy=POLICY)(
-      model, x, y
-    )
-    return grads
+    grad = fs.value_and_grad(_nnx_loss, optimizer, policy=POLICY)
+    return grad(model, x, y)[1]
 
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
   grads = step(model, optimizer)
