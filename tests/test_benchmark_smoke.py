@@ -35,30 +35,26 @@ def _ran(proc):
   return proc.stdout
 
 
+def _run_json(script, args, out, *more):
+  """``script`` run as a user runs it with ``args`` (split at spaces),
+  ``more`` and ``--json out``: (stdout, the JSON)."""
+  proc = helpers.run_script(
+    script, *args.split(), *more, "--json", out, timeout=900
+  )
+  return _ran(proc), json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def targets_run(tmp_path_factory):
   """targets.py --tiny, every default recipe: (stdout, JSON shape, out dir)."""
   pytest.importorskip("jmp")
   pytest.importorskip("flax")
   out = tmp_path_factory.mktemp("step_cost")
-  stdout = _ran(
-    helpers.run_script(
-      TARGETS,
-      "--tiny",
-      "--repeats",
-      REPEATS,
-      "--warmup",
-      1,
-      "--budget",
-      300,
-      "--json",
-      out / "result.json",
-      "--dump-hlo",
-      out / "hlo",
-      timeout=900,
-    )
+  args = f"--tiny --repeats {REPEATS} --warmup 1 --budget 300"
+  stdout, result = _run_json(
+    TARGETS, args, out / "result.json", "--dump-hlo", out / "hlo"
   )
-  (shape,) = json.loads((out / "result.json").read_text())["shapes"]
+  (shape,) = result["shapes"]
   return stdout, shape, out
 
 
@@ -67,23 +63,9 @@ def options_run(tmp_path_factory):
   """step_cost.py alone, ``--recipes options`` at OPTIONS_SHAPE: (stdout,
   JSON shape)."""
   out = tmp_path_factory.mktemp("options") / "r.json"
-  stdout = _ran(
-    helpers.run_script(
-      SCRIPT,
-      "--shape",
-      OPTIONS_SHAPE,
-      "--recipes",
-      "options",
-      "--repeats",
-      REPEATS,
-      "--warmup",
-      0,
-      "--json",
-      out,
-      timeout=900,
-    )
-  )
-  (shape,) = json.loads(out.read_text())["shapes"]
+  args = f"--shape {OPTIONS_SHAPE} --recipes options --repeats {REPEATS}"
+  stdout, result = _run_json(SCRIPT, args + " --warmup 0", out)
+  (shape,) = result["shapes"]
   return stdout, shape
 
 
@@ -191,12 +173,8 @@ def test_hlo_traffic_per_leaf_counts_the_fusions(targets_run, capsys):
 
 def test_stacked_cost_stacking_cuts_the_fusions(capsys):
   script = helpers.load_script(ROOT / "benchmarks" / "stacked_cost.py")
-  assert (
-    script.main(
-      ["--layers", "4", "--width", "8", "--rounds", "1", "--inner", "1"]
-    )
-    == 0
-  )
+  argv = "--layers 4 --width 8 --rounds 1 --inner 1"
+  assert script.main(argv.split()) == 0
   rows = re.findall(
     r"^\| (floor|fp16) \| (unstacked|stacked) \| (\d+) \| ([\d,]+) \|",
     capsys.readouterr().out,
@@ -302,15 +280,8 @@ def test_shape_spellings(bench):
     "10M/200:distinct",
     (10_000_000, 200),
   )
-  bad_shapes = (
-    "16x",
-    "x16",
-    "20M",
-    "10/20",
-    "500x16:distinct",
-    "2K/100:distinct",
-  )
-  for bad in bad_shapes:
+  bad_shapes = "16x x16 20M 10/20 500x16:distinct 2K/100:distinct"
+  for bad in bad_shapes.split():
     with pytest.raises(Exception, match="shape|leaves"):
       bench.parse_shape(bad)
 
@@ -337,24 +308,8 @@ def copy_option_run(tmp_path_factory):
   (stdout, the whole JSON)."""
   pytest.importorskip("jmp")
   out = tmp_path_factory.mktemp("copy_option") / "r.json"
-  stdout = _ran(
-    helpers.run_script(
-      SCRIPT,
-      "--tiny",
-      "--recipes",
-      "floor,fp16,jmp",
-      "--compiler-option",
-      f"{COPY_OPTION}=true",
-      "--repeats",
-      REPEATS,
-      "--warmup",
-      1,
-      "--json",
-      out,
-      timeout=900,
-    )
-  )
-  return stdout, json.loads(out.read_text())
+  args = f"--tiny --recipes floor,fp16,jmp --compiler-option {COPY_OPTION}=true"
+  return _run_json(SCRIPT, f"{args} --repeats {REPEATS} --warmup 1", out)
 
 
 def test_compiler_option_spellings(bench):
@@ -370,12 +325,8 @@ def test_compiler_option_spellings(bench):
   for bad in (COPY_OPTION, f"{COPY_OPTION}=", "=true", "xla a=1"):
     with pytest.raises(Exception, match="KEY=VALUE"):
       parse(bad)
-  assert bench.option_args({"a": True, "b": 2}) == [
-    "--compiler-option",
-    "a=true",
-    "--compiler-option",
-    "b=2",
-  ]
+  args = "--compiler-option a=true --compiler-option b=2"
+  assert bench.option_args({"a": True, "b": 2}) == args.split()
 
 
 def test_a_bad_compiler_option_is_a_usage_error(bench, capsys):
