@@ -171,3 +171,24 @@ def jaxpr_eqns(jaxpr, out=None) -> list:
         elif hasattr(getattr(w, "jaxpr", None), "eqns"):
           jaxpr_eqns(w.jaxpr, out)
   return out
+
+
+def assert_same_bits(a, b):
+  """``a`` and ``b`` have one tree structure and bit-identical leaves."""
+  import jax
+
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  assert bits(a) == bits(b)
+
+
+def orbax_round_trip(path, tree, target=None):
+  """``tree`` saved by orbax's StandardCheckpointer at ``path`` and restored
+  (into ``target``, or untyped without one)."""
+  import orbax.checkpoint as ocp
+
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(path, tree)
+  ckpt.wait_until_finished()
+  return (
+    ckpt.restore(path, target) if target is not None else ckpt.restore(path)
+  )
