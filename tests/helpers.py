@@ -192,3 +192,30 @@ def orbax_round_trip(path, tree, target=None):
   return (
     ckpt.restore(path, target) if target is not None else ckpt.restore(path)
   )
+
+
+def free_port() -> int:
+  """A free TCP port on the loopback interface."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(cmds, env, timeout=110) -> list:
+  """Starts every command of ``cmds`` at once with ``env`` (the repository
+  first on its PYTHONPATH) and waits for them all: ``[(returncode, stdout
+  and stderr)]``. Any still running when one passes ``timeout`` is killed."""
+  env = dict(env)
+  path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + path)
+  out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  procs = [subprocess.Popen(cmd, env=env, **out) for cmd in cmds]
+  try:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return [(p.returncode, log) for p, log in zip(procs, logs)]
