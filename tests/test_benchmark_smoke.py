@@ -239,18 +239,15 @@ def test_stacked_cost_scan_fuses_less_and_computes_the_same_loss(capsys):
 def test_the_timer_alone_prints_ratios_and_no_verdicts(options_run, bench):
   stdout, shape = options_run
   assert "target" not in stdout and "MISS" not in stdout
-  floor = bench.RECIPES[0].label
+  floor, lines = bench.RECIPES[0].label, stdout.splitlines()
   for label, row in shape["rows"].items():
     if label in (floor, bench.OVERFLOW_ROW):
       continue
-    (line,) = [
-      x for x in stdout.splitlines() if x.startswith(f"- {label} / fl")
-    ]
+    (line,) = [x for x in lines if x.startswith(f"- {label} / fl")]
     wall = _ratio(statistics.median(row["wall_vs_floor_per_round"]))
     cpu = _ratio(statistics.median(row["cpu_vs_floor_per_round"]))
-    assert (
-      f"per round: wall {wall} [" in line and f"process CPU {cpu} [" in line
-    )
+    assert f"per round: wall {wall} [" in line
+    assert f"process CPU {cpu} [" in line
   assert "overflow step / clean step, per round:" in stdout
 
 
@@ -261,13 +258,12 @@ def test_options_are_priced_against_b(options_run, bench):
   assert f"Shape {OPTIONS_SHAPE}: 128 float32 params in 8 leaves" in stdout
   assert (shape["params"], shape["leaves"]) == (128, 8)
   b = shape["rows"][bench.BY_KEY["fp16"].label]["step_s_samples"]
+  lines = stdout.splitlines()
   for option in helpers.load_script(RECIPES).OPTIONS:
     row = shape["rows"][option.label]
     assert row["status"] == "ok"
     vs_b = [x / y for x, y in zip(row["step_s_samples"], b)]
-    (line,) = [
-      x for x in stdout.splitlines() if x.startswith(f"- {option.label} / b")
-    ]
+    (line,) = [x for x in lines if x.startswith(f"- {option.label} / b")]
     assert f"per round: wall {_ratio(statistics.median(vs_b))} [" in line
 
 
@@ -276,10 +272,8 @@ def test_shape_spellings(bench):
   assert bench.parse_shape("2000x16") == ("2000x16", (32000, 2000))
   assert bench.parse_shape("8K/500") == ("8K/500", (8000, 500))
   assert bench.parse_shape("20M/200") == ("20M/200", (20_000_000, 200))
-  assert bench.parse_shape("10M/200:distinct") == (
-    "10M/200:distinct",
-    (10_000_000, 200),
-  )
+  distinct = ("10M/200:distinct", (10_000_000, 200))
+  assert bench.parse_shape("10M/200:distinct") == distinct
   bad_shapes = "16x x16 20M 10/20 500x16:distinct 2K/100:distinct"
   for bad in bad_shapes.split():
     with pytest.raises(Exception, match="shape|leaves"):
@@ -294,9 +288,8 @@ def test_distinct_leaf_sizes(bench, n, leaves):
   assert sum(sizes) == n and len(sizes) == leaves
   assert len(set(sizes)) == leaves
   assert max(sizes) - min(sizes) < 3 * leaves
-  assert _recipes().leaf_sizes(n, leaves) == [n // leaves + n % leaves] + [
-    n // leaves
-  ] * (leaves - 1)
+  even = [n // leaves + n % leaves] + [n // leaves] * (leaves - 1)
+  assert _recipes().leaf_sizes(n, leaves) == even
 
 
 COPY_OPTION = "xla_cpu_copy_insertion_use_region_analysis"
@@ -365,10 +358,8 @@ def test_the_compiler_option_reaches_the_timed_executable(
   for label, row in shape["rows"].items():
     assert row["copies"] == 0, label
     assert row["first_call_cache_hit"] is True, label
-  assert (
-    "- array copy instructions in each compiled step (entry computation): "
-    "floor 0, fp16 0, jmp 0"
-  ) in stdout
+  copies = "- array copy instructions in each compiled step (entry computation)"
+  assert f"{copies}: floor 0, fp16 0, jmp 0" in stdout
   targets_stdout, targets_shape, _ = targets_run
   assert f"Compiler options: {COPY_OPTION}=true" in targets_stdout
   assert targets_shape["rows"][jmp]["copies"] == 0
