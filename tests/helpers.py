@@ -156,3 +156,66 @@ def replay_scalers(scalers, overflows):
 
   scales, errors = run(jnp.asarray(overflows))
   return np.asarray(scales, np.float64), np.asarray(errors)
+
+
+def jaxpr_eqns(jaxpr, out=None) -> list:
+  """Every equation of ``jaxpr`` and of the jaxprs inside its equations
+  (jit, custom_jvp, scan bodies), appended to ``out``."""
+  out = [] if out is None else out
+  for e in jaxpr.eqns:
+    out.append(e)
+    for v in e.params.values():
+      for w in v if isinstance(v, (list, tuple)) else [v]:
+        if hasattr(w, "eqns"):
+          jaxpr_eqns(w, out)
+        elif hasattr(getattr(w, "jaxpr", None), "eqns"):
+          jaxpr_eqns(w.jaxpr, out)
+  return out
+
+
+def assert_same_bits(a, b):
+  """``a`` and ``b`` have one tree structure and bit-identical leaves."""
+  import jax
+
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  assert bits(a) == bits(b)
+
+
+def orbax_round_trip(path, tree, target=None):
+  """``tree`` saved by orbax's StandardCheckpointer at ``path`` and restored
+  (into ``target``, or untyped without one)."""
+  import orbax.checkpoint as ocp
+
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(path, tree)
+  ckpt.wait_until_finished()
+  return (
+    ckpt.restore(path, target) if target is not None else ckpt.restore(path)
+  )
+
+
+def free_port() -> int:
+  """A free TCP port on the loopback interface."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(cmds, env, timeout=110) -> list:
+  """Starts every command of ``cmds`` at once with ``env`` (the repository
+  first on its PYTHONPATH) and waits for them all: ``[(returncode, stdout
+  and stderr)]``. Any still running when one passes ``timeout`` is killed."""
+  env = dict(env)
+  path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + path)
+  out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  procs = [subprocess.Popen(cmd, env=env, **out) for cmd in cmds]
+  try:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return [(p.returncode, log) for p, log in zip(procs, logs)]

@@ -4,6 +4,7 @@ scale off once; the next window starts clean."""
 
 import functools
 
+from helpers import bits as _bits
 from helpers import guarded
 from helpers import nested_params as _params
 import jax
@@ -34,23 +35,16 @@ def _guarded(scaler=None, inner=None):
 
 def _true_grads(t):
   key = jax.random.PRNGKey(100 + t)
-  return jax.tree.map(
-    lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape),
-    _params(),
-  )
+  draw = lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape)
+  return jax.tree.map(draw, _params())
 
 
 def _microbatch(t, scale, bad):
   """float16 gradients of ``loss * scale``; ``bad`` puts an inf in one."""
-  grads = jax.tree.map(
-    lambda g: (g * scale).astype(jnp.float16), _true_grads(t)
-  )
+  half = lambda g: (g * scale).astype(jnp.float16)
+  grads = jax.tree.map(half, _true_grads(t))
   grads["out"] = grads["out"].at[1].multiply(jnp.where(bad, jnp.inf, 1.0))
   return grads
-
-
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 _STEPS = {}
@@ -122,17 +116,15 @@ def test_window_step_is_the_guarded_chain_on_the_float32_mean():
   for w in range(3):
     acc = None
     for t in range(w * K, (w + 1) * K):
-      part = jax.tree.map(
-        lambda g: np.asarray(g, np.float32) / np.float32(K), records[t][0]
-      )
+      div = lambda g: np.asarray(g, np.float32) / np.float32(K)
+      part = jax.tree.map(div, records[t][0])
       with np.errstate(invalid="ignore"):
         acc = part if acc is None else jax.tree.map(np.add, acc, part)
     updates, state = update(acc, state, params)
     params = optax.apply_updates(params, updates)
-    assert _bits(params) == _bits(records[(w + 1) * K - 1][1])
-    assert float(fs.current_scale(state)) == float(
-      records[(w + 1) * K - 1][3]["loss_scale"]
-    )
+    end = records[(w + 1) * K - 1]
+    assert _bits(params) == _bits(end[1])
+    assert float(fs.current_scale(state)) == float(end[3]["loss_scale"])
 
 
 def test_metrics_between_windows_are_not_news():
@@ -176,9 +168,9 @@ def test_thousand_windows_with_a_fifth_of_microbatches_bad_never_stall():
 
     return jax.lax.scan(step, (params, state), (jnp.arange(n), bad))
 
-  (params, state), (ended, overflow, after, before) = jax.tree.map(
-    np.asarray, run(params, tx.init(params), jnp.asarray(bad))
-  )
+  out = run(params, tx.init(params), jnp.asarray(bad))
+  out = jax.tree.map(np.asarray, out)
+  (params, state), (ended, overflow, after, before) = out
   window_bad = bad.reshape(windows, k).any(axis=1)
   np.testing.assert_array_equal(ended, np.tile([0, 0, 0, 1], windows))
   np.testing.assert_array_equal(overflow[ended], window_bad)
@@ -201,14 +193,11 @@ def test_drop_microbatch_averages_the_clean_ones():
   # Window 0: microbatch 2 bad, dropped. Window 1: all bad, skipped.
   bad = {2, 4, 5, 6, 7}
   records = _run(tx, bad, 2 * K)
-  clean = [
-    jax.tree.map(lambda g: np.asarray(g, np.float32), records[t][0])
-    for t in (0, 1, 3)
-  ]
+  f32 = lambda g: np.asarray(g, np.float32)
+  clean = [jax.tree.map(f32, records[t][0]) for t in (0, 1, 3)]
   mean = jax.tree.map(lambda *g: (g[0] + g[1] + g[2]) / 3 / 2.0**10, *clean)
-  norm = np.sqrt(
-    sum(np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(mean))
-  )
+  squares = [np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(mean)]
+  norm = np.sqrt(sum(squares))
   coef = min(1.0, 2.0 / (norm + 1e-6))
   m = records[K - 1][3]
   assert not bool(m["overflow"]) and int(m["dropped_microbatches"]) == 1
@@ -216,9 +205,8 @@ def test_drop_microbatch_averages_the_clean_ones():
   # float32 sums of the 18 squares and of each element's 3 terms, in any
   # order, against numpy's float64: within (18 + 3) float32 roundings.
   n = sum(x.size for x in jax.tree.leaves(mean))
-  np.testing.assert_allclose(
-    float(m["grad_norm"]), norm, rtol=(n + 3) * 2.0**-24
-  )
+  tol = (n + 3) * 2.0**-24
+  np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=tol)
   for p0, p1, g in zip(
     jax.tree.leaves(_params()),
     jax.tree.leaves(records[K - 1][1]),
@@ -233,26 +221,12 @@ def test_drop_microbatch_averages_the_clean_ones():
 
 
 def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
-  def scaled_by_value():
-    return optax.GradientTransformationExtraArgs(
-      lambda p: optax.EmptyState(),
-      lambda u, s, p=None, *, value: (
-        jax.tree.map(lambda x: x * value, u),
-        s,
-      ),
-    )
-
-  inner = fs.chain(
-    fs.fp16_loss_scale(fs.static_scaler(1.0)),
-    scaled_by_value(),
-    optax.sgd(1.0),
-  )
+  inner = guarded(fs.static_scaler(1.0), _times_value(), optax.sgd(1.0))
   tx = fs.accumulate_gradients(inner, lambda w: jnp.where(w < 1, 2, 3))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
-  step = jax.jit(
-    lambda s: tx.update({"w": jnp.full(2, 6.0)}, s, params, value=0.5)
-  )
+  grads = {"w": jnp.full(2, 6.0)}
+  step = jax.jit(lambda s: tx.update(grads, s, params, value=0.5))
   ends = []
   for _ in range(8):
     updates, state = step(state)
@@ -266,10 +240,9 @@ def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
 
 @pytest.mark.parametrize("k", [0, -1])
 def test_every_k_schedule_below_one(k):
-  with pytest.raises(ValueError, match="every_k_schedule"):
-    fs.accumulate_gradients(_guarded(), k)
-  with pytest.raises(ValueError, match="every_k_schedule"):
-    fs.accumulate_gradients(_guarded(), lambda w: k)
+  for schedule in (k, lambda w: k):
+    with pytest.raises(ValueError, match="every_k_schedule"):
+      fs.accumulate_gradients(_guarded(), schedule)
 
 
 @pytest.mark.parametrize("k", [True, 2.5, "4"])
@@ -401,6 +374,5 @@ def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
     updates, state = update(grads, state, jnp.float32(loss))
   kept = [x for t, x in enumerate(losses) if policy == "skip_step" or t != 1]
   # The window's mean gradient is 1.0, so the updates are the value passed.
-  np.testing.assert_allclose(
-    updates["w"], [sum(kept) / len(kept)] * 2, rtol=1e-6
-  )
+  want = [sum(kept) / len(kept)] * 2
+  np.testing.assert_allclose(updates["w"], want, rtol=1e-6)

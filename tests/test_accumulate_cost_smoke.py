@@ -11,12 +11,8 @@ from helpers import ROOT
 
 
 def test_tiny_run_reports_both_phases(tmp_path):
-  proc = helpers.run_script(
-    ROOT / "benchmarks" / "accumulate_cost.py",
-    "--tiny",
-    "--json",
-    tmp_path / "r.json",
-  )
+  script = ROOT / "benchmarks" / "accumulate_cost.py"
+  proc = helpers.run_script(script, "--tiny", "--json", tmp_path / "r.json")
   assert proc.returncode == 0, proc.stdout + proc.stderr
   result = json.loads((tmp_path / "r.json").read_text())
   n, leaves = (int(v) for v in result["shape"].split("/"))
@@ -32,9 +28,8 @@ def test_tiny_run_reports_both_phases(tmp_path):
     per_round = [o / b for o, b in zip(r["ours_s"], r["base_s"])]
     assert r["wall_ratio"] == statistics.median(per_round)
     assert cells[2].startswith(f"{r['wall_ratio']:.3f}x [")
-    assert cells[3:5] == [
-      f"{r[k] / n:.2f}" for k in ("base_bytes", "ours_bytes")
-    ]
+    per_param = [f"{r[k] / n:.2f}" for k in ("base_bytes", "ours_bytes")]
+    assert cells[3:5] == per_param
     ratio = r["ours_bytes"] / r["base_bytes"]
     assert 0 < ratio <= 1.0 and cells[5] == f"{ratio:.3f}x ok (<= 1.0x)"
   phases = result["phases"]

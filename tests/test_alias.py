@@ -7,12 +7,13 @@ select after the update on XLA:CPU; docs/design.md).
 Also, for an optimizer zoo, every overflow step is skipped bit for bit and
 the run is plain optax's run on the clean steps' true gradients."""
 
-import importlib.util
-import pathlib
+import math
 import re
 
+from helpers import ROOT
 from helpers import bits as _bits
 from helpers import guarded
+from helpers import load_script
 from helpers import strip_bookkeeping as _inner
 import hlo
 import jax
@@ -71,9 +72,8 @@ def _same_bits_step(tx, params, state, units, i):
   grads = jax.tree.map(lambda g: (g[i] * scale).astype(jnp.float16), units)
   # Steps 3 and 4 overflow.
   poison = (i == 3) | (i == 4)
-  grads["w"] = (
-    grads["w"].at[0, 0].set(jnp.where(poison, jnp.inf, grads["w"][0, 0]))
-  )
+  w = grads["w"]
+  grads["w"] = w.at[0, 0].set(jnp.where(poison, jnp.inf, w[0, 0]))
   updates, state = tx.update(grads, state, params)
   return optax.apply_updates(params, updates), state
 
@@ -85,10 +85,8 @@ def zoo_runs():
   on the true gradients of the clean steps only (the oracle: an overflow
   step is as if it never happened), and ours' states. One jit steps every
   optimizer's chain."""
-  params = {
-    "w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)),
-    "b": jnp.array([0.0, -0.0, 1.0, 2.0]),
-  }
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4))}
+  params["b"] = jnp.array([0.0, -0.0, 1.0, 2.0])
   names = sorted(_OPTIMIZERS)
   txs = [_same_bits_chain(name) for name in names]
   plains = [
@@ -115,13 +113,8 @@ def zoo_runs():
     runs = step_all(runs, _UNIT_GRADS, i)
     if i not in (3, 4):
       # The true gradients: float16 at the scale, divided back exactly.
-      grads = [
-        jax.tree.map(
-          lambda g, s=s: (g[i] * s).astype(jnp.float16).astype(jnp.float32) / s,
-          _UNIT_GRADS,
-        )
-        for s in scales
-      ]
+      true = lambda g, s: (g[i] * s).astype(jnp.float16).astype(jnp.float32) / s
+      grads = [jax.tree.map(lambda g: true(g, s), _UNIT_GRADS) for s in scales]
       plain = plain_all(plain, grads)
     for k in range(len(names)):
       ours[k].append(runs[k])
@@ -144,25 +137,17 @@ def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
   # (the clip's norm is summed in another order: last-place differences).
   for (params, _), want in zip(ours, plain):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
-      np.testing.assert_allclose(
-        np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7
-      )
+      a, b = np.asarray(a), np.asarray(b)
+      np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
 
 
 # --------------------------------------------------------------------------
 # The compiled step: with the CPU option no copy of an array, no more bytes
 # than optax.
 
-_TRAFFIC = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 def _hlo_traffic():
-  spec = importlib.util.spec_from_file_location(
-    "hlo_traffic", _TRAFFIC / "hlo_traffic.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(ROOT / "benchmarks" / "hlo_traffic.py")
 
 
 _SIZES = (4096, 2048, 1024, 512)
@@ -174,15 +159,18 @@ def _compiled_step(tx, grad_dtype, cast_to_f32=False, options=None):
   ``options`` as XLA compiler options)."""
   params = [jnp.full((n,), 0.5, jnp.float32) for n in _SIZES]
   grads = [jnp.full((n,), 1.0, grad_dtype) for n in _SIZES]
+  jitted = jax.jit(_step_of(tx, cast_to_f32), donate_argnums=(0, 1))
+  return jitted.lower(params, tx.init(params), grads).compile(options)
 
+
+def _step_of(tx, cast_to_f32=False):
   def step(params, state, grads):
     if cast_to_f32:
       grads = [g.astype(jnp.float32) for g in grads]
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  return jitted.lower(params, tx.init(params), grads).compile(options)
+  return step
 
 
 def _array_copies(compiled, traffic):
@@ -220,50 +208,38 @@ def _scalar_bytes(compiled, traffic, small):
   entry = hlo.computations(compiled.as_text())["ENTRY"]
   shapes = {i["name"]: i["shape"] for i in entry}
   total = 0
+  skipped = ("parameter", "constant", "tuple", "get-tuple-element")
+  skipped += ("conditional", "while", "call", "bitcast")
   for inst in entry:
-    if inst["op"] in ("parameter", "constant", "tuple", "get-tuple-element"):
-      continue
-    if inst["op"] in ("conditional", "while", "call", "bitcast"):
+    if inst["op"] in skipped:
       continue
     touched = [inst["shape"]] + [shapes.get(o, "") for o in inst["operands"]]
-    counts = [traffic.shape_bytes(t) for t in touched]
-    elements = [_elements(t) for t in touched]
-    if max(elements) <= small:
-      total += sum(counts)
+    if max(_elements(t) for t in touched) <= small:
+      total += sum(traffic.shape_bytes(t) for t in touched)
   return total
 
 
 def _elements(shape):
-  dims = re.findall(r"\[([\d,]*)\]", shape)
-  n = 0
-  for d in dims:
-    k = 1
-    for x in filter(None, d.split(",")):
-      k *= int(x)
-    n = max(n, k)
-  return n
+  found = re.findall(r"\[([\d,]*)\]", shape)
+  dims = [filter(None, d.split(",")) for d in found]
+  return max((math.prod(map(int, d)) for d in dims), default=0)
 
 
 def _bookkeeping(state):
-  book = (LossScaleState, ClipState)
-  return [
-    x
-    for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, book))
-    if isinstance(x, book)
-  ]
+  is_book = lambda x: isinstance(x, (LossScaleState, ClipState))
+  return [x for x in jax.tree.leaves(state, is_leaf=is_book) if is_book(x)]
 
 
 @pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.float32])
 def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
   traffic = _hlo_traffic()
-  ours = fs.chain(
-    fs.fp16_loss_scale(fs.deepspeed_scaler(init_scale=2.0**16)),
+  ours = guarded(
+    fs.deepspeed_scaler(init_scale=2.0**16),
     fs.clip_by_unscaled_norm(1.0),
     optax.adamw(1e-3, weight_decay=1e-4),
   )
-  plain = optax.chain(
-    optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=1e-4)
-  )
+  adamw = optax.adamw(1e-3, weight_decay=1e-4)
+  plain = optax.chain(optax.clip_by_global_norm(1.0), adamw)
   cpu = jax.default_backend() == "cpu"
   options = CPU_OPTION if cpu else None
   floor = _compiled_step(plain, grad_dtype, cast_to_f32=True)
@@ -284,9 +260,8 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
   # bookkeeping value is written once and read by a few scalar
   # instructions: bounded by 16 accesses of every bookkeeping byte.
   small = len(_SIZES)
-  assert _common_path_bytes(kept, traffic, small) <= _common_path_bytes(
-    floor, traffic, small
-  )
+  common = lambda compiled: _common_path_bytes(compiled, traffic, small)
+  assert common(kept) <= common(floor)
   state = ours.init([jnp.zeros(n) for n in _SIZES])
   book = sum(x.nbytes for x in jax.tree.leaves(_bookkeeping(state)))
   assert _scalar_bytes(kept, traffic, small) <= 16 * book
@@ -304,10 +279,14 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
 
 
 def _guarded_with(scaler, *, clip=True, expert_mask=None, **options):
-  clips = (
-    [fs.clip_by_unscaled_norm(1.0, expert_mask=expert_mask)] if clip else []
-  )
+  clips = [fs.clip_by_unscaled_norm(1.0, expert_mask=expert_mask)]
+  clips = clips if clip else []
   return guarded(scaler, *clips, optax.adamw(1e-3), **options)
+
+
+def _accumulating(policy="skip_step"):
+  inner = _guarded_with(fs.deepspeed_scaler())
+  return fs.accumulate_gradients(inner, 3, on_microbatch_overflow=policy)
 
 
 _IN_PLACE = {
@@ -326,14 +305,8 @@ _IN_PLACE = {
   ),
   "grad_range": lambda: _guarded_with(fs.torch_scaler(), grad_range=True),
   "log_overflows": lambda: _guarded_with(fs.torch_scaler(), log_overflows=True),
-  "accumulate": lambda: fs.accumulate_gradients(
-    _guarded_with(fs.deepspeed_scaler()), 3
-  ),
-  "accumulate, drop": lambda: fs.accumulate_gradients(
-    _guarded_with(fs.deepspeed_scaler()),
-    3,
-    on_microbatch_overflow="drop_microbatch",
-  ),
+  "accumulate": lambda: _accumulating(),
+  "accumulate, drop": lambda: _accumulating("drop_microbatch"),
 }
 
 
@@ -341,23 +314,15 @@ def _donated_step(tx, options=None):
   """``(jitted step, params, state, grads(scale), compiled text)`` of the
   donated step of ``tx`` on four float16 (float32 for plain optax) leaves."""
   params = [jnp.full((k,), 0.5, jnp.float32) for k in _SIZES]
-  plain = not isinstance(tx.init(params), tuple) or not any(
-    isinstance(x, LossScaleState)
-    for x in jax.tree.leaves(
-      tx.init(params), is_leaf=lambda x: isinstance(x, LossScaleState)
-    )
-  )
+  state = tx.init(params)
+  book = _bookkeeping(state)
+  plain = not any(isinstance(x, LossScaleState) for x in book)
   dtype = jnp.float32 if plain else jnp.float16
 
   def grads(scale):
     return [jnp.full((k,), 2.0**-20 * scale, dtype) for k in _SIZES]
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  state = tx.init(params)
+  jitted = jax.jit(_step_of(tx), donate_argnums=(0, 1))
   compiled = jitted.lower(params, state, grads(1.0)).compile(options)
   return jitted, params, state, grads, compiled.as_text()
 
@@ -378,9 +343,8 @@ def test_every_output_aliases_a_donated_input(name):
     assert hlo.output_count(text) == outputs
     # Positional: each output is written over its own input's buffer.
     assert _unaliased(text, outputs) == [], (name, options)
-    arrays = [
-      c for c in hlo.entry_copies(text) if not re.search(r"\[\] copy\(", c)
-    ]
+    copies = hlo.entry_copies(text)
+    arrays = [c for c in copies if not re.search(r"\[\] copy\(", c)]
     if options is not None:
       # No copy of an array: only scalars (the loss scale, read by the new
       # scale and kept as prev_loss_scale), as plain optax's step.
@@ -417,10 +381,7 @@ def test_each_written_over_is_what_keeps_outputs_aliased(use, monkeypatch):
   # input is dropped from the executable and the outputs pair wrongly.
   make, skipped = _WRITE_ONLY[use]
   real = _donation.written_over
-  monkeypatch.setattr(
-    _donation,
-    "written_over",
-    lambda old, new: new if skipped(new) else real(old, new),
-  )
+  unless_skipped = lambda old, new: new if skipped(new) else real(old, new)
+  monkeypatch.setattr(_donation, "written_over", unless_skipped)
   _, params, state, _, text = _donated_step(make())
   assert _unaliased(text, len(jax.tree.leaves((params, state))))

@@ -35,30 +35,26 @@ def _ran(proc):
   return proc.stdout
 
 
+def _run_json(script, args, out, *more):
+  """``script`` run as a user runs it with ``args`` (split at spaces),
+  ``more`` and ``--json out``: (stdout, the JSON)."""
+  proc = helpers.run_script(
+    script, *args.split(), *more, "--json", out, timeout=900
+  )
+  return _ran(proc), json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def targets_run(tmp_path_factory):
   """targets.py --tiny, every default recipe: (stdout, JSON shape, out dir)."""
   pytest.importorskip("jmp")
   pytest.importorskip("flax")
   out = tmp_path_factory.mktemp("step_cost")
-  stdout = _ran(
-    helpers.run_script(
-      TARGETS,
-      "--tiny",
-      "--repeats",
-      REPEATS,
-      "--warmup",
-      1,
-      "--budget",
-      300,
-      "--json",
-      out / "result.json",
-      "--dump-hlo",
-      out / "hlo",
-      timeout=900,
-    )
+  args = f"--tiny --repeats {REPEATS} --warmup 1 --budget 300"
+  stdout, result = _run_json(
+    TARGETS, args, out / "result.json", "--dump-hlo", out / "hlo"
   )
-  (shape,) = json.loads((out / "result.json").read_text())["shapes"]
+  (shape,) = result["shapes"]
   return stdout, shape, out
 
 
@@ -67,23 +63,9 @@ def options_run(tmp_path_factory):
   """step_cost.py alone, ``--recipes options`` at OPTIONS_SHAPE: (stdout,
   JSON shape)."""
   out = tmp_path_factory.mktemp("options") / "r.json"
-  stdout = _ran(
-    helpers.run_script(
-      SCRIPT,
-      "--shape",
-      OPTIONS_SHAPE,
-      "--recipes",
-      "options",
-      "--repeats",
-      REPEATS,
-      "--warmup",
-      0,
-      "--json",
-      out,
-      timeout=900,
-    )
-  )
-  (shape,) = json.loads(out.read_text())["shapes"]
+  args = f"--shape {OPTIONS_SHAPE} --recipes options --repeats {REPEATS}"
+  stdout, result = _run_json(SCRIPT, args + " --warmup 0", out)
+  (shape,) = result["shapes"]
   return stdout, shape
 
 
@@ -191,12 +173,8 @@ def test_hlo_traffic_per_leaf_counts_the_fusions(targets_run, capsys):
 
 def test_stacked_cost_stacking_cuts_the_fusions(capsys):
   script = helpers.load_script(ROOT / "benchmarks" / "stacked_cost.py")
-  assert (
-    script.main(
-      ["--layers", "4", "--width", "8", "--rounds", "1", "--inner", "1"]
-    )
-    == 0
-  )
+  argv = "--layers 4 --width 8 --rounds 1 --inner 1"
+  assert script.main(argv.split()) == 0
   rows = re.findall(
     r"^\| (floor|fp16) \| (unstacked|stacked) \| (\d+) \| ([\d,]+) \|",
     capsys.readouterr().out,
@@ -261,18 +239,15 @@ def test_stacked_cost_scan_fuses_less_and_computes_the_same_loss(capsys):
 def test_the_timer_alone_prints_ratios_and_no_verdicts(options_run, bench):
   stdout, shape = options_run
   assert "target" not in stdout and "MISS" not in stdout
-  floor = bench.RECIPES[0].label
+  floor, lines = bench.RECIPES[0].label, stdout.splitlines()
   for label, row in shape["rows"].items():
     if label in (floor, bench.OVERFLOW_ROW):
       continue
-    (line,) = [
-      x for x in stdout.splitlines() if x.startswith(f"- {label} / fl")
-    ]
+    (line,) = [x for x in lines if x.startswith(f"- {label} / fl")]
     wall = _ratio(statistics.median(row["wall_vs_floor_per_round"]))
     cpu = _ratio(statistics.median(row["cpu_vs_floor_per_round"]))
-    assert (
-      f"per round: wall {wall} [" in line and f"process CPU {cpu} [" in line
-    )
+    assert f"per round: wall {wall} [" in line
+    assert f"process CPU {cpu} [" in line
   assert "overflow step / clean step, per round:" in stdout
 
 
@@ -283,13 +258,12 @@ def test_options_are_priced_against_b(options_run, bench):
   assert f"Shape {OPTIONS_SHAPE}: 128 float32 params in 8 leaves" in stdout
   assert (shape["params"], shape["leaves"]) == (128, 8)
   b = shape["rows"][bench.BY_KEY["fp16"].label]["step_s_samples"]
+  lines = stdout.splitlines()
   for option in helpers.load_script(RECIPES).OPTIONS:
     row = shape["rows"][option.label]
     assert row["status"] == "ok"
     vs_b = [x / y for x, y in zip(row["step_s_samples"], b)]
-    (line,) = [
-      x for x in stdout.splitlines() if x.startswith(f"- {option.label} / b")
-    ]
+    (line,) = [x for x in lines if x.startswith(f"- {option.label} / b")]
     assert f"per round: wall {_ratio(statistics.median(vs_b))} [" in line
 
 
@@ -298,19 +272,10 @@ def test_shape_spellings(bench):
   assert bench.parse_shape("2000x16") == ("2000x16", (32000, 2000))
   assert bench.parse_shape("8K/500") == ("8K/500", (8000, 500))
   assert bench.parse_shape("20M/200") == ("20M/200", (20_000_000, 200))
-  assert bench.parse_shape("10M/200:distinct") == (
-    "10M/200:distinct",
-    (10_000_000, 200),
-  )
-  bad_shapes = (
-    "16x",
-    "x16",
-    "20M",
-    "10/20",
-    "500x16:distinct",
-    "2K/100:distinct",
-  )
-  for bad in bad_shapes:
+  distinct = ("10M/200:distinct", (10_000_000, 200))
+  assert bench.parse_shape("10M/200:distinct") == distinct
+  bad_shapes = "16x x16 20M 10/20 500x16:distinct 2K/100:distinct"
+  for bad in bad_shapes.split():
     with pytest.raises(Exception, match="shape|leaves"):
       bench.parse_shape(bad)
 
@@ -323,9 +288,8 @@ def test_distinct_leaf_sizes(bench, n, leaves):
   assert sum(sizes) == n and len(sizes) == leaves
   assert len(set(sizes)) == leaves
   assert max(sizes) - min(sizes) < 3 * leaves
-  assert _recipes().leaf_sizes(n, leaves) == [n // leaves + n % leaves] + [
-    n // leaves
-  ] * (leaves - 1)
+  even = [n // leaves + n % leaves] + [n // leaves] * (leaves - 1)
+  assert _recipes().leaf_sizes(n, leaves) == even
 
 
 COPY_OPTION = "xla_cpu_copy_insertion_use_region_analysis"
@@ -337,24 +301,8 @@ def copy_option_run(tmp_path_factory):
   (stdout, the whole JSON)."""
   pytest.importorskip("jmp")
   out = tmp_path_factory.mktemp("copy_option") / "r.json"
-  stdout = _ran(
-    helpers.run_script(
-      SCRIPT,
-      "--tiny",
-      "--recipes",
-      "floor,fp16,jmp",
-      "--compiler-option",
-      f"{COPY_OPTION}=true",
-      "--repeats",
-      REPEATS,
-      "--warmup",
-      1,
-      "--json",
-      out,
-      timeout=900,
-    )
-  )
-  return stdout, json.loads(out.read_text())
+  args = f"--tiny --recipes floor,fp16,jmp --compiler-option {COPY_OPTION}=true"
+  return _run_json(SCRIPT, f"{args} --repeats {REPEATS} --warmup 1", out)
 
 
 def test_compiler_option_spellings(bench):
@@ -370,12 +318,8 @@ def test_compiler_option_spellings(bench):
   for bad in (COPY_OPTION, f"{COPY_OPTION}=", "=true", "xla a=1"):
     with pytest.raises(Exception, match="KEY=VALUE"):
       parse(bad)
-  assert bench.option_args({"a": True, "b": 2}) == [
-    "--compiler-option",
-    "a=true",
-    "--compiler-option",
-    "b=2",
-  ]
+  args = "--compiler-option a=true --compiler-option b=2"
+  assert bench.option_args({"a": True, "b": 2}) == args.split()
 
 
 def test_a_bad_compiler_option_is_a_usage_error(bench, capsys):
@@ -414,10 +358,8 @@ def test_the_compiler_option_reaches_the_timed_executable(
   for label, row in shape["rows"].items():
     assert row["copies"] == 0, label
     assert row["first_call_cache_hit"] is True, label
-  assert (
-    "- array copy instructions in each compiled step (entry computation): "
-    "floor 0, fp16 0, jmp 0"
-  ) in stdout
+  copies = "- array copy instructions in each compiled step (entry computation)"
+  assert f"{copies}: floor 0, fp16 0, jmp 0" in stdout
   targets_stdout, targets_shape, _ = targets_run
   assert f"Compiler options: {COPY_OPTION}=true" in targets_stdout
   assert targets_shape["rows"][jmp]["copies"] == 0

@@ -3,11 +3,13 @@ batched (vmapped) states and nnx.Optimizer's wrapped states."""
 
 from flax import nnx
 import flax.serialization
+from helpers import assert_same_bits as assert_bitwise
+from helpers import guarded
+from helpers import orbax_round_trip
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 import fp16_scaling as fs
@@ -15,20 +17,15 @@ import fp16_scaling as fs
 O, C = True, False
 
 SCALER = fs.deepspeed_scaler(init_scale=2.0**8, scale_window=2, delayed_shift=2)
-TX = fs.chain(
-  fs.fp16_loss_scale(SCALER),
-  fs.clip_by_unscaled_norm(1.0),
-  optax.adamw(1e-2),
-)
+TX = guarded(SCALER, fs.clip_by_unscaled_norm(1.0), optax.adamw(1e-2))
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
 
 
 @jax.jit
 def step(params, state, key, overflow):
   """One guarded step on random gradients (an inf in ``w`` on overflow)."""
-  grads = jax.tree.map(
-    lambda p, k: jax.random.normal(k, p.shape), params, {"w": key, "b": key}
-  )
+  keys = {"w": key, "b": key}
+  grads = jax.tree.map(lambda p, k: jax.random.normal(k, p.shape), params, keys)
   grads["w"] = grads["w"].at[0, 0].set(jnp.where(overflow, jnp.inf, 0.5))
   scaled = jax.tree.map(lambda g: g * fs.current_scale(state), grads)
   updates, state = TX.update(scaled, state, params)
@@ -40,13 +37,6 @@ def run(params, state, flags, first):
     key = jax.random.PRNGKey(first + i)
     params, state = step(params, state, key, jnp.bool_(f))
   return params, state
-
-
-def assert_bitwise(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(la, lb):
-    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 # Up to the cut: 256 grows on the 3rd clean step (window 2, DeepSpeed's
@@ -62,12 +52,10 @@ def test_orbax_round_trip_mid_run_is_bit_identical(tmp_path):
   mid = fs.scaler_state_dict(state)
   assert mid["overflow"] and mid["hysteresis_left"] == 0
   assert mid["growth_tracker"] == -1 and mid["loss_scale"] == 2.0**10
-  ckpt = ocp.StandardCheckpointer()
-  ckpt.save(tmp_path / "mid", {"params": params, "opt_state": state})
-  ckpt.wait_until_finished()
   target = {"params": PARAMS, "opt_state": TX.init(PARAMS)}
-  restored = ckpt.restore(tmp_path / "mid", target)
-  assert_bitwise(restored, {"params": params, "opt_state": state})
+  live = {"params": params, "opt_state": state}
+  restored = orbax_round_trip(tmp_path / "mid", live, target)
+  assert_bitwise(restored, live)
   straight = run(params, state, AFTER, len(BEFORE))
   resumed = run(restored["params"], restored["opt_state"], AFTER, len(BEFORE))
   assert_bitwise(straight, resumed)
@@ -76,8 +64,8 @@ def test_orbax_round_trip_mid_run_is_bit_identical(tmp_path):
 
 
 # The same tail as TX behind torch's rule: the state's structure is TX's.
-TORCH_TX = fs.chain(
-  fs.fp16_loss_scale(fs.torch_scaler(init_scale=2.0**8, growth_interval=2)),
+TORCH_TX = guarded(
+  fs.torch_scaler(init_scale=2.0**8, growth_interval=2),
   fs.clip_by_unscaled_norm(1.0),
   optax.adamw(1e-2),
 )
@@ -92,11 +80,9 @@ def test_deepspeed_state_restored_into_a_torch_target_follows_torch(tmp_path):
   saved = fs.scaler_state_dict(state)
   # DeepSpeed's delay: grown once, on the third clean step; hysteresis full.
   assert saved["loss_scale"] == 2.0**9 and saved["hysteresis_left"] == 1
-  ckpt = ocp.StandardCheckpointer()
-  ckpt.save(tmp_path / "ds", {"params": params, "opt_state": state})
-  ckpt.wait_until_finished()
   target = {"params": PARAMS, "opt_state": TORCH_TX.init(PARAMS)}
-  restored = ckpt.restore(tmp_path / "ds", target)
+  live = {"params": params, "opt_state": state}
+  restored = orbax_round_trip(tmp_path / "ds", live, target)
   assert fs.scaler_state_dict(restored["opt_state"])["hysteresis_left"] == 1
 
   @jax.jit
@@ -122,12 +108,9 @@ def test_deepspeed_state_given_to_a_torch_chain_is_refused():
   with pytest.raises(ValueError, match="built with another scaler") as err:
     TORCH_TX.update(grads, state, PARAMS)
   message = str(err.value)
-  for field in (
-    "growth_delay=1, here 0",
-    "min_scale=1.0, here 1.17549",
-    "hysteresis=2, here 1",
-    "raise_at_min_scale=True, here False",
-  ):
+  fields = ["growth_delay=1, here 0", "min_scale=1.0, here 1.17549"]
+  fields += ["hysteresis=2, here 1", "raise_at_min_scale=True, here False"]
+  for field in fields:
     assert field in message, field
   assert "growth_interval" not in message  # 2 in both
   assert "fs.load_scaler_state_dict" in message
@@ -149,13 +132,10 @@ def untyped(tmp_path_factory):
   """A state, and its orbax and msgpack restores made without a target."""
   tmp_path = tmp_path_factory.mktemp("untyped")
   state = run(PARAMS, TX.init(PARAMS), BEFORE[:2], 0)[1]
-  ckpt = ocp.StandardCheckpointer()
-  ckpt.save(tmp_path / "s", {"opt_state": state})
-  ckpt.wait_until_finished()
-  from_orbax = ckpt.restore(tmp_path / "s")["opt_state"]
-  from_msgpack = flax.serialization.msgpack_restore(
-    flax.serialization.to_bytes(state)
-  )
+  from_orbax = orbax_round_trip(tmp_path / "s", {"opt_state": state})
+  from_orbax = from_orbax["opt_state"]
+  raw = flax.serialization.to_bytes(state)
+  from_msgpack = flax.serialization.msgpack_restore(raw)
   return state, from_orbax, from_msgpack
 
 
@@ -207,9 +187,8 @@ def test_host_helpers_on_a_batched_state():
   d = fs.scaler_state_dict(state)
   assert d["loss_scale"] == [256.0, 128.0, 256.0]
   assert d["growth_tracker"] == [1, -1, 1]
-  back = fs.load_scaler_state_dict(
-    jax.vmap(TX.init)(batched_state()[0]), d, SCALER
-  )
+  fresh = jax.vmap(TX.init)(batched_state()[0])
+  back = fs.load_scaler_state_dict(fresh, d, SCALER)
   loaded = fs.scaler_state_dict(back)
   for k in d:
     np.testing.assert_array_equal(loaded[k], d[k])
@@ -244,13 +223,10 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   assert isinstance(fs.current_scale(opt.opt_state), jax.Array)
   assert not isinstance(fs.current_scale(opt.opt_state), nnx.Variable)
   metrics = fs.scale_metrics(opt.opt_state)
-  assert all(
-    isinstance(v, jax.Array) and not isinstance(v, nnx.Variable)
-    for v in metrics.values()
-  )
-  grads = jax.tree.map(
-    lambda p: jnp.full(p.shape, jnp.inf), nnx.state(model, nnx.Param)
-  )
+  assert all(isinstance(v, jax.Array) for v in metrics.values())
+  assert not any(isinstance(v, nnx.Variable) for v in metrics.values())
+  inf = lambda p: jnp.full(p.shape, jnp.inf)
+  grads = jax.tree.map(inf, nnx.state(model, nnx.Param))
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
   opt.update(model, grads)  # an overflow: skipped
   assert_bitwise(before, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
@@ -258,12 +234,8 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   assert fs.scaler_state_dict(opt.opt_state)["skipped_steps"] == 1
   # Writing goes back into Variables of the same kind.
   opt.opt_state = fs.set_loss_scale(opt.opt_state, 32.0)
-  kinds = {
-    type(x)
-    for x in jax.tree.leaves(
-      opt.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-  }
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  kinds = {type(x) for x in jax.tree.leaves(opt.opt_state, is_leaf=is_variable)}
   assert all(issubclass(k, nnx.Variable) for k in kinds)
   assert float(fs.current_scale(opt.opt_state)) == 32.0
   opt.update(model, jax.tree.map(jnp.ones_like, grads))

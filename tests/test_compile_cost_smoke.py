@@ -11,6 +11,15 @@ sys.path.insert(0, str(_BENCH))
 import compile_cost  # noqa: E402
 
 
+def _rows(argv, capsys, shape):
+  """compile_cost.main on ``argv`` (split at spaces): (its output, the rows
+  of ``shape``'s table, their recipe names)."""
+  compile_cost.main(argv.split())
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith(f"| {shape} |")]
+  return out, rows, [r.split("|")[2].strip() for r in rows]
+
+
 def test_summary_ratios_are_of_the_medians_and_paired_per_round():
   # CPU seconds (lower, compile, wall): floor totals 2, 4, 3; fp16 3, 4, 6.
   times = {
@@ -20,9 +29,8 @@ def test_summary_ratios_are_of_the_medians_and_paired_per_round():
   lines, per_round, median_ratio = compile_cost.summary("S", times)
   assert lines[0].startswith("| S | floor | 1.00 | 2.00 | 3.00 | 1.000x |")
   # fp16: median lower 2, compile 2, total 4 -> 4 / 3; wall 9 / 9.
-  assert (
-    lines[1] == "| S | fp16 | 2.00 | 2.00 | 4.00 | 1.333x | 9.00 | 1.000x |"
-  )
+  fp16 = "| S | fp16 | 2.00 | 2.00 | 4.00 | 1.333x | 9.00 | 1.000x |"
+  assert lines[1] == fp16
   # Paired per round: 3/2, 4/4, 6/3 -> median 1.5.
   assert median_ratio == pytest.approx(1.5)
   assert per_round == (
@@ -32,19 +40,8 @@ def test_summary_ratios_are_of_the_medians_and_paired_per_round():
 
 
 def test_one_round_at_a_tiny_shape(capsys):
-  compile_cost.main(
-    [
-      "--shape",
-      "4K/4",
-      "--rounds",
-      "1",
-      "--recipes",
-      "floor,fp16,apply_if_finite",
-    ]
-  )
-  out = capsys.readouterr().out
-  rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
-  names = [r.split("|")[2].strip() for r in rows]
+  argv = "--shape 4K/4 --rounds 1 --recipes floor,fp16,apply_if_finite"
+  out, rows, names = _rows(argv, capsys, "4K/4")
   assert names == ["floor", "fp16", "apply_if_finite"]
   assert rows[0].split("|")[6].strip() == "1.000x"
   for row in rows[1:]:
@@ -73,21 +70,11 @@ def test_compiler_options_reach_every_worker(monkeypatch, capsys):
     return compile_in_worker(*args, **kwargs)
 
   monkeypatch.setattr(compile_cost.step_cost, "compile_in_worker", spy)
-  compile_cost.main(
-    [
-      "--shape",
-      "4K/4",
-      "--rounds",
-      "1",
-      "--compiler-option",
-      f"{COPY_OPTION}=true",
-    ]
-  )
-  out = capsys.readouterr().out
+  argv = f"--shape 4K/4 --rounds 1 --compiler-option {COPY_OPTION}=true"
+  out, _, names = _rows(argv, capsys, "4K/4")
   assert given == [{COPY_OPTION: True}] * 2
   assert f"Compiler options: {COPY_OPTION}=true" in out.splitlines()
-  rows = [line for line in out.splitlines() if line.startswith("| 4K/4 |")]
-  assert [r.split("|")[2].strip() for r in rows] == ["floor", "fp16"]
+  assert names == ["floor", "fp16"]
 
 
 @pytest.mark.parametrize(
@@ -110,24 +97,11 @@ def test_one_round_of_train_lms_whole_step(capsys):
   is left out."""
   assert "lm:medium" in compile_cost.DEFAULT_SHAPES
   steps = compile_cost.lm_steps()
-  assert [steps[k].__name__ for k in ("floor", "fp16")] == [
-    "plain_step",
-    "scaled_step",
-  ]
+  names = [steps[k].__name__ for k in ("floor", "fp16")]
+  assert names == ["plain_step", "scaled_step"]
   assert steps["fp16"].__module__ == "train_step_cost"
-  compile_cost.main(
-    [
-      "--shape",
-      "lm:tiny",
-      "--rounds",
-      "1",
-      "--recipes",
-      "floor,fp16,apply_if_finite,jmp",
-    ]
-  )
-  out = capsys.readouterr().out
-  rows = [line for line in out.splitlines() if line.startswith("| lm:tiny |")]
-  names = [r.split("|")[2].strip() for r in rows]
+  argv = "--shape lm:tiny --rounds 1 --recipes floor,fp16,apply_if_finite,jmp"
+  out, rows, names = _rows(argv, capsys, "lm:tiny")
   assert names == ["floor", "fp16", "apply_if_finite"]
   assert rows[0].split("|")[6].strip() == "1.000x"
   for cell in rows[1].split("|")[3:6]:  # trace + lower, compile, total

@@ -12,15 +12,9 @@ import pytest
 import fp16_scaling as fs
 
 # A three-level nested Flax-style parameter tree.
-PARAMS = {
-  "params": {
-    "encoder": {
-      "Dense_0": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)},
-      "Dense_1": {"kernel": jnp.ones((3, 3)), "bias": jnp.zeros(3)},
-    },
-    "head": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)},
-  }
-}
+_DENSE = lambda n, m: {"kernel": jnp.ones((n, m)), "bias": jnp.zeros(m)}
+_ENCODER = {"Dense_0": _DENSE(4, 3), "Dense_1": _DENSE(3, 3)}
+PARAMS = {"params": {"encoder": _ENCODER, "head": _DENSE(3, 2)}}
 POISONED = "['params']['encoder']['Dense_1']['kernel']"
 
 
@@ -33,10 +27,8 @@ def _true_grads(step):
   key = jax.random.key(step)
   leaves, treedef = jax.tree.flatten(PARAMS)
   keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(
-    treedef,
-    [0.01 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)],
-  )
+  drawn = [0.01 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+  return jax.tree.unflatten(treedef, drawn)
 
 
 _STEPS = {}
@@ -47,26 +39,20 @@ def _make_step(tx, poison_path=POISONED):
   ``tx`` alive, so no id is reused)."""
   key = (id(tx), poison_path)
   if key not in _STEPS:
-    _STEPS[key] = (tx, _new_step(tx, poison_path))
+    _STEPS[key] = (tx, jax.jit(_step_of(tx, poison_path)))
   return _STEPS[key][1]
-
-
-def _new_step(tx, poison_path):
-  return jax.jit(_step_of(tx, poison_path))
 
 
 def _step_of(tx, poison_path):
   def step(params, state, true_grads, poison, loss):
     scale = fs.current_scale(state)
-    grads = jax.tree_util.tree_map_with_path(
-      lambda path, g: (
-        (g * scale).astype(jnp.float16)
-        * jnp.where(
-          poison & (jax.tree_util.keystr(path) == poison_path), jnp.inf, 1.0
-        ).astype(jnp.float16)
-      ),
-      true_grads,
-    )
+
+    def poisoned(path, g):
+      bad = poison & (jax.tree_util.keystr(path) == poison_path)
+      inf = jnp.where(bad, jnp.inf, 1.0).astype(jnp.float16)
+      return (g * scale).astype(jnp.float16) * inf
+
+    grads = jax.tree_util.tree_map_with_path(poisoned, true_grads)
     updates, state = tx.update(grads, state, params, value=loss)
     return optax.apply_updates(params, updates), state
 
@@ -78,9 +64,8 @@ def _run(tx, steps, poisoned_steps, start=None):
   params, state = start or (PARAMS, tx.init(PARAMS))
   loss = lambda i: jnp.float32(1.0)  # noqa: E731
   for i in range(steps):
-    params, state = step(
-      params, state, _true_grads(i), i in poisoned_steps, loss(i)
-    )
+    poison = i in poisoned_steps
+    params, state = step(params, state, _true_grads(i), poison, loss(i))
   return params, state
 
 
@@ -125,11 +110,8 @@ def test_leaf_vectors_are_in_tree_order_and_skip_keeps_the_optimizer():
   _, clean = _run(tx, 2, set())
   params, state = _run(tx, 3, {2})
   ls = state[0]
-  paths = [
-    jax.tree_util.keystr(p)
-    for p, _ in jax.tree_util.tree_leaves_with_path(PARAMS)
-  ]
-  want = np.array([p == POISONED for p in paths])
+  paths = jax.tree_util.tree_leaves_with_path(PARAMS)
+  want = np.array([jax.tree_util.keystr(p) == POISONED for p, _ in paths])
   np.testing.assert_array_equal(ls.leaf_nonfinite, want)
   np.testing.assert_array_equal(ls.leaf_nonfinite_steps, want.astype(int))
   # The bookkeeping moved; Adam's state did not.
@@ -154,21 +136,16 @@ def _kind_after(scaler, losses, poisoned, value=True):
       scale = fs.current_scale(state)
       grads = jax.tree.map(lambda g: g * scale, true)
       if i in poisoned:
-        grads["params"]["head"]["bias"] = grads["params"]["head"]["bias"] * (
-          jnp.inf
-        )
+        head = grads["params"]["head"]
+        head["bias"] = head["bias"] * jnp.inf
       _, state = jax.jit(tx.update)(grads, state, params)
     kinds.append(fs.overflow_report(state).kind)
   return kinds, state
 
 
 def test_forward_backward_persistent_unknown():
-  ds = fs.deepspeed_scaler(
-    init_scale=4.0,
-    min_scale=1.0,
-    scale_window=100,
-    raise_error_at_min_scale=False,
-  )
+  ds = dict(init_scale=4.0, min_scale=1.0, scale_window=100)
+  ds = fs.deepspeed_scaler(**ds, raise_error_at_min_scale=False)
   one, inf = jnp.float32(1.0), jnp.float32(jnp.inf)
   # Finite loss, non-finite grads: backward (4 -> 2, 2 -> 1), then at the
   # floor of 1.0: persistent. A clean step: none.
@@ -223,9 +200,8 @@ def test_every_preset_counts_overflows_at_its_floor():
 
 def test_deepspeed_raise_semantics_unchanged():
   loud = fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0)
-  quiet = fs.deepspeed_scaler(
-    init_scale=2.0, min_scale=1.0, raise_error_at_min_scale=False
-  )
+  quiet = dict(init_scale=2.0, min_scale=1.0, raise_error_at_min_scale=False)
+  quiet = fs.deepspeed_scaler(**quiet)
   (_, loud), (_, quiet) = _run_each([_tx(loud), _tx(quiet)], 2, {0, 1})
   with pytest.raises(fs.MinLossScaleError, match="minimum") as err:
     fs.raise_if_min_scale_reached(loud)
@@ -261,9 +237,8 @@ def test_report_of_a_batched_state_says_how_to_pick_a_member():
   _, state = jax.vmap(lambda g, s: tx.update(g, s))(grads, state)
   with pytest.raises(ValueError, match="batched"):
     fs.overflow_report(state)
-  clean, bad = (
-    fs.overflow_report(jax.tree.map(lambda x: x[i], state)) for i in (0, 1)
-  )
+  member = lambda i: jax.tree.map(lambda x: x[i], state)
+  clean, bad = (fs.overflow_report(member(i)) for i in (0, 1))
   assert not clean.step_overflowed and clean.counts == {}
   # A bare array's leaf is named <root>, not the empty string.
   assert bad.step_overflowed and bad.counts == {"<root>": 1}
@@ -276,9 +251,8 @@ def test_grad_range_is_exact():
   state = tx.init(PARAMS)
   grads = jax.tree.map(jnp.zeros_like, PARAMS)
   # head.kernel: largest |g| 0.5 unscaled; 4 of its 6 elements are zero.
-  grads["params"]["head"]["kernel"] = jnp.array(
-    [[0.0, -0.5], [0.25, 0.0], [0.0, 0.0]]
-  )
+  head = jnp.array([[0.0, -0.5], [0.25, 0.0], [0.0, 0.0]])
+  grads["params"]["head"]["kernel"] = head
   grads["params"]["encoder"]["Dense_0"]["bias"] = jnp.array([2.0, 1.0, 0.0])
   scaled = jax.tree.map(lambda g: (g * 16.0).astype(jnp.float16), grads)
   _, state = jax.jit(tx.update)(scaled, state, PARAMS)
@@ -288,9 +262,8 @@ def test_grad_range_is_exact():
   # log2(65504 / (0.5 * 16)) = log2(8188)
   assert head.headroom_bits == pytest.approx(np.log2(8188.0), rel=1e-6)
   bias = report.grad_range["['params']['encoder']['Dense_0']['bias']"]
-  assert bias.max_abs == 2.0 and bias.headroom_bits == pytest.approx(
-    np.log2(65504 / 32), rel=1e-6
-  )
+  assert bias.max_abs == 2.0
+  assert bias.headroom_bits == pytest.approx(np.log2(65504 / 32), rel=1e-6)
   zero = report.grad_range["['params']['head']['bias']"]
   assert zero.max_abs == 0.0 and zero.headroom_bits == np.inf
   m = fs.scale_metrics(state)
@@ -309,9 +282,8 @@ def test_headroom_scaler_rule():
   # Largest unscaled |g| = 2**-4, headroom 4 bits: the target is the largest
   # power of two below 65504 / (2**-4 * 2**4) = 65504, i.e. 2**15. From 2**10
   # it grows by at most 2x per step, then stays. (No growth margin here.)
-  scaler = fs.headroom_scaler(
-    init_scale=2.0**10, headroom_bits=4.0, growth_margin_bits=0.0
-  )
+  rule = dict(init_scale=2.0**10, headroom_bits=4.0, growth_margin_bits=0.0)
+  scaler = fs.headroom_scaler(**rule)
   tx = _tx(scaler)
   state = tx.init(PARAMS)
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**-4), PARAMS)
@@ -352,16 +324,12 @@ def test_headroom_scaler_grows_only_with_the_margin():
 
 
 def test_headroom_scaler_arguments_are_checked():
-  with pytest.raises(ValueError, match="headroom_bits"):
-    fs.headroom_scaler(headroom_bits=-1.0)
-  with pytest.raises(ValueError, match="growth_margin_bits"):
-    fs.headroom_scaler(growth_margin_bits=30)
-  with pytest.raises(ValueError, match="max_growth"):
-    fs.headroom_scaler(max_growth=1.0)
-  with pytest.raises(ValueError, match="max_scale"):
-    fs.headroom_scaler(init_scale=2.0**16, max_scale=2.0**10)
-  with pytest.raises(ValueError, match="min_scale"):
-    fs.headroom_scaler(init_scale=2.0, min_scale=4.0)
+  bad = [dict(headroom_bits=-1.0), dict(growth_margin_bits=30)]
+  bad += [dict(max_growth=1.0), dict(init_scale=2.0**16, max_scale=2.0**10)]
+  bad += [dict(init_scale=2.0, min_scale=4.0)]
+  for kwargs in bad:  # each error names its argument, the last one given
+    with pytest.raises(ValueError, match=list(kwargs)[-1]):
+      fs.headroom_scaler(**kwargs)
   with pytest.raises(TypeError):
     fs.headroom_scaler(2.0**16)  # keyword-only
 
@@ -385,9 +353,8 @@ def test_jax_debug_nans_quiet_on_an_inf_overflow_step():
     return fs.scale_metrics(state)
 
   with jax.debug_nans(True):
-    params, state = step(
-      PARAMS, tx.init(PARAMS), _true_grads(0), True, jnp.float32(1.0)
-    )
+    args = (_true_grads(0), True, jnp.float32(1.0))
+    params, state = step(PARAMS, tx.init(PARAMS), *args)
     m = metrics(state)
   assert bool(m["overflow"]) and float(m["grad_norm"]) == 0.0
   for x in jax.tree.leaves((params, state, m)):
@@ -403,9 +370,8 @@ def test_jax_debug_nans_points_at_the_users_nan():
   @jax.jit
   def step(params, state, x):
     scale = fs.current_scale(state)
-    loss, grads = jax.value_and_grad(lambda p: users_model(p, x) * scale)(
-      params
-    )
+    scaled = lambda p: users_model(p, x) * scale
+    loss, grads = jax.value_and_grad(scaled)(params)
     updates, state = tx.update(grads, state, params, value=loss)
     return optax.apply_updates(params, updates), state, loss
 
@@ -419,12 +385,8 @@ def test_jax_debug_nans_points_at_the_users_nan():
 def test_paths_survive_jit_and_flax_serialization():
   tx = _tx(fs.static_scaler(2.0))
   _, state = _run(tx, 2, {1})
-  raw = flax.serialization.msgpack_serialize(
-    flax.serialization.to_state_dict(state)
-  )
-  restored = flax.serialization.from_state_dict(
-    tx.init(PARAMS), flax.serialization.msgpack_restore(raw)
-  )
+  raw = flax.serialization.to_bytes(state)  # msgpack of the state dict
+  restored = flax.serialization.from_bytes(tx.init(PARAMS), raw)
   assert fs.overflow_report(restored).counts == {POISONED: 1}
 
 

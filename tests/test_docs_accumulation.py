@@ -6,11 +6,8 @@ import docs_snippets
 
 
 def test_microbatch_block_runs():
-  (code,) = [
-    b
-    for b in docs_snippets.blocks("accumulation.md")
-    if "optax.microbatch(" in b
-  ]
+  blocks = docs_snippets.blocks("accumulation.md")
+  (code,) = [b for b in blocks if "optax.microbatch(" in b]
   ns = {}
   exec(compile(code, "accumulation.md optax.microbatch block", "exec"), ns)
   assert ns["params"]["w"].dtype == "float32"

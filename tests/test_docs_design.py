@@ -27,17 +27,11 @@ def _table():
   return rows
 
 
-@pytest.mark.parametrize(
-  "state",
-  [
-    fs.ScalerState,
-    fs.WindowedScalerState,
-    fs.LossScaleState,
-    fs.ClipState,
-    fs.AccumulationState,
-  ],
-  ids=lambda s: s.__name__,
-)
+_STATES = [fs.ScalerState, fs.WindowedScalerState, fs.LossScaleState]
+_STATES += [fs.ClipState, fs.AccumulationState]
+
+
+@pytest.mark.parametrize("state", _STATES, ids=lambda s: s.__name__)
 def test_design_state_table_lists_exactly_the_fields(state):
   assert _table()[state.__name__] == list(state._fields)
 
@@ -48,20 +42,25 @@ _PACKAGE = _DESIGN.parents[1] / "fp16_scaling"
 def _module_map():
   """The table's modules as paths under fp16_scaling/ without ``.py``:
   ``_scaler``, ``interop/_peers``."""
-  names = []
-  for line in _DESIGN.read_text().splitlines():
-    m = re.match(r"\| `((?:interop/)?_\w+)\.py` \|", line)
-    if m:
-      names.append(m.group(1))
-  return names
+  pattern = r"^\| `((?:interop/)?_\w+)\.py` \|"
+  return re.findall(pattern, _DESIGN.read_text(), re.M)
 
 
 def _on_disk(pattern):
+  paths = [p for p in _PACKAGE.glob(pattern) if p.stem != "__init__"]
   return sorted(
-    p.relative_to(_PACKAGE).with_suffix("").as_posix()
-    for p in _PACKAGE.glob(pattern)
-    if p.stem != "__init__"
+    p.relative_to(_PACKAGE).with_suffix("").as_posix() for p in paths
   )
+
+
+def _modules():
+  """Every module of the package and of its interop subpackage, as
+  :func:`_module_map` names them."""
+  return _on_disk("_*.py") + _on_disk("interop/_*.py")
+
+
+def _parse(module):
+  return ast.parse((_PACKAGE / f"{module}.py").read_text())
 
 
 def _as_path(dotted):
@@ -80,7 +79,7 @@ def _imports(module):
   """The fp16_scaling modules ``module`` imports, as :func:`_module_map`
   names them (``interop`` for the subpackage itself); relative imports
   too."""
-  tree = ast.parse((_PACKAGE / f"{module}.py").read_text())
+  tree = _parse(module)
   package = ["fp16_scaling", *module.split("/")[:-1]]
   found = set()
   for node in ast.walk(tree):
@@ -93,15 +92,13 @@ def _imports(module):
       dotted = [".".join(base + [a.name]) for a in node.names]
     else:
       continue
-    found.update(
-      _as_path(d) for d in dotted if d.split(".")[0] == "fp16_scaling"
-    )
+    ours = [d for d in dotted if d.split(".")[0] == "fp16_scaling"]
+    found.update(map(_as_path, ours))
   return found - {""}
 
 
 def test_module_map_lists_every_module():
-  on_disk = _on_disk("_*.py") + _on_disk("interop/_*.py")
-  assert sorted(_module_map()) == sorted(on_disk)
+  assert sorted(_module_map()) == sorted(_modules())
 
 
 def test_modules_import_only_those_above_them_in_the_map():
@@ -167,8 +164,8 @@ def _functions():
           found[name] = child
         walk(child, name)
 
-  for module in _on_disk("_*.py") + _on_disk("interop/_*.py"):
-    walk(ast.parse((_PACKAGE / f"{module}.py").read_text()), module)
+  for module in _modules():
+    walk(_parse(module), module)
   return found
 
 
@@ -177,12 +174,8 @@ def _constructed_in(type_name, functions):
   ``module.type_name(...)``)."""
   makers = set()
   for name, fn in functions.items():
-    inner = {
-      id(n)
-      for f in ast.walk(fn)
-      if f is not fn and isinstance(f, ast.FunctionDef)
-      for n in ast.walk(f)
-    }
+    nested = [f for f in ast.walk(fn) if isinstance(f, ast.FunctionDef)]
+    inner = {id(n) for f in nested if f is not fn for n in ast.walk(f)}
     for node in ast.walk(fn):
       if id(node) in inner or not isinstance(node, ast.Call):
         continue
@@ -212,8 +205,8 @@ def test_data_flow_table_names_every_maker_and_real_receivers():
 def _fields():
   """``{class name: {field: annotation text}}`` of the package's classes."""
   found = {}
-  for module in _on_disk("_*.py") + _on_disk("interop/_*.py"):
-    for node in ast.walk(ast.parse((_PACKAGE / f"{module}.py").read_text())):
+  for module in _modules():
+    for node in ast.walk(_parse(module)):
       if isinstance(node, ast.ClassDef):
         found[node.name] = {
           n.target.id: ast.unparse(n.annotation)
@@ -258,11 +251,9 @@ def _takes(type_name, qualname, arg, functions, depth=3):
     f = node.func
     callee = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
     if callee in fields and isinstance(passed[0], int):  # a constructor
-      slots = list(fields[callee])
-      if (
-        passed[0] < len(slots) and type_name in fields[callee][slots[passed[0]]]
-      ):
-        return f"stored as {callee}.{slots[passed[0]]}"
+      slots = list(fields[callee])[passed[0] : passed[0] + 1]
+      if slots and type_name in fields[callee][slots[0]]:
+        return f"stored as {callee}.{slots[0]}"
     for name, target in functions.items():
       if depth and name.rsplit(".", 1)[-1] == callee and name != qualname:
         targs = [a.arg for a in target.args.args + target.args.kwonlyargs]
@@ -288,12 +279,8 @@ def _is_name(node, name):
 def test_the_receiver_check_sees_a_wrong_type():
   # The check can fail: a receiver that takes something else is caught.
   functions = _functions()
-  assert _takes(
-    "Measurement", "_loss_scale._next_state", "measurement", functions
-  )
-  assert not _takes(
-    "ClipState", "_loss_scale._next_state", "measurement", functions
-  )
+  where = ("_loss_scale._next_state", "measurement", functions)
+  assert _takes("Measurement", *where) and not _takes("ClipState", *where)
   assert not _takes("Measurement", "_lookup.clip_state", "opt_state", functions)
 
 

@@ -16,8 +16,5 @@ def test_policy_page_runs():
   assert len(needs) == 1 and ran == len(blocks) - 1 == 3
   # What the page's RL step saw inside the loss: params and obs in float16,
   # the advantages float32.
-  assert ns["seen"] == {
-    "params": jnp.float16,
-    "obs": jnp.float16,
-    "adv": jnp.float32,
-  }
+  want = dict(params=jnp.float16, obs=jnp.float16, adv=jnp.float32)
+  assert ns["seen"] == want

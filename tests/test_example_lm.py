@@ -2,12 +2,16 @@
 checks what its figure claims to show.
 """
 
+import argparse
 import pathlib
 import runpy
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import fp16_scaling as fs
 
 pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
@@ -33,10 +37,8 @@ def run(tmp_path_factory):
   args += " --max-chars 200000"
   args += " --init-scale 65536"  # no skipped steps: runs stay comparable
   results = main(args.split() + ["--plot", str(plot)])
-  runs = {
-    f"{r['config'].precision} {r['config'].scaler}": r
-    for r in results["accum-128"]
-  }
+  name = lambda r: f"{r['config'].precision} {r['config'].scaler}"
+  runs = {name(r): r for r in results["accum-128"]}
   return runs, plot
 
 
@@ -89,9 +91,7 @@ def test_benchmark_compares_the_same_step():
   them alike (Adam's first update is lr * sign(grad); the unscaled float16
   gradients may flush a few elements to zero that the scaled ones keep).
   """
-  bench = runpy.run_path(
-    str(EXAMPLES.parent / "benchmarks" / "train_step_cost.py")
-  )
+  bench = runpy.run_path(str(EXAMPLES.parent / "benchmarks/train_step_cost.py"))
   lm = bench["train_lm"]
   # The same model on a batch of one window, not 16: the comparison holds
   # at any batch, and the two float16 step compiles cost a fifth less.
@@ -101,14 +101,13 @@ def test_benchmark_compares_the_same_step():
   x = rng.integers(0, lm.VOCAB, (cfg.batch, cfg.seq_len)).astype(np.int32)
   y = rng.integers(0, lm.VOCAB, (cfg.batch, cfg.seq_len)).astype(np.int32)
   after = {}
+  flat = lambda t: np.concatenate([np.ravel(p) for p in jax.tree.leaves(t)])
   for name in ("scaled_step", "plain_step"):
     tx, step = bench[name](cfg)
     params = lm.init_params(cfg)
     params, _, metrics = step(params, tx.init(params), x, y)
-    after[name] = np.concatenate([np.ravel(p) for p in jax.tree.leaves(params)])
-  before = np.concatenate(
-    [np.ravel(p) for p in jax.tree.leaves(lm.init_params(cfg))]
-  )
+    after[name] = flat(params)
+  before = flat(lm.init_params(cfg))
   moved = np.abs(after["plain_step"] - before)
   assert np.median(moved) > 0.5 * cfg.lr  # the plain step did update
   same = np.isclose(after["scaled_step"], after["plain_step"], atol=1e-6)
@@ -138,9 +137,8 @@ def test_accumulation_sums_microbatch_gradients_of_the_divided_loss():
   model = lm["make_model"](full)
 
   # One compile, one microbatch at a time.
-  value_and_grad = jax.jit(
-    jax.value_and_grad(lambda p, x, y: lm["loss_fn"](model, p, x, y))
-  )
+  loss_fn = lambda p, x, y: lm["loss_fn"](model, p, x, y)
+  value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
   losses, grads = zip(*(value_and_grad(params, x[i], y[i]) for i in range(k)))
   want = jax.tree.map(lambda *g: sum(g) / k, *grads)
   loss, got, _ = jax.jit(lm["make_grad_fn"](full))(params, x, y, 1.0)
@@ -162,27 +160,19 @@ def test_config_refuses_bad_accumulation():
 
 
 def test_scan_stacks_the_same_blocks_and_names_the_overflowing_layer():
-  import argparse
-
-  import jax.numpy as jnp
-
-  import fp16_scaling as fs
-
-  lm = runpy.run_path(str(EXAMPLES / "train_lm.py"))
+  lm = _lm()
   p = argparse.ArgumentParser()
   lm["add_config_args"](p)
-  cfg = lm["config_from_args"](
-    p.parse_args("--size tiny --layers 2 --scan --init-scale 256".split())
-  )
+  args = "--size tiny --layers 2 --scan --init-scale 256"
+  cfg = lm["config_from_args"](p.parse_args(args.split()))
   flat = lm["Config"](**{**dict(lm["SIZES"]["tiny"]), "layers": 2})
   assert cfg.scan and not flat.scan
   # The unrolled model's blocks, stacked, are the scanned model's params.
   unrolled = lm["init_params"](flat)
   stacked = {k: v for k, v in unrolled.items() if not k.startswith("Block_")}
   blocks = [unrolled[f"Block_{i}"] for i in range(2)]
-  stacked["blocks"] = {
-    "Block_0": jax.tree.map(lambda *b: jnp.stack(b), *blocks)
-  }
+  stack = jax.tree.map(lambda *b: jnp.stack(b), *blocks)
+  stacked["blocks"] = {"Block_0": stack}
   params = lm["init_params"](cfg)
   assert jax.tree.structure(stacked) == jax.tree.structure(params)
   x = jnp.arange(2 * cfg.seq_len).reshape(2, -1) % 100
@@ -197,10 +187,8 @@ def test_scan_stacks_the_same_blocks_and_names_the_overflowing_layer():
   half = jax.tree.map(lambda q: q.astype(jnp.float16), params)
   grad_fn = jax.jit(lm["make_grad_fn"](cfg))
   _, grads, _ = grad_fn(half, x, y, fs.current_scale(state))
-  kernel = grads["blocks"]["Block_0"]["Dense_0"]["kernel"]
-  grads["blocks"]["Block_0"]["Dense_0"]["kernel"] = kernel.at[1, 0, 0].set(
-    jnp.inf
-  )
+  dense = grads["blocks"]["Block_0"]["Dense_0"]
+  dense["kernel"] = dense["kernel"].at[1, 0, 0].set(jnp.inf)
   _, state = jax.jit(tx.update)(grads, state, params)
   report = fs.overflow_report(state)
   assert report.nonfinite_layers == (1,)

@@ -2,9 +2,9 @@
 show.
 """
 
-import pathlib
 import runpy
 
+from helpers import ROOT
 import numpy as np
 import pytest
 
@@ -13,30 +13,23 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-EXAMPLE = (
-  pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
-)
+EXAMPLE = ROOT / "examples" / "train_mlp.py"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   plot = tmp_path_factory.mktemp("plot") / "mlp.png"
-  main = runpy.run_path(str(EXAMPLE))[
-    "main"
-  ]  # not run as __main__: no training yet
-  result = main(
-    [
-      "--steps",
-      "120",
-      "--window",
-      "20",
-      "--init-scale",
-      str(2.0**24),
-      "--plot",
-      str(plot),
-    ]
-  )
+  # Not run as __main__: no training yet.
+  main = runpy.run_path(str(EXAMPLE))["main"]
+  args = f"--steps 120 --window 20 --init-scale {2.0**24} --plot {plot}"
+  result = main(args.split())
   return result, plot
+
+
+def _assert_halved(scales, leading):
+  """The scale halved from 2**24 on each of the ``leading`` overflows."""
+  want = 2.0**24 / 2.0 ** np.arange(leading + 1)
+  np.testing.assert_array_equal(scales[: leading + 1], want)
 
 
 def test_high_initial_scale_overflows_and_backs_off(run):
@@ -50,9 +43,7 @@ def test_high_initial_scale_overflows_and_backs_off(run):
   assert scales.min() < 2.0**24
   leading = int(np.argmin(overflow))
   assert leading >= 1 and not overflow[leading]
-  np.testing.assert_array_equal(
-    scales[: leading + 1], 2.0**24 / 2.0 ** np.arange(leading + 1)
-  )
+  _assert_halved(scales, leading)
   # Skipped steps report a 0.0 norm (none exists; never NaN); clean ones a
   # finite, positive true norm.
   norms = result["grad_norm"]
@@ -97,16 +88,11 @@ def test_plot_leaves_a_gap_for_skipped_steps(run):
 
 def test_accumulate_runs_one_step_per_window(tmp_path):
   main = runpy.run_path(str(EXAMPLE))["main"]
-  result = main(
-    ["--steps", "80", "--accumulate", "4", "--window", "5"]
-    + ["--plot", str(tmp_path / "mlp.png")]
-  )
+  args = "--steps 80 --accumulate 4 --window 5 --plot".split()
+  result = main(args + [str(tmp_path / "mlp.png")])
   overflow, scales = result["overflow"], result["scale_history"]
   assert len(overflow) == 20  # 80 microbatches, 20 optimizer steps
   # 2**24 overflows: the first windows are skipped, one back-off each.
   assert overflow[0] and result["skipped_steps"] == int(overflow.sum())
-  leading = int(np.argmin(overflow))
-  np.testing.assert_array_equal(
-    scales[: leading + 1], 2.0**24 / 2.0 ** np.arange(leading + 1)
-  )
+  _assert_halved(scales, int(np.argmin(overflow)))
   assert result["accuracy"] > 0.3  # chance is 0.1

@@ -2,17 +2,15 @@
 compute from float32 parameters with float32 gradients, through a policy
 string, and that it learns."""
 
-import pathlib
 import runpy
 
+from helpers import ROOT
 import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("sklearn")
 
-EXAMPLE = (
-  pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_policy.py"
-)
+EXAMPLE = ROOT / "examples" / "train_policy.py"
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,15 @@
 the injected overflow is a skipped backward window that hysteresis absorbs,
 and the orbax resume continues bit for bit."""
 
-import pathlib
 import runpy
 
+from helpers import ROOT
 import pytest
 
 pytest.importorskip("flax.nnx")
 pytest.importorskip("orbax.checkpoint")
 
-EXAMPLE = (
-  pathlib.Path(__file__).resolve().parents[1]
-  / "examples"
-  / "port_deepspeed_nnx.py"
-)
+EXAMPLE = ROOT / "examples" / "port_deepspeed_nnx.py"
 
 
 def test_port_recipe_skips_the_bad_window_and_resumes_bit_for_bit(tmp_path):

@@ -44,13 +44,11 @@ BACKOFF = (0.5, 0.25, 0.75, 0.3)  # nor is 0.3
 
 def _config(rng):
   scale = 2.0 ** int(rng.integers(-20, 120)) * float(rng.choice([1, 3, 5]))
-  return dict(
-    growth_factor=float(rng.choice(GROWTH)),
-    backoff_factor=float(rng.choice(BACKOFF)),
-    growth_interval=int(rng.integers(1, 30)),
-    scale=scale,
-    minimum_scale=float(rng.choice([TINY, 2.0**-40, min(1.0, scale)])),
-  )
+  growth, backoff = float(rng.choice(GROWTH)), float(rng.choice(BACKOFF))
+  cfg = dict(growth_factor=growth, backoff_factor=backoff)
+  cfg.update(growth_interval=int(rng.integers(1, 30)), scale=scale)
+  cfg["minimum_scale"] = float(rng.choice([TINY, 2.0**-40, min(1.0, scale)]))
+  return cfg
 
 
 def _gradients(rng):
@@ -62,21 +60,15 @@ def _gradients(rng):
   bad = rng.random(shape[:2]) < rate
   n = int(bad.sum())
   seq, step = np.nonzero(bad)
-  grads[seq, step, rng.integers(SIZE, size=n)] = rng.choice(
-    [np.nan, np.inf, -np.inf], size=n
-  )
+  values = rng.choice([np.nan, np.inf, -np.inf], size=n)
+  grads[seq, step, rng.integers(SIZE, size=n)] = values
   return grads
 
 
 def _top_sequence():
   # Tiny gradients, no overflow, short interval: the scale must reach the top.
-  cfg = dict(
-    growth_factor=2.0,
-    backoff_factor=0.5,
-    growth_interval=1,
-    scale=2.0**100,
-    minimum_scale=TINY,
-  )
+  cfg = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=1)
+  cfg.update(scale=2.0**100, minimum_scale=TINY)
   return cfg, np.full((1, STEPS, SIZE), 1e-6, np.float32)
 
 
@@ -84,63 +76,56 @@ def _loss(p, g):
   return jnp.vdot(p, g)
 
 
-def _flax_run(cfgs, grads):
-  """Flax's scales and finite flags, per configuration: one jit compiles
-  them all (a jit per configuration spent most of its time on the fixed cost
-  of each compile)."""
+def _run_all(cfgs, grads, run):
+  """``run(cfg, p, g)`` of every configuration, vmapped over its sequences:
+  one jit compiles them all (a jit per configuration spent most of its time
+  on the fixed cost of each compile)."""
   p = jnp.zeros(SIZE, jnp.float32)
 
   def run_all(grads):
-    out = []
-    for cfg, g in zip(cfgs, grads):
-
-      def run(g, cfg=cfg):
-        def step(ds, g):
-          ds, finite, _, _ = ds.value_and_grad(_loss)(p, g)
-          return ds, (ds.scale, finite)
-
-        return jax.lax.scan(step, _flax_state(cfg), g)[1]
-
-      out.append(jax.vmap(run)(g))
-    return out
+    each = lambda cfg, g: jax.vmap(lambda g: run(cfg, p, g))(g)
+    return [each(cfg, g) for cfg, g in zip(cfgs, grads)]
 
   return jax.jit(run_all)(grads)
+
+
+def _flax_run(cfgs, grads):
+  """Flax's scales and finite flags, per configuration."""
+
+  def run(cfg, p, g):
+    def step(ds, g):
+      ds, finite, _, _ = ds.value_and_grad(_loss)(p, g)
+      return ds, (ds.scale, finite)
+
+    return jax.lax.scan(step, _flax_state(cfg), g)[1]
+
+  return _run_all(cfgs, grads, run)
 
 
 def _ours_run(cfgs, grads):
   """Ours, as :func:`_flax_run`: the scales and overflow flags."""
-  p = jnp.zeros(SIZE, jnp.float32)
 
-  def run_all(grads):
-    out = []
-    for cfg, g in zip(cfgs, grads):
-      tx = fs.chain(fs.fp16_loss_scale(fs.flax_scaler(**cfg)), optax.sgd(0.1))
+  def run(cfg, p, g):
+    tx = fs.chain(fs.fp16_loss_scale(fs.flax_scaler(**cfg)), optax.sgd(0.1))
 
-      def run(g, tx=tx):
-        def step(state, g):
-          scale = fs.current_scale(state)
-          scaled = jax.grad(lambda p: _loss(p, g) * scale)(p)
-          _, state = tx.update(scaled, state, p)
-          m = fs.scale_metrics(state)
-          return state, (m["loss_scale"], m["overflow"])
+    def step(state, g):
+      scale = fs.current_scale(state)
+      scaled = jax.grad(lambda p: _loss(p, g) * scale)(p)
+      _, state = tx.update(scaled, state, p)
+      m = fs.scale_metrics(state)
+      return state, (m["loss_scale"], m["overflow"])
 
-        return jax.lax.scan(step, tx.init(p), g)[1]
+    return jax.lax.scan(step, tx.init(p), g)[1]
 
-      out.append(jax.vmap(run)(g))
-    return out
-
-  return jax.jit(run_all)(grads)
+  return _run_all(cfgs, grads, run)
 
 
 def _flax_state(cfg):
   # The scale as a float32 array, as Flax holds it after its first step.
+  settings = {k: v for k, v in cfg.items() if k != "scale"}
+  scale = jnp.float32(cfg["scale"])
   return dynamic_scale.DynamicScale(
-    growth_factor=cfg["growth_factor"],
-    backoff_factor=cfg["backoff_factor"],
-    growth_interval=cfg["growth_interval"],
-    fin_steps=jnp.int32(0),
-    scale=jnp.float32(cfg["scale"]),
-    minimum_scale=cfg["minimum_scale"],
+    fin_steps=jnp.int32(0), scale=scale, **settings
   )
 
 

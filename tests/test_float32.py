@@ -16,11 +16,7 @@ import pytest
 import fp16_scaling as fs
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "float32-ops.md"
-F16, BF16, F32 = (
-  jnp.dtype("float16"),
-  jnp.dtype("bfloat16"),
-  jnp.dtype("float32"),
-)
+F16, BF16, F32 = map(jnp.dtype, ("float16", "bfloat16", "float32"))
 
 
 # ---------------------------------------------------------------------------
@@ -36,14 +32,9 @@ def test_half_inputs_widen_and_the_rest_pass_unchanged():
     return a + b["w"] + c
 
   key = jax.random.key(0)
-  out = fs.float32(fn)(
-    jnp.ones(2, F16),
-    {"w": jnp.ones(2, BF16)},
-    c=np.ones(2, np.float16),  # numpy's float16 too
-    n=jnp.arange(2),
-    key=key,
-    s=0.5,
-  )
+  c = np.ones(2, np.float16)  # numpy's float16 too
+  args = (jnp.ones(2, F16), {"w": jnp.ones(2, BF16)})
+  out = fs.float32(fn)(*args, c=c, n=jnp.arange(2), key=key, s=0.5)
   assert out.dtype == F32
   assert (seen["a"], seen["b"], seen["c"]) == (F32, F32, F32)
   assert seen["n"] == jnp.int32 and seen["key"] is key and seen["s"] == 0.5
@@ -160,18 +151,9 @@ def test_the_table_has_its_rows():
   assert len(_ops_rows()) == 56
 
 
-def _eqns(jaxpr, out):
-  """Every equation of ``jaxpr`` and of the jaxprs inside its equations
-  (jit, custom_jvp, scan bodies)."""
-  for e in jaxpr.eqns:
-    out.append(e)
-    for v in e.params.values():
-      for w in v if isinstance(v, (list, tuple)) else [v]:
-        if hasattr(w, "eqns"):
-          _eqns(w, out)
-        elif hasattr(getattr(w, "jaxpr", None), "eqns"):
-          _eqns(w.jaxpr, out)
-  return out
+# Every equation of a jaxpr and of the jaxprs inside its equations (jit,
+# custom_jvp, scan bodies).
+_eqns = helpers.jaxpr_eqns
 
 
 def _namespace():
@@ -181,15 +163,13 @@ def _namespace():
   def linen(module, x):
     return module.apply(module.init(jax.random.key(0), x), x)
 
-  return dict(
-    jax=jax, jnp=jnp, lax=lax, optax=optax, nn=nn, nnx=nnx, linen=linen
-  )
+  modules = dict(jax=jax, jnp=jnp, lax=lax, optax=optax, nn=nn, nnx=nnx)
+  return dict(modules, linen=linen)
 
 
 def _inputs():
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.uniform(0.1, 0.9, size=(2, 4, 4, 8)), F16)
-  y = jnp.asarray(rng.uniform(0.1, 0.9, size=(2, 4, 4, 8)), F16)
+  x, y = (jnp.asarray(rng.uniform(0.1, 0.9, (2, 4, 4, 8)), F16) for _ in "xy")
   labels = jnp.asarray(rng.integers(0, 8, size=(2, 4, 4)), jnp.int32)
   return x, y, labels
 
@@ -261,12 +241,13 @@ def test_the_row_check_can_fail():
   assert _floating_operands(e) == {F16}
 
 
+def wrapped(**kwargs):
+  return fs.float32(jax.nn.log_softmax, **kwargs)
+
+
 def test_log_softmax_runs_exp_and_log_in_float32_when_wrapped():
   x = jnp.zeros((4, 16), F16)
-  for f, want in (
-    (jax.nn.log_softmax, F16),
-    (fs.float32(jax.nn.log_softmax), F32),
-  ):
+  for f, want in ((jax.nn.log_softmax, F16), (wrapped(), F32)):
     eqns = _eqns(jax.make_jaxpr(f)(x).jaxpr, [])
     for prim in ("exp", "log"):
       got = _operands_of(eqns, prim)
@@ -286,11 +267,7 @@ def _errors(std):
   top = x64.max(-1, keepdims=True)
   ref = x64 - top - np.log(np.exp(x64 - top).sum(-1, keepdims=True))
   out = []
-  for f in (
-    jax.nn.log_softmax,
-    fs.float32(jax.nn.log_softmax),
-    fs.float32(jax.nn.log_softmax, keep_dtype=True),
-  ):
+  for f in (jax.nn.log_softmax, wrapped(), wrapped(keep_dtype=True)):
     err = np.abs(np.asarray(jax.jit(f)(x), np.float64) - ref)
     out += [err.max(), err.mean()]
   return np.array(out)
@@ -305,17 +282,14 @@ def test_measured_log_softmax_errors_are_the_pages(std):
   # ...and handed back in float16 it is never worse.
   assert kept_max <= plain_max and kept_mean <= plain_mean
   print(f"std {std}: " + " ".join(f"{e:.3g}" for e in errors))
-  page = np.array(
-    [float(c) for c in helpers.table_rows(PAGE.read_text())[f"std {std}"]]
-  )
+  page = helpers.table_rows(PAGE.read_text())[f"std {std}"]
+  page = np.array([float(c) for c in page])
   # The figures are the backend's exp and log roundings (3 digits printed);
   # another CPU's implementation may round a few elements differently: a
   # factor of 1.5 leaves that and still catches a stale page (the columns
   # differ by factors of 1,000 or more, plain against wrapped).
-  assert np.all(errors < page * 1.5) and np.all(errors > page / 1.5), (
-    errors,
-    page,
-  )
+  within = np.all(errors < page * 1.5) and np.all(errors > page / 1.5)
+  assert within, (errors, page)
 
 
 def test_page_code_runs():
@@ -338,14 +312,9 @@ def test_page_code_runs():
   dots = _operands_of(eqns, "dot_general")
   assert dots.count({F32}) == 2 and dots.count({F16}) == 4, dots
   # Without the wrapper's dtype=None the softmax is float16 again.
-  plain = nnx.MultiHeadAttention(
-    num_heads=4,
-    in_features=16,
-    dtype=F16,
-    dropout_rate=0.1,
-    attention_fn=fs.float32(nnx.dot_product_attention, keep_dtype=True),
-    decode=False,
-    rngs=nnx.Rngs(0),
-  )
+  kw = dict(num_heads=4, in_features=16, dtype=F16, dropout_rate=0.1)
+  attention = fs.float32(nnx.dot_product_attention, keep_dtype=True)
+  kw.update(attention_fn=attention, decode=False, rngs=nnx.Rngs(0))
+  plain = nnx.MultiHeadAttention(**kw)
   eqns = _eqns(read(plain).jaxpr, [])
   assert _operands_of(eqns, "exp") == [{F16}]

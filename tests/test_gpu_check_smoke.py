@@ -17,16 +17,10 @@ from helpers import ROOT
 import pytest
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PARTS = (  # the priority order: the tests first
-  "env",
-  "tests",
-  "bandwidth",
-  "step_cost_500M_500_cb_on",
-  "step_cost_500M_500_cb_off",
-  "train_step",
-  "step_cost_20M_1000_cb_on",
-  "step_cost_20M_1000_cb_off",
-)
+# The priority order: the tests first.
+PARTS = ("env", "tests", "bandwidth", "step_cost_500M_500_cb_on")
+PARTS += ("step_cost_500M_500_cb_off", "train_step", "step_cost_20M_1000_cb_on")
+PARTS += ("step_cost_20M_1000_cb_off",)
 # The step_cost part with command buffers off at its smaller --tiny shape
 # (16 leaves, not 32: cheaper compiles, the same code path).
 STEP = "step_cost_500M_500_cb_off"
@@ -39,34 +33,17 @@ FLOOR, B = "a. optax clip + adamw, no scaling (floor)", "b. fp16_scaling"
 
 def test_tiny_run_records_every_part(tmp_path):
   out = tmp_path / "out"
-  proc = helpers.run_script(
-    SCRIPT,
-    out,
-    "--tiny",
-    "--parts",
-    ",".join(RAN),
-    "--tests",
-    TESTS,
-    # jax cannot even be imported in this: the part must be killed.
-    "--limit",
-    "bandwidth=0.5",
-  )
+  args = ["--tiny", "--parts", ",".join(RAN), "--tests", TESTS]
+  # jax cannot even be imported in this: the part must be killed.
+  proc = helpers.run_script(SCRIPT, out, *args, "--limit", "bandwidth=0.5")
   # One part did not finish, so the run says so in its exit status.
   assert proc.returncode == 1, proc.stdout + proc.stderr
   report = json.loads((out / "gpu_check.json").read_text())
   parts = report["parts"]
   assert tuple(parts) == PARTS
   statuses = {name: parts[name]["status"] for name in PARTS}
-  assert statuses == {
-    "env": "ok",
-    "bandwidth": "timed out",
-    "step_cost_500M_500_cb_on": "not selected",
-    "step_cost_500M_500_cb_off": "ok",
-    "step_cost_20M_1000_cb_on": "not selected",
-    "step_cost_20M_1000_cb_off": "not selected",
-    "train_step": "not selected",
-    "tests": "ok",
-  }, statuses
+  ran = {"env": "ok", "bandwidth": "timed out", STEP: "ok", "tests": "ok"}
+  assert statuses == {n: ran.get(n, "not selected") for n in PARTS}, statuses
   assert parts["bandwidth"]["seconds"] < 60  # killed at its limit
   assert parts["env"]["result"]["devices"]
   # The parts that ran after the one that timed out measured their rows.
@@ -74,9 +51,8 @@ def test_tiny_run_records_every_part(tmp_path):
   assert tests["counts"]["passed"] > 1 and tests["failing"] == []
   assert TESTS in parts["tests"]["command"]
   # Counted from pytest's lines, one a test; the same as its closing line.
-  assert re.match(
-    rf"{tests['counts']['passed']} passed in ", tests["pytest_summary"]
-  )
+  closing = rf"{tests['counts']['passed']} passed in "
+  assert re.match(closing, tests["pytest_summary"])
   step = parts[STEP]
   assert "--xla_gpu_enable_command_buffer=" in step["xla_flags"]
   rows = step["result"]["rows"]
@@ -92,9 +68,8 @@ def test_tiny_run_records_every_part(tmp_path):
   # the floor's are judged where the backend is known: on a GPU by
   # gpu_check's table, on XLA:CPU, which needs the copy option, by
   # tests/test_alias.py and targets.py.)
-  assert (
-    rows[f"{B}, overflow step"]["bytes_accessed"] == (rows[B]["bytes_accessed"])
-  )
+  overflow_bytes = rows[f"{B}, overflow step"]["bytes_accessed"]
+  assert overflow_bytes == rows[B]["bytes_accessed"]
   assert rows[B]["bytes_accessed"] > 0
   for name in RAN:
     assert (out / parts[name]["log"]).exists()
@@ -129,16 +104,9 @@ def test_failing_tests_are_named(tmp_path):
     ]
   )
   result = gpu_check.read_tests(log)
-  assert result["counts"] == {
-    "passed": 2,
-    "failed": 1,
-    "skipped": 1,
-    "error": 1,
-  }
-  assert result["failing"] == [
-    "tests/test_a.py::test_two[x-1]",
-    "tests/test_c.py",
-  ]
+  assert result["counts"] == dict(passed=2, failed=1, skipped=1, error=1)
+  failing = ["tests/test_a.py::test_two[x-1]", "tests/test_c.py"]
+  assert result["failing"] == failing
   assert result["pytest_summary"] is None  # killed: no closing line
 
 

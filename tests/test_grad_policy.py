@@ -6,6 +6,7 @@ pytrees, Equinox, Linen and NNX models; double casts refused by name."""
 
 import warnings
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +22,8 @@ TX = fs.chain(fs.fp16_loss_scale(fs.static_scaler(S)), optax.sgd(0.1))
 
 
 def _bits(tree):
-  return [
-    (np.asarray(x).dtype, np.asarray(x).tobytes())
-    for x in jax.tree.leaves(tree)
-  ]
+  leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+  return [(x.dtype, x.tobytes()) for x in leaves]
 
 
 def _mlp_params():
@@ -77,9 +76,9 @@ def test_gradients_are_the_hand_written_cast_inside_forms(policy):
   # The loss was computed in float16: not the float32 loss.
   assert value.dtype == F32
   assert float(value) != float(mlp_loss(params, x, y))
-  np.testing.assert_allclose(  # float16 compute: 2**-8 relative is loose
-    float(value), float(mlp_loss(params, x, y)), rtol=2**-6
-  )
+  # float16 compute: 2**-8 relative is loose
+  want = float(mlp_loss(params, x, y))
+  np.testing.assert_allclose(float(value), want, rtol=2**-6)
 
 
 def test_the_loss_is_cast_to_the_output_dtype():
@@ -91,12 +90,8 @@ def test_the_loss_is_cast_to_the_output_dtype():
 
 
 def rl_loss(params, obs, advantages, old_logp, seen):
-  seen.update(
-    params=params["w1"].dtype,
-    obs=obs.dtype,
-    advantages=advantages.dtype,
-    old_logp=old_logp.dtype,
-  )
+  seen.update(params=params["w1"].dtype, obs=obs.dtype)
+  seen.update(advantages=advantages.dtype, old_logp=old_logp.dtype)
   logits = (jax.nn.relu(obs @ params["w1"]) @ params["w2"]).astype(F32)
   logp = jax.nn.log_softmax(logits)[:, 0]
   ratio = jnp.exp(logp - old_logp)
@@ -115,15 +110,13 @@ def test_only_the_differentiated_arguments_are_cast_by_default():
   fs.value_and_grad(loss, state, policy=POLICY)(params, obs, adv, old)
   assert seen == dict(params=F16, obs=F32, advantages=F32, old_logp=F32)
   # cast_args names more: the observations, by position...
-  fs.value_and_grad(loss, state, policy=POLICY, cast_args=(1,))(
-    params, obs, adv, old
-  )
+  by_position = fs.value_and_grad(loss, state, policy=POLICY, cast_args=(1,))
+  by_position(params, obs, adv, old)
   assert seen == dict(params=F16, obs=F16, advantages=F32, old_logp=F32)
   # ...or by keyword.
   kw = lambda p, *, obs, adv, old: rl_loss(p, obs, adv, old, seen)
-  fs.value_and_grad(kw, state, policy=POLICY, cast_args="obs")(
-    params, obs=obs, adv=adv, old=old
-  )
+  by_keyword = fs.value_and_grad(kw, state, policy=POLICY, cast_args="obs")
+  by_keyword(params, obs=obs, adv=adv, old=old)
   assert seen == dict(params=F16, obs=F16, advantages=F32, old_logp=F32)
 
 
@@ -171,9 +164,8 @@ def test_equinox_gradients_are_the_hand_written_forms():
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   state = TX.init(eqx.filter(model, eqx.is_inexact_array))
-  _, grads = eqx.filter_jit(
-    lambda m, s: fs.value_and_grad(loss, s, policy=POLICY)(m, x, y)
-  )(model, state)
+  ours = lambda m, s: fs.value_and_grad(loss, s, policy=POLICY)(m, x, y)
+  _, grads = eqx.filter_jit(ours)(model, state)
 
   def by_hand(m):
     m16 = POLICY.cast_to_compute(m)
@@ -204,26 +196,18 @@ def test_linen_gradients_are_the_hand_written_forms():
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   state = TX.init(params)
-  _, grads = jax.jit(
-    lambda p, s: fs.value_and_grad(loss, s, policy=POLICY, cast_args=(1,))(
-      p, x, y
-    )
-  )(params, state)
-  expected = jax.jit(
-    jax.grad(
-      lambda p: (
-        loss(POLICY.cast_to_compute(p), x.astype(F16), y).astype(F32) * S
-      )
-    )
-  )(params)
+  cast = dict(policy=POLICY, cast_args=(1,))
+  grad = lambda p, s: fs.value_and_grad(loss, s, **cast)(p, x, y)
+  _, grads = jax.jit(grad)(params, state)
+
+  def by_hand(p):
+    return loss(POLICY.cast_to_compute(p), x.astype(F16), y).astype(F32) * S
+
+  expected = jax.jit(jax.grad(by_hand))(params)
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
   # The policy's form runs the layers' products in float16.
-  jaxpr = jax.make_jaxpr(
-    lambda p, s: fs.value_and_grad(loss, s, policy=POLICY, cast_args=(1,))(
-      p, x, y
-    )
-  )(params, state)
+  jaxpr = jax.make_jaxpr(grad)(params, state)
   dots = _dot_dtypes(jaxpr.jaxpr)  # forward and backward products
   assert dots and dots <= {F16}, dots
   # A Linen module built with dtype=float16 casts its parameters and inputs
@@ -238,16 +222,9 @@ def test_linen_gradients_are_the_hand_written_forms():
 def _dot_dtypes(jaxpr):
   """The operand dtypes of every dot_general in ``jaxpr`` and the jaxprs
   inside its equations."""
-  found = set()
-  for e in jaxpr.eqns:
-    if e.primitive.name == "dot_general":
-      found |= {v.aval.dtype for v in e.invars}
-    for v in e.params.values():
-      for w in v if isinstance(v, (list, tuple)) else [v]:
-        inner = w if hasattr(w, "eqns") else getattr(w, "jaxpr", None)
-        if hasattr(inner, "eqns"):
-          found |= _dot_dtypes(inner)
-  return found
+  eqns = helpers.jaxpr_eqns(jaxpr)
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  return {v.aval.dtype for e in dots for v in e.invars}
 
 
 def _nnx_model(nnx, dtype=None):
@@ -277,14 +254,11 @@ def test_nnx_functional_gradients_are_the_hand_written_forms():
     return _nnx_loss(nnx.merge(graphdef, params, rest, copy=True), x, y)
 
   state = TX.init(params)
-  _, grads = jax.jit(
-    lambda p, s: fs.value_and_grad(loss, s, policy=POLICY)(p, rest, x, y)
-  )(params, state)
-  expected = jax.jit(
-    jax.grad(
-      lambda p: loss(POLICY.cast_to_compute(p), rest, x, y).astype(F32) * S
-    )
-  )(params)
+  ours = lambda p, s: fs.value_and_grad(loss, s, policy=POLICY)(p, rest, x, y)
+  _, grads = jax.jit(ours)(params, state)
+  cast = POLICY.cast_to_compute
+  by_hand = lambda p: loss(cast(p), rest, x, y).astype(F32) * S
+  expected = jax.jit(jax.grad(by_hand))(params)
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
@@ -306,10 +280,8 @@ def test_nnx_optimizer_casts_the_params_and_keeps_the_batch_statistics():
 
   @nnx.jit
   def step(model, optimizer):
-    _, grads = fs.value_and_grad(_nnx_loss, optimizer, policy=POLICY)(
-      model, x, y
-    )
-    return grads
+    grad = fs.value_and_grad(_nnx_loss, optimizer, policy=POLICY)
+    return grad(model, x, y)[1]
 
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
   grads = step(model, optimizer)
@@ -321,9 +293,8 @@ def test_nnx_optimizer_casts_the_params_and_keeps_the_batch_statistics():
   assert all(v.dtype == F32 for v in jax.tree.leaves(after))
   assert _bits(after) != _bits(before)
   # And the parameters the model keeps are float32, untouched by the cast.
-  assert all(
-    v.dtype == F32 for v in jax.tree.leaves(nnx.state(model, nnx.Param))
-  )
+  kept = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert all(v.dtype == F32 for v in kept)
 
 
 def test_an_nnx_module_that_casts_itself_is_refused_by_name():
@@ -356,10 +327,7 @@ def test_a_plain_dicts_non_array_leaves_pass_through():
   tree = {
     "w": jnp.array([0.5, -1.0]),
     "c": 0.25,  # a Python float: differentiated, as jax.grad does
-    "n": 3,
-    "act": jax.nn.relu,
-    "idx": jnp.arange(3),
-    "none": None,
+    **dict(n=3, act=jax.nn.relu, idx=jnp.arange(3), none=None),
   }
   value, grads = fs.value_and_grad(f, state)(tree)
   assert seen == dict(n=3, act=jax.nn.relu, idx=jnp.int32, none=None)

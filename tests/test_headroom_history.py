@@ -6,32 +6,25 @@ import json
 import math
 
 import flax.serialization
+from helpers import assert_same_bits
 from helpers import guarded
+from helpers import orbax_round_trip
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 import fp16_scaling as fs
 
 
-def reference(
-  init_scale,
-  grad_maxes,
-  overflows,
-  history,
-  headroom=4.0,
-  margin_bits=2.0,
-  growth=2.0,
-  backoff=0.5,
-  lo=1.0,
-  hi=2.0**24,
-):
+def reference(init_scale, grad_maxes, overflows, history):
   """The scales after each step, by the rule as docs/diagnostics.md states
   it, in numpy float32 (power-of-two floor by float64 log2: exact, since a
   float32 just below 2**k has log2 at least 2**-24 below k)."""
+  # headroom_scaler's defaults.
+  headroom, margin_bits, growth, backoff = 4.0, 2.0, 2.0, 0.5
+  lo, hi = 1.0, 2.0**24
   f32 = np.float32
   scale, window, out = f32(init_scale), [], []
   for g, overflow in zip(grad_maxes, overflows):
@@ -98,13 +91,8 @@ def test_other_presets_state_is_unchanged():
   for scaler in (fs.deepspeed_scaler(), fs.torch_scaler(), fs.no_scaler()):
     state = scaler.init()
     assert type(state) is fs.ScalerState
-    assert state._fields == (
-      "loss_scale",
-      "growth_tracker",
-      "hysteresis_left",
-      "min_scale_errors",
-      "floor_overflows",
-    )
+    fields = "loss_scale growth_tracker hysteresis_left min_scale_errors"
+    assert state._fields == (*fields.split(), "floor_overflows")
 
 
 # Initial scale 2**10, headroom 4 bits, no growth margin. The target of a
@@ -120,13 +108,11 @@ def test_target_rises_when_the_old_maximum_leaves_the_window():
   g = [4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
   o = [False, False, True, False, False, False, False]
   got, state = scales(fs.headroom_scaler(**HAND, history=3), g, o)
-  np.testing.assert_array_equal(
-    got, [2.0**9, 2.0**9, 2.0**8, 2.0**9, 2.0**10, 2.0**11, 2.0**11]
-  )
+  want = [2.0**9, 2.0**9, 2.0**8, 2.0**9, 2.0**10, 2.0**11, 2.0**11]
+  np.testing.assert_array_equal(got, want)
   got1, _ = scales(fs.headroom_scaler(**HAND, history=1), g, o)
-  np.testing.assert_array_equal(
-    got1, [2.0**9, 2.0**10, 2.0**9, 2.0**10, 2.0**11, 2.0**11, 2.0**11]
-  )
+  want1 = [2.0**9, 2.0**10, 2.0**9, 2.0**10, 2.0**11, 2.0**11, 2.0**11]
+  np.testing.assert_array_equal(got1, want1)
   # Six clean steps wrote slots 0, 1, 2, 0, 1, 2: the ring holds three 1s.
   np.testing.assert_array_equal(state.grad_max_history, [1.0, 1.0, 1.0])
   assert int(state.history_position) == 0
@@ -153,10 +139,8 @@ def test_a_corrupt_window_is_read_within_range():
   # A checkpoint's NaN, inf or negative entries count as no step; its
   # position wraps into the ring: the scale stays a finite power of two.
   scaler = fs.headroom_scaler(**HAND, history=4)
-  state = scaler.init()._replace(
-    grad_max_history=jnp.array([jnp.nan, jnp.inf, -8.0, 0.0]),
-    history_position=jnp.int32(9),
-  )
+  ring = dict(grad_max_history=jnp.array([jnp.nan, jnp.inf, -8.0, 0.0]))
+  state = scaler.init()._replace(**ring, history_position=jnp.int32(9))
   after = scaler.update(state, jnp.bool_(False), jnp.float32(8.0))
   # max of (8 written at slot 9 mod 4 = 1, |-8|): target 2**(11-3) = 2**8.
   assert float(after.loss_scale) == 2.0**8
@@ -190,12 +174,6 @@ def run(params, state, first, n):
   return params, state
 
 
-def assert_bitwise(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-
-
 def test_saved_and_restored_mid_run_continues_bit_for_bit(tmp_path):
   params, state = run(PARAMS, TX.init(PARAMS), 0, 11)
   # Steps 3 and 10 overflowed: 9 clean steps have gone round the ring of 8.
@@ -203,28 +181,23 @@ def test_saved_and_restored_mid_run_continues_bit_for_bit(tmp_path):
   assert len(mid["grad_max_history"]) == 8 and mid["history_position"] == 1
   straight = run(params, state, 11, 12)
   # orbax, with a target; flax msgpack with a target; the own dict as JSON.
-  ckpt = ocp.StandardCheckpointer()
-  ckpt.save(tmp_path / "mid", {"params": params, "opt_state": state})
-  ckpt.wait_until_finished()
+  live = {"params": params, "opt_state": state}
   target = {"params": PARAMS, "opt_state": TX.init(PARAMS)}
-  from_orbax = ckpt.restore(tmp_path / "mid", target)
-  blob = flax.serialization.to_bytes({"params": params, "opt_state": state})
+  from_orbax = orbax_round_trip(tmp_path / "mid", live, target)
+  blob = flax.serialization.to_bytes(live)
   from_msgpack = flax.serialization.from_bytes(target, blob)
   # The own dict holds the whole loss-scale state: loaded into the live
   # state with its loss-scale part reset (AdamW's moments are not in it).
   saved = json.loads(json.dumps(fs.scaler_state_dict(state, SCALER)))
-  blank = fs.load_scaler_state_dict(
-    state, fs.scaler_state_dict(TX.init(PARAMS)), SCALER
-  )
+  fresh = fs.scaler_state_dict(TX.init(PARAMS))
+  blank = fs.load_scaler_state_dict(state, fresh, SCALER)
   assert fs.scaler_state_dict(blank)["grad_max_history"] == [0.0] * 8
-  from_dict = {
-    "params": params,
-    "opt_state": fs.load_scaler_state_dict(blank, saved, SCALER),
-  }
+  loaded = fs.load_scaler_state_dict(blank, saved, SCALER)
+  from_dict = {"params": params, "opt_state": loaded}
   for restored in (from_orbax, from_msgpack, from_dict):
-    assert_bitwise(restored, {"params": params, "opt_state": state})
+    assert_same_bits(restored, live)
     resumed = run(restored["params"], restored["opt_state"], 11, 12)
-    assert_bitwise(straight, resumed)
+    assert_same_bits(straight, resumed)
   # The window is part of what continues: without it, the run differs.
   del saved["grad_max_history"], saved["history_position"]
   forgot = fs.load_scaler_state_dict(blank, saved, SCALER)
@@ -251,15 +224,11 @@ def test_a_state_saved_without_a_window_loads_into_one():
     fs.load_scaler_state_dict(tx1.init(PARAMS), d8, one)
 
 
+_BAD = [(0, ValueError), (-3, ValueError), (2.0, TypeError)]
+
+
 @pytest.mark.parametrize(
-  "bad, error",
-  [
-    (0, ValueError),
-    (-3, ValueError),
-    (2.0, TypeError),
-    (True, TypeError),
-    (None, TypeError),
-  ],
+  "bad, error", _BAD + [(True, TypeError), (None, TypeError)]
 )
 def test_history_is_checked_at_construction(bad, error):
   with pytest.raises(error, match="history must be an integer"):

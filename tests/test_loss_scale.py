@@ -62,17 +62,14 @@ def test_static_scale_reports_true_norm():
   jax.tree.map(np.testing.assert_array_equal, updates, TRUE_GRADS)
 
 
+_MEGATRON = dict(initial_scale=128.0, min_scale=1.0, growth_interval=2)
 DYNAMIC = {
   "deepspeed": fs.deepspeed_scaler(
     init_scale=128.0, scale_window=2, min_scale=1.0
   ),
   "torch": fs.torch_scaler(init_scale=128.0, growth_interval=2),
-  "megatron": fs.megatron_scaler(
-    initial_scale=128.0, min_scale=1.0, growth_interval=2, hysteresis=1
-  ),
-  "megatron_h2": fs.megatron_scaler(
-    initial_scale=128.0, min_scale=1.0, growth_interval=2
-  ),
+  "megatron": fs.megatron_scaler(**_MEGATRON, hysteresis=1),
+  "megatron_h2": fs.megatron_scaler(**_MEGATRON),
   "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
 }
 
@@ -104,10 +101,7 @@ def test_growth_steps_unscale_by_the_scale_the_grads_were_made_with(
 
 def test_float16_gradients_are_unscaled_in_float32():
   tx = make_tx(fs.static_scaler(2.0**15))
-  grads = {
-    "w": jnp.full((2, 2), 2.0**-20, jnp.float32),
-    "b": jnp.full((2,), 2.0**-20, jnp.float32),
-  }
+  grads = jax.tree.map(lambda g: jnp.full_like(g, 2.0**-20), TRUE_GRADS)
   state = tx.init(grads)
   # 2**-20 lies below float16's normal range (2**-14); scaled by 2**15 it is
   # 2**-5, exact in float16, and must come back as 2**-20 in float32.
@@ -115,19 +109,16 @@ def test_float16_gradients_are_unscaled_in_float32():
   updates, state = jax.jit(tx.update)(scaled, state)
   assert updates["w"].dtype == jnp.float32
   jax.tree.map(np.testing.assert_array_equal, updates, grads)
-  assert float(state[0].grad_norm) == pytest.approx(
-    2.0**-20 * np.sqrt(6), rel=1e-6
-  )
+  norm = pytest.approx(2.0**-20 * np.sqrt(6), rel=1e-6)
+  assert float(state[0].grad_norm) == norm
 
 
 def test_finite_gradient_whose_square_overflows_is_not_an_overflow():
   # 3e30 squared overflows float32; the element is finite, so the step must
   # be taken and the norm reported exactly (3e30 / 4 alongside 4e30 / 4).
   tx = make_tx(fs.static_scaler(4.0), max_norm=1e35)
-  grads = {
-    "w": jnp.array([[3e30, 0.0], [0.0, 0.0]], jnp.float32),
-    "b": jnp.array([4e30, 0.0], jnp.float32),
-  }
+  w = jnp.array([[3e30, 0.0], [0.0, 0.0]], jnp.float32)
+  grads = {"w": w, "b": jnp.array([4e30, 0.0], jnp.float32)}
   state = tx.init(grads)
   updates, state = jax.jit(tx.update)(grads, state)
   ls = state[0]
@@ -182,9 +173,8 @@ def test_float16_params_warn_that_there_are_no_float32_masters():
     optax.chain(optax.identity(), _guarded(fs.torch_scaler())),
   ]
   for tx in wrapped:
-    with pytest.warns(
-      UserWarning, match="params are float16.*param_dtype"
-    ) as w:
+    match = "params are float16.*param_dtype"
+    with pytest.warns(UserWarning, match=match) as w:
       tx.init(params)
     assert [x.filename for x in w] == [__file__]
   with warnings.catch_warnings():
@@ -192,15 +182,11 @@ def test_float16_params_warn_that_there_are_no_float32_masters():
     _guarded(fs.torch_scaler()).init({"w": jnp.ones(2, jnp.float32)})
 
 
-@pytest.mark.parametrize(
-  "scaler, warns",
-  [
-    (fs.torch_scaler(), True),
-    (fs.static_scaler(1024.0), True),
-    (fs.no_scaler(), False),
-    (fs.static_scaler(1.0), False),
-  ],
-)
+_WARNS = [(fs.torch_scaler(), True), (fs.static_scaler(1024.0), True)]
+_WARNS += [(fs.no_scaler(), False), (fs.static_scaler(1.0), False)]
+
+
+@pytest.mark.parametrize("scaler, warns", _WARNS)
 def test_bfloat16_gradients_warn_unless_the_scale_is_one(scaler, warns):
   tx = _guarded(scaler)
   params = {"w": jnp.ones(2)}

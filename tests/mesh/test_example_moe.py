@@ -11,9 +11,9 @@ counting a replicated leaf once per device, or an expert shard only once, would
 be off by far more.
 """
 
-import pathlib
 import runpy
 
+from helpers import ROOT
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -25,9 +25,7 @@ import fp16_scaling as fs
 
 pytest.importorskip("flax")
 
-EXAMPLE = (
-  pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_moe.py"
-)
+EXAMPLE = ROOT / "examples" / "train_moe.py"
 BATCH = 256
 STEPS = 8
 
@@ -46,10 +44,8 @@ def test_moe_step_matches_single_device(example):
   def single_device_grads(params, x, y, scale):
     def loss(p):
       logits = full_model.apply({"params": p}, x).astype(jnp.float32)
-      nll = -jnp.mean(
-        jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1)
-      )
-      return nll * scale
+      logp = jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1)
+      return -jnp.mean(logp) * scale
 
     return jax.grad(loss)(params)
 
@@ -65,9 +61,8 @@ def test_moe_step_matches_single_device(example):
   for i in range(STEPS):
     x, y = xs[i * BATCH : (i + 1) * BATCH], ys[i * BATCH : (i + 1) * BATCH]
     scale = float(fs.current_scale(state))
-    ref = single_device_grads(
-      jax.device_put(jax.device_get(params), jax.devices()[0]), x, y, scale
-    )
+    one = jax.device_put(jax.device_get(params), jax.devices()[0])
+    ref = single_device_grads(one, x, y, scale)
     flat = jax.tree_util.tree_leaves_with_path(ref)
     g64 = [np.asarray(g, np.float64) for _, g in flat]
     expert = [ex["is_expert"](path) for path, _ in flat]
@@ -90,13 +85,10 @@ def test_moe_step_matches_single_device(example):
       "shared_grad_norm": np.sqrt(sum(s for s, e in zip(sq, expert) if not e)),
     }
     for k, v in want.items():
-      np.testing.assert_allclose(
-        m[k], v / scale, rtol=1e-2, err_msg=f"step {i} {k}"
-      )
+      msg = f"step {i} {k}"
+      np.testing.assert_allclose(m[k], v / scale, rtol=1e-2, err_msg=msg)
     clean_checked += 1
-  assert (
-    overflows[0] and clean_checked >= 2
-  )  # the run overflows first, then trains
-  assert (
-    sum(expert) == 2 and len(expert) > 2
-  )  # w_in and w_out are experts, the rest shared
+  # The run overflows first, then trains.
+  assert overflows[0] and clean_checked >= 2
+  # w_in and w_out are experts, the rest shared.
+  assert sum(expert) == 2 and len(expert) > 2

@@ -32,23 +32,15 @@ import fp16_scaling as fs
 
 STEPS = 12
 INJECT_STEP = 6  # one element of one expert shard is inf on this step
-RESCUE_STEP = (
-  9  # float32 leaf with finite elements whose squares overflow float32
-)
+# A float32 leaf with finite elements whose squares overflow float32.
+RESCUE_STEP = 9
 INIT_SCALE = 2.0**17
 GROWTH_INTERVAL = 3
 MAX_NORM = 1.0
 LR = 1e-2
 STD = 0.25
-KEYS = (
-  "prev_loss_scale",
-  "loss_scale",
-  "overflow",
-  "skipped_steps",
-  "grad_norm",
-  "expert_grad_norm",
-  "shared_grad_norm",
-)
+KEYS = ("prev_loss_scale", "loss_scale", "overflow", "skipped_steps")
+KEYS += ("grad_norm", "expert_grad_norm", "shared_grad_norm")
 
 
 class Layout(NamedTuple):
@@ -77,27 +69,18 @@ DATA_EXPERT = Layout(
     "expert": {"w_in": P("expert"), "w_out": P("expert", None, "data")},
   },
   f32_leaf=("shared", "head"),
-  inject=(
-    ("expert", "w_out"),
-    (3, 0, 15),
-  ),  # expert 3 -> expert shard 1; column 15 -> data shard 3
+  # expert 3 -> expert shard 1; column 15 -> data shard 3
+  inject=(("expert", "w_out"), (3, 0, 15)),
 )
 
 DATA_EXPERT_MODEL = Layout(
   name="data2_expert2_model2",
   mesh_shape=(2, 2, 2),
   axis_names=("data", "expert", "model"),
-  shapes={
-    "shared": {"embed": (8, 16), "head": (16, 4)},
-    "bias": (16,),
-    "zero": (16,),
-    "expert": {"w_in": (4, 16, 8), "w_out": (4, 8, 16)},
-  },
+  shapes={"bias": (16,), **DATA_EXPERT.shapes},
   specs={
-    "shared": {
-      "embed": P(None, "model"),
-      "head": P("model", None),
-    },  # tensor parallel
+    # tensor parallel
+    "shared": {"embed": P(None, "model"), "head": P("model", None)},
     "bias": P(),
     "zero": P(("data", "model")),
     "expert": {
@@ -106,10 +89,8 @@ DATA_EXPERT_MODEL = Layout(
     },
   },
   f32_leaf=("shared", "head"),
-  inject=(
-    ("expert", "w_out"),
-    (2, 7, 0),
-  ),  # expert shard 1, model shard 1, data shard 0
+  # expert shard 1, model shard 1, data shard 0
+  inject=(("expert", "w_out"), (2, 7, 0)),
 )
 
 LAYOUTS = [DATA_EXPERT, DATA_EXPERT_MODEL]
@@ -188,21 +169,24 @@ def scaled_grads(layout, step, scale):
   return out
 
 
+def grads_at(layout, step, state):
+  """:func:`scaled_grads` at ``state``'s current scale."""
+  return scaled_grads(layout, step, float(fs.current_scale(state)))
+
+
 def make_tx(layout, partition_specs="layout"):
   specs = layout.specs if partition_specs == "layout" else partition_specs
+  mask = expert_mask(layout)
+  clip = fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask, eps=0.0)
   return guarded(
     fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
-    fs.clip_by_unscaled_norm(
-      MAX_NORM,
-      expert_mask=expert_mask(layout),
-      eps=0.0,
-    ),
+    clip,
     optax.adam(LR),
     partition_specs=specs,
   )
 
 
-def state_specs(tx, layout, params):
+def state_specs(tx, layout, params, specs=None):
   """The optimizer state's PartitionSpecs: Adam's moments like the params,
   scalars
   replicated.
@@ -211,7 +195,7 @@ def state_specs(tx, layout, params):
     tx,
     lambda _, spec: spec,
     tx.init(params),
-    full_specs(layout),
+    full_specs(layout) if specs is None else specs,
     transform_non_params=lambda _: P(),
     is_leaf=lambda s: isinstance(s, P),
   )
@@ -237,6 +221,17 @@ def place(tree, specs, mesh):
     )
 
   return jax.tree.map(put, tree, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def placed(tx, layout, mesh, state_tx=None):
+  """``(specs, state specs, params, state)``: the layout's parameters and
+  ``state_tx``'s (default ``tx``) first state, placed on ``mesh``."""
+  state_tx = state_tx or tx
+  specs = full_specs(layout)
+  st_specs = state_specs(state_tx, layout, init_params(layout))
+  params = place(init_params(layout), specs, mesh)
+  state = place(state_tx.init(init_params(layout)), st_specs, mesh)
+  return specs, st_specs, params, state
 
 
 def step_fn(tx):
@@ -271,21 +266,16 @@ def reference_run(layout):
     overflow = not all(np.isfinite(x).all() for x in leaves)
     sq = [float(np.sum(x * x)) for x in leaves]
     is_expert = jax.tree.leaves(mask)
-    rec = {
-      "prev_loss_scale": scale,
-      "overflow": overflow,
-      "grad_norm": np.sqrt(sum(sq)) / scale,
-      "expert_grad_norm": np.sqrt(sum(s for s, e in zip(sq, is_expert) if e))
-      / scale,
-      "shared_grad_norm": np.sqrt(
-        sum(s for s, e in zip(sq, is_expert) if not e)
-      )
-      / scale,
-    }
+    norm = lambda keep: np.sqrt(
+      sum(s for s, e in zip(sq, is_expert) if keep(e))
+    )
+    rec = {"prev_loss_scale": scale, "overflow": overflow}
+    rec["grad_norm"] = np.sqrt(sum(sq)) / scale
+    rec["expert_grad_norm"] = norm(lambda e: e) / scale
+    rec["shared_grad_norm"] = norm(lambda e: not e) / scale
     if not overflow:
-      unscaled = jax.tree.map(
-        lambda x: x.astype(np.float32) / np.float32(scale), grads
-      )
+      unscale = lambda x: x.astype(np.float32) / np.float32(scale)
+      unscaled = jax.tree.map(unscale, grads)
       updates, opt_state = update(unscaled, opt_state, params)
       params = jax.tree.map(np.asarray, optax.apply_updates(params, updates))
     # torch.amp.GradScaler's rule.
@@ -309,9 +299,7 @@ def single_device_run(layout):
   state = jax.device_put(tx.init(params), dev)
   history = []
   for t in range(STEPS):
-    grads = jax.device_put(
-      scaled_grads(layout, t, float(fs.current_scale(state))), dev
-    )
+    grads = jax.device_put(grads_at(layout, t, state), dev)
     params, state = step(grads, state, params)
     history.append(_record(fs.scale_metrics(state), params))
   return history
@@ -320,21 +308,13 @@ def single_device_run(layout):
 def jit_mesh_run(layout):
   tx = make_tx(layout)
   mesh = make_mesh(layout)
-  specs = full_specs(layout)
   with jax.set_mesh(mesh):
     step = jax.jit(step_fn(tx))
-    params = place(init_params(layout), specs, mesh)
-    state = place(
-      tx.init(init_params(layout)),
-      state_specs(tx, layout, init_params(layout)),
-      mesh,
-    )
+    specs, _, params, state = placed(tx, layout, mesh)
     before = jax.tree.map(lambda x: x.sharding, (params, state))
     history = []
     for t in range(STEPS):
-      grads = place(
-        scaled_grads(layout, t, float(fs.current_scale(state))), specs, mesh
-      )
+      grads = place(grads_at(layout, t, state), specs, mesh)
       params, state = step(grads, state, params)
       assert jax.tree.map(lambda x: x.sharding, (params, state)) == before, (
         f"step {t}"
@@ -349,8 +329,7 @@ def shard_map_run(layout, check_vma):
   """
   tx = make_tx(layout)
   mesh = make_mesh(layout)
-  specs = full_specs(layout)
-  st_specs = state_specs(tx, layout, init_params(layout))
+  specs, st_specs, params, state = placed(tx, layout, mesh)
   step = step_fn(tx)
 
   def local_step(grads, state, params):
@@ -359,31 +338,18 @@ def shard_map_run(layout, check_vma):
     mine = jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in KEYS])[None]
     return params, state, mine
 
-  sharded_step = jax.jit(
-    jax.shard_map(
-      local_step,
-      mesh=mesh,
-      in_specs=(layout.specs, st_specs, layout.specs),
-      out_specs=(layout.specs, st_specs, P(layout.axis_names)),
-      check_vma=check_vma,
-    )
-  )
+  io = dict(in_specs=(layout.specs, st_specs, layout.specs))
+  io.update(out_specs=(layout.specs, st_specs, P(layout.axis_names)))
+  io["check_vma"] = check_vma
+  sharded_step = jax.jit(jax.shard_map(local_step, mesh=mesh, **io))
   with jax.set_mesh(mesh):
-    params = place(init_params(layout), specs, mesh)
-    state = place(tx.init(init_params(layout)), st_specs, mesh)
     history = []
     for t in range(STEPS):
-      global_grads = scaled_grads(layout, t, float(fs.current_scale(state)))
-      grads = place(global_grads, specs, mesh)
+      grads = place(grads_at(layout, t, state), specs, mesh)
       if t == INJECT_STEP:  # the inf is held by exactly one device
-        leaf = _get(grads, layout.inject[0])
-        assert (
-          sum(
-            not np.isfinite(np.asarray(s.data)).all()
-            for s in leaf.addressable_shards
-          )
-          == 1
-        )
+        shards = _get(grads, layout.inject[0]).addressable_shards
+        finite = [np.isfinite(np.asarray(s.data)).all() for s in shards]
+        assert finite.count(False) == 1
       params, state, per_device = sharded_step(grads, state, params)
       rec = _record(fs.scale_metrics(state), params)
       rec["per_device"] = np.asarray(per_device)
@@ -411,28 +377,19 @@ def test_reference_covers_the_cases(layout, reference):
   """
   overflows = [r["overflow"] for r in reference]
   assert overflows[0] and sum(overflows) >= 3
-  clean_at_inject = scaled_grads(
-    layout, INJECT_STEP, reference[INJECT_STEP]["prev_loss_scale"]
-  )
+  at = lambda t: scaled_grads(layout, t, reference[t]["prev_loss_scale"])
+  clean_at_inject = at(INJECT_STEP)
   _get(clean_at_inject, layout.inject[0])[layout.inject[1]] = 0
-  assert overflows[INJECT_STEP] and all(
-    np.isfinite(x).all() for x in jax.tree.leaves(clean_at_inject)
-  )
+  finite = [np.isfinite(x).all() for x in jax.tree.leaves(clean_at_inject)]
+  assert overflows[INJECT_STEP] and all(finite)
   assert not overflows[RESCUE_STEP]
-  f32 = _get(
-    scaled_grads(
-      layout, RESCUE_STEP, reference[RESCUE_STEP]["prev_loss_scale"]
-    ),
-    layout.f32_leaf,
-  )
+  f32 = _get(at(RESCUE_STEP), layout.f32_leaf)
   with np.errstate(over="ignore"):
     assert np.isinf(np.sum(f32 * f32, dtype=np.float32))
-  assert any(
-    r["loss_scale"] > r["prev_loss_scale"] for r in reference
-  )  # a growth
-  assert any(
-    r["grad_norm"] > MAX_NORM for r in reference if not r["overflow"]
-  )  # clipping is active
+  # A growth.
+  assert any(r["loss_scale"] > r["prev_loss_scale"] for r in reference)
+  # Clipping is active.
+  assert any(r["grad_norm"] > MAX_NORM for r in reference if not r["overflow"])
 
 
 def check_against_reference(history, reference):
@@ -470,6 +427,17 @@ def test_single_device_matches_reference(single, reference):
   check_against_reference(single, reference)
 
 
+def check_against_single(t, got, one):
+  for k in KEYS:
+    np.testing.assert_allclose(
+      got[k], one[k], rtol=1e-6, err_msg=f"step {t} {k}"
+    )
+  for g, w in zip(
+    jax.tree.leaves(got["params"]), jax.tree.leaves(one["params"])
+  ):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
 def test_jit_over_mesh_matches_reference_and_single_device(
   layout, single, reference
 ):
@@ -479,13 +447,8 @@ def test_jit_over_mesh_matches_reference_and_single_device(
   """
   history = jit_mesh_run(layout)
   check_against_reference(history, reference)
-  for got, one in zip(history, single):
-    for k in KEYS:
-      np.testing.assert_allclose(got[k], one[k], rtol=1e-6)
-    for g, w in zip(
-      jax.tree.leaves(got["params"]), jax.tree.leaves(one["params"])
-    ):
-      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+  for t, (got, one) in enumerate(zip(history, single)):
+    check_against_single(t, got, one)
 
 
 @pytest.mark.parametrize(
@@ -497,14 +460,7 @@ def test_shard_map_matches_reference_and_single_device(
   history = shard_map_run(layout, check_vma)
   check_against_reference(history, reference)
   for t, (got, one) in enumerate(zip(history, single)):
-    for k in KEYS:
-      np.testing.assert_allclose(
-        got[k], one[k], rtol=1e-6, err_msg=f"step {t} {k}"
-      )
-    for g, w in zip(
-      jax.tree.leaves(got["params"]), jax.tree.leaves(one["params"])
-    ):
-      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    check_against_single(t, got, one)
     # Every device took the same decision and ends the step with the same scale,
     # counters and norms: one inf on one device made all eight skip.
     per_device = got["per_device"]
@@ -528,8 +484,7 @@ def test_jit_update_keeps_state_shardings(layout):
   """
   tx = make_tx(layout)
   mesh = make_mesh(layout, AxisType.Auto)
-  specs = full_specs(layout)
-  st_specs = state_specs(tx, layout, init_params(layout))
+  specs, st_specs, params, state = placed(tx, layout, mesh)
   shardings = lambda sp: jax.tree.map(
     lambda s: NamedSharding(mesh, s), sp, is_leaf=lambda s: isinstance(s, P)
   )
@@ -538,17 +493,10 @@ def test_jit_update_keeps_state_shardings(layout):
       step_fn(tx),
       in_shardings=(shardings(specs), shardings(st_specs), shardings(specs)),
     )
-    params = place(init_params(layout), specs, mesh)
-    state = place(tx.init(init_params(layout)), st_specs, mesh)
     before = jax.tree.map(lambda x: x.sharding, (params, state))
-    for t in (
-      INJECT_STEP,
-      RESCUE_STEP,
-      RESCUE_STEP + 1,
-    ):  # overflow, rescue, plain
-      grads = place(
-        scaled_grads(layout, t, float(fs.current_scale(state))), specs, mesh
-      )
+    # Overflow, rescue, plain.
+    for t in (INJECT_STEP, RESCUE_STEP, RESCUE_STEP + 1):
+      grads = place(grads_at(layout, t, state), specs, mesh)
       with jax.transfer_guard("disallow"):  # no host round-trip inside the step
         params, state = step(grads, state, params)
       after = jax.tree.map(lambda x: x.sharding, (params, state))
@@ -560,15 +508,10 @@ def test_jit_update_keeps_state_shardings(layout):
         assert a.is_equivalent_to(b, x.ndim), f"step {t}: {b} became {a}"
   # Adam's moments really are split (the comparison above is not between
   # replicated shardings).
-  mu = state[2][0].mu
-  assert _get(mu, layout.inject[0]).sharding.spec == _get(
-    specs, layout.inject[0]
-  )
-  assert len(_get(mu, layout.inject[0]).addressable_shards[0].data.shape) == 3
-  assert (
-    _get(mu, layout.inject[0]).addressable_shards[0].data.size
-    < _get(mu, layout.inject[0]).size
-  )
+  mu = _get(state[2][0].mu, layout.inject[0])
+  assert mu.sharding.spec == _get(specs, layout.inject[0])
+  assert len(mu.addressable_shards[0].data.shape) == 3
+  assert mu.addressable_shards[0].data.size < mu.size
 
 
 # ------------------------------------------------------------------------------
@@ -579,27 +522,15 @@ def _shard_map_update(layout, tx, check_vma=True, grads_hook=None):
   """Traces one shard_map'd update of `tx` (built with any specs) with correct
   in/out specs.
   """
-  good = make_tx(layout)
   mesh = make_mesh(layout)
-  st_specs = state_specs(good, layout, init_params(layout))
-
-  def local(grads, state, params):
-    if grads_hook is not None:
-      grads = grads_hook(grads)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  fn = jax.shard_map(
-    local,
-    mesh=mesh,
-    in_specs=(layout.specs, st_specs, layout.specs),
-    out_specs=(layout.specs, st_specs),
-    check_vma=check_vma,
+  specs, st_specs, params, state = placed(tx, layout, mesh, make_tx(layout))
+  hook = grads_hook or (lambda g: g)
+  io = dict(
+    in_specs=(layout.specs, st_specs, layout.specs), check_vma=check_vma
   )
+  local = lambda grads, *rest: step_fn(tx)(hook(grads), *rest)
+  fn = jax.shard_map(local, mesh=mesh, out_specs=(layout.specs, st_specs), **io)
   with jax.set_mesh(mesh):
-    specs = full_specs(layout)
-    params = place(init_params(layout), specs, mesh)
-    state = place(good.init(init_params(layout)), st_specs, mesh)
     grads = place(scaled_grads(layout, 1, 1.0), specs, mesh)
     return jax.eval_shape(fn, grads, state, params)
 
@@ -607,33 +538,22 @@ def _shard_map_update(layout, tx, check_vma=True, grads_hook=None):
 def test_specs_with_wrong_structure_are_refused():
   layout = DATA_EXPERT
   wrong = {"shared": P(), "expert": P("expert")}  # no entry for "zero"
-  for name, tx in [
-    (
-      "fp16_loss_scale",
-      fs.chain(fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=wrong)),
-    ),
-    (
-      "clip_by_unscaled_norm",
-      fs.clip_by_unscaled_norm(1.0, partition_specs=wrong),
-    ),
-  ]:
-    with pytest.raises(
-      ValueError, match=f"{name}: partition_specs must have the structure"
-    ):
+  scale = fs.chain(fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=wrong))
+  clip = fs.clip_by_unscaled_norm(1.0, partition_specs=wrong)
+  for name, tx in [("fp16_loss_scale", scale), ("clip_by_unscaled_norm", clip)]:
+    match = f"{name}: partition_specs must have the structure"
+    with pytest.raises(ValueError, match=match):
       tx.init(init_params(layout))
   # At update, a state built with other specs is refused before anything is
   # read with them (the step checks the specs once, in the measurement, with
   # the state's own, which init checked).
-  with pytest.raises(
-    ValueError, match="fp16_loss_scale: this state was built with other part"
-  ):
+  other = "fp16_loss_scale: this state was built with other part"
+  with pytest.raises(ValueError, match=other):
     _shard_map_update(layout, make_tx(layout, wrong))
-  with pytest.raises(
-    TypeError, match="partition_specs must hold a jax.sharding.PartitionSpec"
-  ):
-    make_tx(layout, {"shared": "data", "zero": P(), "expert": P()}).init(
-      init_params(layout)
-    )
+  not_specs = {"shared": "data", "zero": P(), "expert": P()}
+  match = "partition_specs must hold a jax.sharding.PartitionSpec"
+  with pytest.raises(TypeError, match=match):
+    make_tx(layout, not_specs).init(init_params(layout))
 
 
 def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
@@ -651,17 +571,12 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
   # its own) reads its specs under shard_map, and names the missing axis.
   clip = fs.clip_by_unscaled_norm(1.0, partition_specs=typo)
   mesh = make_mesh(layout)
-  fn = jax.shard_map(
-    lambda g: clip.update(g, clip.init(g))[0],
-    mesh=mesh,
-    in_specs=(layout.specs,),
-    out_specs=layout.specs,
-  )
+  io = dict(in_specs=(layout.specs,), out_specs=layout.specs)
+  fn = jax.shard_map(lambda g: clip.update(g, clip.init(g))[0], mesh=mesh, **io)
   with jax.set_mesh(mesh):
     grads = place(scaled_grads(layout, 1, 1.0), full_specs(layout), mesh)
-    with pytest.raises(
-      ValueError, match="clip_by_unscaled_norm: partition_specs .* 'experts'"
-    ):
+    match = "clip_by_unscaled_norm: partition_specs .* 'experts'"
+    with pytest.raises(ValueError, match=match):
       jax.eval_shape(fn, grads)
 
 
@@ -673,12 +588,8 @@ def test_leaf_varying_over_an_axis_its_spec_replicates_is_refused():
 
   def per_device(grads):
     i = jax.lax.axis_index("data").astype(jnp.float16)
-    return {
-      **grads,
-      "shared": jax.tree.map(
-        lambda g: g * (i + 1).astype(g.dtype), grads["shared"]
-      ),
-    }
+    times = lambda g: g * (i + 1).astype(g.dtype)
+    return {**grads, "shared": jax.tree.map(times, grads["shared"])}
 
   with pytest.raises(
     ValueError,
@@ -695,43 +606,20 @@ def test_device_varying_gradients_without_partition_specs_are_named(varying):
   naming the leaf, the axis and partition_specs (it used to be JAX's,
   about lax.cond branches or out_specs)."""
   mesh = make_mesh(DATA_EXPERT)
-  tx = fs.chain(
-    fs.fp16_loss_scale(fs.torch_scaler()),
-    fs.clip_by_unscaled_norm(MAX_NORM),
-    optax.adam(LR),
+  tx = guarded(
+    fs.torch_scaler(), fs.clip_by_unscaled_norm(MAX_NORM), optax.adam(LR)
   )
-  params = {
-    "f16": np.ones((8, 4), np.float32),
-    "f32": np.ones((8, 4), np.float32),
-  }
+  params = {k: np.ones((8, 4), np.float32) for k in ("f16", "f32")}
   specs = {k: P("data") if k in varying else P() for k in params}
-  st_specs = optax.tree_map_params(  # Adam's moments like the params
-    tx,
-    lambda _, spec: spec,
-    tx.init(params),
-    specs,
-    transform_non_params=lambda _: P(),
-    is_leaf=lambda s: isinstance(s, P),
-  )
-
-  def local(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  fn = jax.shard_map(
-    local,
-    mesh=mesh,
-    in_specs=(specs, st_specs, specs),
-    out_specs=(specs, st_specs),
-  )
+  # Adam's moments like the params
+  st_specs = state_specs(tx, None, params, specs)
+  io = dict(in_specs=(specs, st_specs, specs), out_specs=(specs, st_specs))
+  fn = jax.shard_map(step_fn(tx), mesh=mesh, **io)
   grads = {"f16": jnp.ones((8, 4), jnp.float16), "f32": jnp.ones((8, 4))}
   first = varying[0]  # in tree order
   with jax.set_mesh(mesh):
-    args = (
-      place(grads, specs, mesh),
-      place(tx.init(params), st_specs, mesh),
-      place(params, specs, mesh),
-    )
+    trees = [(grads, specs), (tx.init(params), st_specs), (params, specs)]
+    args = [place(tree, s, mesh) for tree, s in trees]
     with pytest.raises(
       ValueError,
       match=rf"^fp16_loss_scale: under shard_map, gradient leaf \['{first}'\] "
@@ -749,7 +637,6 @@ def test_same_optimizer_without_a_mesh():
   layout = DATA_EXPERT
   tx = make_tx(layout)
   params = init_params(layout)
-  _, state = jax.jit(step_fn(tx))(
-    scaled_grads(layout, 1, INIT_SCALE / 2), tx.init(params), params
-  )
+  grads = scaled_grads(layout, 1, INIT_SCALE / 2)
+  _, state = jax.jit(step_fn(tx))(grads, tx.init(params), params)
   assert not bool(state[0].overflow)

@@ -7,54 +7,25 @@ the test compares the two. See worker.py for the steps.
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
+import helpers
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 INJECT = 3
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = helpers.free_port()
+  worker = [sys.executable, os.path.join(HERE, "worker.py"), port]
+  args = lambda i: worker + [i, tmp / f"out{i}.json", tmp]
+  cmds = [[str(a) for a in args(i)] for i in range(2)]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(
-    [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-  )
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        os.path.join(HERE, "worker.py"),
-        str(port),
-        str(i),
-        str(tmp / f"out{i}.json"),
-        str(tmp),
-      ],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=110)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for i, p in enumerate(procs):
-    assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:]}"
+  for i, (code, log) in enumerate(helpers.launch(cmds, env)):
+    assert code == 0, f"process {i} failed:\n{log[-4000:]}"
   return [json.loads((tmp / f"out{i}.json").read_text()) for i in range(2)]
 
 

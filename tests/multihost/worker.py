@@ -9,6 +9,7 @@ a block only process 1 holds; then saves an orbax checkpoint mid-run from
 both processes, restores it and continues. It writes what it saw as JSON.
 """
 
+import functools
 import json
 import os
 import sys
@@ -46,10 +47,8 @@ def make_tx(partition_specs):
 def host_grads(t):
   """Unscaled gradients of step t, the same in every process."""
   rng = np.random.default_rng(t)
-  g = {
-    "w": rng.normal(size=(ROWS, 3)).astype(np.float32),
-    "b": rng.normal(size=3).astype(np.float32),
-  }
+  g = {"w": rng.normal(size=(ROWS, 3)).astype(np.float32)}
+  g["b"] = rng.normal(size=3).astype(np.float32)
   if t == INJECT:
     g["w"][INF_ROW, 1] = np.inf
   return g
@@ -81,32 +80,22 @@ def main():
   )
   assert jax.device_count() == 4 and jax.local_device_count() == 2
   mesh = jax.make_mesh((4,), ("data",))
-  params0 = {
-    "w": np.linspace(-1, 1, ROWS * 3, dtype=np.float32).reshape(ROWS, 3),
-    "b": np.zeros(3, np.float32),
-  }
+  w = np.linspace(-1, 1, ROWS * 3, dtype=np.float32).reshape(ROWS, 3)
+  params0 = {"w": w, "b": np.zeros(3, np.float32)}
   result = {"process": pid}
 
   # Under jit over the global mesh: no partition_specs needed.
   tx = make_tx(None)
-
-  @jax.jit
-  def jit_step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+  jit_step = jax.jit(functools.partial(jit_step_inner, tx))
 
   # Under shard_map: each device sees its block; partition_specs say how
   # the norm is summed across the mesh.
   tx_sm = make_tx(SPECS)
   state_specs = jax.tree.map(lambda _: P(), tx_sm.init(params0))
-  sm_step = jax.jit(
-    jax.shard_map(
-      lambda p, s, g: jit_step_inner(tx_sm, p, s, g),
-      mesh=mesh,
-      in_specs=(SPECS, state_specs, SPECS),
-      out_specs=(SPECS, state_specs),
-    )
-  )
+  io = dict(in_specs=(SPECS, state_specs, SPECS))
+  io["out_specs"] = (SPECS, state_specs)
+  inner = functools.partial(jit_step_inner, tx_sm)
+  sm_step = jax.jit(jax.shard_map(inner, mesh=mesh, **io))
 
   def run(step, txn, first, last, params=None, state=None):
     with jax.set_mesh(mesh):
@@ -117,27 +106,21 @@ def main():
       for t in range(first, last):
         g = host_grads(t)
         scale = float(np.asarray(fs.current_scale(state)))
-        grads = place(
-          {k: (v * np.float32(scale)).astype(np.float32) for k, v in g.items()},
-          mesh,
-        )
+        f32 = np.float32(scale)
+        scaled = {k: (v * f32).astype(np.float32) for k, v in g.items()}
+        grads = place(scaled, mesh)
         if t == INJECT:
-          result["holds_inf"] = any(
-            not np.isfinite(b).all() for b in local(grads["w"])
-          )
+          blocks = local(grads["w"])
+          result["holds_inf"] = any(not np.isfinite(b).all() for b in blocks)
         before = jax.tree.map(local, params)
         params, state = step(params, state, grads)
         rec = record(state)
-        rec["params_unchanged"] = all(
-          all(np.array_equal(a, b) for a, b in zip(x, y))
-          for x, y in zip(
-            jax.tree.leaves(before),
-            jax.tree.leaves(jax.tree.map(local, params)),
-          )
-        )
-        rec["numpy_norm"] = float(
-          np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in g.values()))
-        )
+        after = jax.tree.leaves(jax.tree.map(local, params))
+        pairs = zip(jax.tree.leaves(before), after)
+        eq = lambda x, y: all(np.array_equal(a, b) for a, b in zip(x, y))
+        rec["params_unchanged"] = all(eq(x, y) for x, y in pairs)
+        squares = [np.sum(v.astype(np.float64) ** 2) for v in g.values()]
+        rec["numpy_norm"] = float(np.sqrt(sum(squares)))
         records.append(rec)
     return params, state, records
 
@@ -152,15 +135,12 @@ def main():
   ckpt.save(path, {"params": params, "opt_state": state})
   ckpt.wait_until_finished()
   with jax.set_mesh(mesh):
-    target = {
-      "params": place(params0, mesh),
-      "opt_state": tx.init(place(params0, mesh)),
-    }
+    target = {"params": place(params0, mesh)}
+    target["opt_state"] = tx.init(place(params0, mesh))
   restored = ckpt.restore(path, target)
   p1, s1, r1 = run(jit_step, tx, CUT, STEPS, params, state)
-  p2, s2, r2 = run(
-    jit_step, tx, CUT, STEPS, restored["params"], restored["opt_state"]
-  )
+  resume = (restored["params"], restored["opt_state"])
+  p2, s2, r2 = run(jit_step, tx, CUT, STEPS, *resume)
   result["resumed"] = r2
   result["resume_bitwise"] = all(
     all(a.tobytes() == b.tobytes() for a, b in zip(local(x), local(y)))
