@@ -4,13 +4,14 @@ line counter, per module and per function body. benchmarks/ is counted
 by the same rule: size is lines of code, so that no limit is met by
 trimming a docstring or a comment.
 
-Limits: the package at most 4,000 lines of code, no module over 300, no
+Limits: the package at most 3,700 lines of code, no module over 300, no
 function body over 60; benchmarks/ at most 2,200 lines of code. The
 package's limit was 3,000 while it held the loss scaling alone (2,972
 lines, then 2,993 with fs.chain); the precision policy, float32 ops,
 select_on_overflow, the jmp and Keras presets and formats, and the checks
 that name a misuse's fix (about 770 lines, most in modules of their own)
-raised it."""
+raised it to 4,000, and folding the code each of them had copied brought
+the package from 3,792 lines to 3,675 and the limit to 3,700."""
 
 import ast
 import io
@@ -82,9 +83,9 @@ def f(x):  # trailing
   assert function_bodies(source) == {"f (5)": 3}
 
 
-def test_the_package_holds_at_most_4000_lines_of_code():
+def test_the_package_holds_at_most_3700_lines_of_code():
   total = sum(len(code_lines(p.read_text())) for p in _modules())
-  assert total <= 4000, total
+  assert total <= 3700, total
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
