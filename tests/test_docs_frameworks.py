@@ -63,7 +63,7 @@ def _check_skip_and_step(opt_state_of, step, state, batches, model_state):
     for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
       assert np.isfinite(b).all()
       assert not np.array_equal(a, b)  # every leaf moved
-  return clean
+  return bad, clean
 
 
 def test_plain_jax():
@@ -81,6 +81,12 @@ def test_plain_jax():
     lambda s: (jax.device_get(s[0]), {}),
   )
   assert ns["loss"].dtype == np.float32  # "o=f32": a float32 loss
+  # The policy casts inside the differentiated function: float32 gradients.
+  x, y = ns["batches"][0]
+  _, grads = fs.value_and_grad(
+    ns["mlp_loss"], ns["opt_state"], policy="p=f32,c=f16,o=f32", cast_args=(1,)
+  )(ns["params"], x, y)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
 
 
 def test_flax_linen():
@@ -88,7 +94,7 @@ def test_flax_linen():
   ns = _run("## Flax Linen")
   linen = ns["linen"]
   assert set(linen.batch_stats["BatchNorm_0"]) == {"mean", "var"}
-  clean = _check_skip_and_step(
+  bad, clean = _check_skip_and_step(
     lambda s: s.opt_state,
     lambda s, x, y: ns["linen_step"](s, x, y)[0],
     linen,
@@ -97,6 +103,8 @@ def test_flax_linen():
   )
   # apply_gradients counts every call in state.step, the skip included.
   assert int(linen.step) == 12 and int(clean.step) == 13
+  # apply_gradients passes no value=: the kind of the overflow is unknown.
+  assert fs.overflow_report(bad.opt_state).kind == "unknown"
 
 
 def test_flax_nnx():
@@ -128,6 +136,11 @@ def test_flax_nnx():
     ns["batches"],
     model_state,
   )
+  # opt.step counts every update, the skipped one included; value= tells
+  # the overflow's kind.
+  assert int(opt.step.get_value()) == len(ns["batches"]) == 12
+  bad = nnx.merge(*step(pure_split((model, opt)), *ns["batches"][BAD_BATCH]))
+  assert fs.overflow_report(bad[1].opt_state).kind == "forward"
 
 
 def test_equinox():
