@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tomllib
 
 import fp16_scaling as fs
 
@@ -77,6 +76,7 @@ def test_the_fast_loop_comes_next_and_leaves_pytorch_out():
     r"without PyTorch \(about (\d+|N) minutes on \d+ cores", before
   )
   # The test extra has what the loop runs on, and no PyTorch.
+  tomllib = pytest.importorskip("tomllib")  # Python 3.11+
   pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
   extra = pyproject["project"]["optional-dependencies"]["test"]
   names = {re.split(r"[<>=!~ ]", req)[0] for req in extra}
