@@ -29,6 +29,13 @@ _FLOAT16_LOSS = (
   "scale of 2^16 or more overflows, and the scale stays below it. Reduce "
   "the loss in float32, e.g. jnp.mean(per_example.astype(jnp.float32))."
 )
+_FLOAT16_OUTPUT = (
+  "fs.value_and_grad: policy={} casts fun's loss to its output dtype, "
+  "float16 (in 'c=f16' the output follows compute): a float16 loss. Its "
+  "cotangent is the loss scale S in float16, which is inf once S > 65504: "
+  "every step at a scale of 2^16 or more overflows. Name a float32 "
+  "output, o=f32: policy='p=f32,c=f16,o=f32'."
+)
 
 
 def _is_traced(x) -> bool:
@@ -123,8 +130,9 @@ def value_and_grad(
       a floating scalar; a ``policy`` of another type.
 
   Warns:
-    UserWarning: ``fun``'s loss is float16 (its cotangent, the scale,
-      overflows float16 above 65504).
+    UserWarning: ``fun``'s loss is float16, or ``policy``'s output dtype
+      is (its cotangent, the scale, overflows float16 above 65504); the
+      latter names the fix, ``o=f32``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, fp16_scaling as fs
@@ -178,7 +186,8 @@ def value_and_grad(
       _refuse_double_cast(policy, args, nums)
     grads, (value, aux) = grad(*args, **kw)
     if value.dtype == jnp.float16:
-      _validate.warn(_FLOAT16_LOSS)
+      cast = policy is not None and policy.output_dtype == jnp.float16
+      _validate.warn(_FLOAT16_OUTPUT.format(policy) if cast else _FLOAT16_LOSS)
     return ((value, aux) if has_aux else value), grads
 
   return value_and_scaled_grad

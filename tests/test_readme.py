@@ -1,16 +1,25 @@
 """The README holds what a newcomer relies on: at most 8 KB; right after the
 opening paragraphs the two commands (train the example, run the tests), the
-second of them the one CI runs; links and repository paths in the README and
+second of them the one CI runs, then the fast loop without PyTorch and the
+page of each framework's step; links and repository paths in the README and
 docs/ that resolve; a preset table whose arguments are the presets' own; the
-metric names scale_metrics returns; and a quickstart that trains."""
+metric names scale_metrics returns; policy strings that give a float32 loss;
+and a quickstart that runs as pasted and trains."""
 
+import ast
+import contextlib
+import importlib.util
 import inspect
+import io
 import pathlib
 import re
+import types
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fp16_scaling as fs
 
@@ -20,6 +29,7 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 TEST_COMMAND = (
   "bash .ci/setup && .venv/bin/python -m pytest -q -n auto --dist loadfile"
 )
+FAST_LOOP = 'pip install -e ".[test]" && python -m pytest -q -m "not peers"'
 
 
 def _section(title):
@@ -33,13 +43,19 @@ def test_readme_is_at_most_8_kb():
   assert len(README.read_bytes()) <= 8192
 
 
-def test_the_two_commands_come_right_after_the_opening_paragraphs():
+def _opening():
+  """The README's first screen: the text before its first section."""
   text = README.read_text()
-  opening = text[: text.index("\n## ")]
-  # The README's first code block, before any section: two commands.
-  (block,) = re.findall(r"```bash\n(.*?)```", opening, re.S)
+  return text[: text.index("\n## ")]
+
+
+def test_the_two_commands_come_right_after_the_opening_paragraphs():
+  opening = _opening()
+  # The README's first code block, before any section: two commands, with
+  # only paragraphs of text before it.
+  block, *_ = re.findall(r"```bash\n(.*?)```", opening, re.S)
   assert opening.index("```bash") > opening.index("\n\n")  # after the text
-  assert opening.rstrip().endswith("```")  # and nothing after them
+  assert "```" not in opening[: opening.index("```bash")]
   train, test = block.strip().splitlines()
   assert train == (
     'python3 -m venv .venv && .venv/bin/pip install -q -e ".[examples]" && '
@@ -47,6 +63,48 @@ def test_the_two_commands_come_right_after_the_opening_paragraphs():
   )
   assert (ROOT / "examples" / "train_mlp.py").is_file()
   assert test == TEST_COMMAND
+
+
+def test_the_fast_loop_comes_next_and_leaves_pytorch_out():
+  opening = _opening()
+  blocks = re.findall(r"```bash\n(.*?)```", opening, re.S)
+  assert len(blocks) == 2 and blocks[1].strip() == FAST_LOOP
+  # The paragraph before it says what it costs ("N": the lead measures it
+  # after merging, on the whole suite).
+  before = opening[: opening.index(FAST_LOOP)].rsplit("\n\n", 2)[-2]
+  assert re.search(
+    r"without PyTorch \(about (\d+|N) minutes on \d+ cores", before
+  )
+  # The test extra has what the loop runs on, and no PyTorch.
+  tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+  pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  extra = pyproject["project"]["optional-dependencies"]["test"]
+  names = {re.split(r"[<>=!~ ]", req)[0] for req in extra}
+  assert {"pytest", "flax", "equinox", "dm-haiku", "keras"} <= names
+  assert not names & {"torch", "deepspeed", "megatron-core"}
+  # With -m "not peers", tests/conftest.py leaves tests/peers/ (PyTorch,
+  # DeepSpeed) unimported; with other marker expressions it collects it.
+  spec = importlib.util.spec_from_file_location(
+    "_readme_conftest", ROOT / "tests" / "conftest.py"
+  )
+  conftest = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(conftest)
+  peers = ROOT / "tests" / "peers"
+  for expr, ignored in [("not peers", True), ("peers", None), ("", None)]:
+    config = types.SimpleNamespace(option=types.SimpleNamespace(markexpr=expr))
+    assert conftest.pytest_ignore_collect(peers, config) is ignored, expr
+
+
+def test_the_first_screen_links_each_frameworks_step():
+  opening = _opening()
+  assert "](docs/frameworks.md)" in opening
+  # The NNX step, by its anchor: docs/frameworks.md's "## Flax NNX".
+  assert "[Flax NNX](docs/frameworks.md#flax-nnx)" in opening
+  headings = (ROOT / "docs" / "frameworks.md").read_text().splitlines()
+  assert "## Flax NNX" in headings
+  for name in ["Flax Linen", "Equinox", "Haiku", "Keras 3", "plain JAX"]:
+    assert name in opening, name
+  assert "](docs/porting.md)" in opening
 
 
 def test_readme_test_command_is_what_ci_runs():
@@ -145,39 +203,99 @@ def test_the_metrics_named_are_the_metrics_returned():
   assert added and added <= said, (added, said)
 
 
-def test_quickstart_trains_and_skips_an_overflow():
-  (code,) = re.findall(r"```python\n(.*?)```", _section("Quickstart"), re.S)
+def _quickstart():
+  """The first Python block after "## Quickstart": what CI runs from the
+  installed wheel, outside the checkout."""
+  return re.findall(r"```python\n(.*?)```", _section("Quickstart"), re.S)[0]
+
+
+def test_quickstart_needs_only_jax_optax_and_fp16_scaling():
+  imported = set()
+  for node in ast.walk(ast.parse(_quickstart())):
+    if isinstance(node, ast.Import):
+      imported |= {alias.name.split(".")[0] for alias in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      imported.add(node.module.split(".")[0])
+  assert imported == {"jax", "optax", "fp16_scaling"}
+
+
+def test_quickstart_runs_as_pasted_trains_and_skips_its_overflow():
+  code = _quickstart()
   assert "fs.value_and_grad(loss_fn, opt_state)(params, batch)" in code
   # The hand-written form is named beside it.
   assert "loss * fs.current_scale(opt_state)" in _section("Quickstart")
 
-  rng = np.random.default_rng(0)
-  # Small weights: adamw(1e-3) moves each by about 1e-3 a step.
-  w_true = 0.05 * rng.standard_normal(4).astype(np.float32)
-  batches = []
-  for i in range(150):
-    x = rng.standard_normal((16, 4)).astype(np.float32)
-    if i == 100:
-      x[0, 0] = 1e5  # beyond float16's range: this step must be skipped
-    batches.append((jnp.asarray(x), jnp.asarray(x @ w_true)))
+  env, out = {"__name__": "__main__"}, io.StringIO()
+  with contextlib.redirect_stdout(out), warnings.catch_warnings():
+    warnings.simplefilter("error")  # no float16-loss or other warning
+    exec(compile(code, "README.md quickstart", "exec"), env)
 
-  def loss_fn(params, batch):
-    x, y = batch
-    pred = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
-    return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
-
-  params = {"w": jnp.zeros(4, jnp.float32)}
-  first = float(loss_fn(params, batches[0]))
-  env = dict(params=params, loss_fn=loss_fn, batches=batches)
-  exec(code, env)
-
-  metrics = jax.device_get(env["metrics"])
-  # Only the injected step overflowed; torch_scaler halved 2**16 once.
+  metrics = jax.device_get(fs.scale_metrics(env["opt_state"]))
+  # Only the batch with 1e5 (beyond float16's 65504) overflowed; its loss
+  # is inf, a forward overflow; torch_scaler halved 2**16 once.
   assert int(metrics["skipped_steps"]) == 1
   assert float(metrics["loss_scale"]) == 2.0**15
   assert not bool(metrics["overflow"])
-  assert np.isfinite(np.asarray(env["params"]["w"])).all()
-  assert float(loss_fn(env["params"], batches[0])) < first / 10
+  report = out.getvalue()
+  assert "Skipped steps so far: 1;" in report, report
+  assert "loss scale 2^15" in report, report
+  # It trains: the weights reach w_true, from zeros, within what float16
+  # compute leaves (2^-11 relative per product, far below 1e-3 here).
+  w, w_true = np.asarray(env["params"]["w"]), np.asarray(env["w_true"])
+  np.testing.assert_allclose(w, w_true, atol=1e-3)
+  loss_fn, batches = env["loss_fn"], env["batches"]
+  zeros = {"w": jnp.zeros(4)}
+  assert float(loss_fn(env["params"], batches[0])) < (
+    float(loss_fn(zeros, batches[0])) / 100
+  )
+
+
+def _policy_case():
+  """A torch_scaler state (2**16) and a loss that computes in float16 under
+  a policy and returns float32, as the README's loss_fn does."""
+  params, x = {"w": jnp.ones(3)}, jnp.full((2, 3), 0.25)
+  state = fs.chain(fs.fp16_loss_scale(fs.torch_scaler())).init(params)
+  loss = lambda p, x: jnp.mean((x @ p["w"]).astype(jnp.float32))
+  return state, loss, params, x
+
+
+def test_every_policy_string_in_the_readme_gives_a_float32_loss():
+  policies = re.findall(r'policy="([^"]+)"', README.read_text())
+  assert policies  # "What runs in float16"
+  state, loss, params, x = _policy_case()
+  for policy in policies:
+    assert fs.get_policy(policy).output_dtype == jnp.float32, policy
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      value, grads = fs.value_and_grad(
+        loss, state, policy=policy, cast_args=(1,)
+      )(params, x)
+    assert value.dtype == grads["w"].dtype == jnp.float32
+    # The loss's cotangent is S = 2**16 in float32, each row's S / 2 in
+    # float16: the gradients are finite, mean(x @ w)'s exact gradient 0.25
+    # times S (powers of two: no rounding).
+    np.testing.assert_array_equal(grads["w"], np.full(3, 2.0**14))
+
+
+def test_the_float16_loss_warning_names_the_policy_and_the_fix():
+  state, loss, params, x = _policy_case()
+  # "c=f16": the output follows compute, so the policy casts the float32
+  # loss to float16, and its cotangent, 2**16, is inf in float16.
+  half = fs.value_and_grad(loss, state, policy="c=f16", cast_args=(1,))
+  with pytest.warns(UserWarning, match="float16 loss") as got:
+    value, grads = half(params, x)
+  (message,) = [str(w.message) for w in got]
+  assert "policy=p=full,c=f16,o=f16 casts fun's loss" in message, message
+  assert "o=f32" in message and "p=f32,c=f16,o=f32" in message
+  assert value.dtype == jnp.float16
+  assert not np.isfinite(np.asarray(grads["w"])).any()  # why it warns
+  # A float16 loss of the function's own, without a policy: the warning
+  # names the reduction, not a policy.
+  own = lambda p, x: jnp.mean(x.astype(jnp.float16) @ p["w"].astype("f2"))
+  with pytest.warns(UserWarning, match="float16 loss") as got:
+    fs.value_and_grad(own, state)(params, x)
+  (message,) = [str(w.message) for w in got]
+  assert "policy=" not in message and "Reduce the loss in float32" in message
 
 
 def test_nothing_points_outside_the_project():
