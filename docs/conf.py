@@ -101,6 +101,19 @@ def _skip_namedtuple_fields(app, what, name, obj, skip, options):
   return skip
 
 
+def _no_builtin_docstring(app, what, name, obj, options, lines):
+  """A constant's entry says what it holds (in docs/api.md), not what its
+  type is: autodoc would show ``tuple``'s own docstring for
+  ``OVERFLOW_KINDS``."""
+  del app, name, options
+  if what == "data" and lines:
+    builtin = (type(obj).__doc__ or "").strip()
+    if (
+      "\n".join(lines).strip() == builtin or lines[0] == builtin.split("\n")[0]
+    ):
+      lines[:] = []
+
+
 def _interop_aliases(app, doctree):
   """``fp16_scaling.interop.NAME`` is the very object ``fp16_scaling.NAME``
   (fp16_scaling re-exports the interop wing): the API page documents it
@@ -127,6 +140,7 @@ def _interop_aliases(app, doctree):
 
 def setup(app):
   app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+  app.connect("autodoc-process-docstring", _no_builtin_docstring)
   app.connect("doctree-read", _interop_aliases)
 
 
