@@ -31,7 +31,7 @@ class ScaleMetrics(TypedDict, total=False):
     nonfinite_leaves: int32 gradient leaves that overflowed on the last step.
     nonfinite_layers: int32 layers (``stacked_axes``) whose gradient in any
       stacked leaf overflowed on the last step.
-    grad_max_abs: largest finite unscaled |g| (``grad_range=True``).
+    grad_max_abs: largest finite unscaled ``|g|`` (``grad_range=True``).
     min_headroom_bits: least headroom below float16's maximum, in bits.
     zero_fraction: the fraction of zero elements (``grad_range=True``).
     microbatches: int32 microbatches so far (:func:`accumulate_gradients`).

@@ -178,7 +178,7 @@ class Scaler:
         gradients; required when :attr:`needs_grad_max`, else ignored.
 
     Returns:
-      The state after the step (jnp selects only: it jits and scans).
+      The state after the step (jnp selects only; it jits and scans).
     """
     scale = state.loss_scale
     overflow = jnp.asarray(overflow, jnp.bool_)

@@ -127,7 +127,7 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
       :class:`Scaler`.
 
   Returns:
-    The states, in order, each with the one scale state (traceable: a few
+    The states, in order, each with the one scale state (traceable; a few
     scalar selects, no host work); an ``nnx.Optimizer`` is itself, synced.
 
   Raises:

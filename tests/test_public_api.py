@@ -1,6 +1,10 @@
 """What the package exports is reachable under its public name."""
 
+import pathlib
 import pickle
+import re
+
+import pytest
 
 import fp16_scaling as fs
 
@@ -32,3 +36,26 @@ def test_the_interop_names_are_the_packages_own():
   assert set(interop.__all__) <= set(fs.__all__)
   for name in interop.__all__:
     assert getattr(fs, name) is getattr(interop, name), name
+
+
+def test_the_version_lives_in_one_place():
+  # pyproject.toml states no version of its own: setuptools reads
+  # fp16_scaling.__version__ (what .ci/wheel checks the built wheel has).
+  tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  config = tomllib.loads((root / "pyproject.toml").read_text())
+  assert "version" not in config["project"]
+  assert config["project"]["dynamic"] == ["version"]
+  attr = config["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+  assert attr == "fp16_scaling.__version__"
+  assert re.fullmatch(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.dev\d+)?", fs.__version__)
+  # The license the metadata names is the file it ships.
+  assert config["project"]["license"] == "Apache-2.0"
+  assert config["project"]["license-files"] == ["LICENSE"]
+  head = (root / "LICENSE").read_text().split("\n", 4)[:4]
+  assert [line.strip() for line in head] == [
+    "",
+    "Apache License",
+    "Version 2.0, January 2004",
+    "http://www.apache.org/licenses/",
+  ]

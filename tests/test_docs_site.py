@@ -1,0 +1,121 @@
+"""The API reference documents every public name (docs/api.md, docs/conf.py).
+
+The static check reads docs/api.md and needs no Sphinx. The built check
+reads the site's ``objects.inv`` (every object Sphinx documented, by its
+full name): from the build that ``FP16_SCALING_DOCS_BUILD`` names (CI's
+docs step builds once and points here), else from a build it runs with
+``-W -n`` (no warning, every cross-reference resolved) into a temporary
+folder, where Sphinx is installed (``pip install -e ".[docs]"``).
+"""
+
+import os
+import pathlib
+import re
+import zlib
+
+import pytest
+
+import fp16_scaling as fs
+import fp16_scaling.interop
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+API = ROOT / "docs" / "api.md"
+_DIRECTIVE = re.compile(
+  r"^\.\. auto(function|class|exception|data):: fp16_scaling\.(\w+)$", re.M
+)
+
+
+def public_names():
+  """Every public name's full path, ``fp16_scaling.interop.*`` included."""
+  return {f"fp16_scaling.{n}" for n in fs.__all__} | {
+    f"fp16_scaling.interop.{n}" for n in fp16_scaling.interop.__all__
+  }
+
+
+def read_inventory(path):
+  """{name: (domain:role, uri)} of a Sphinx version-2 ``objects.inv``: four
+  header lines, then zlib-compressed lines ``name domain:role priority uri
+  display-name`` (a ``$`` in the uri stands for the name)."""
+  data = path.read_bytes()
+  header = data.split(b"\n", 4)
+  assert header[0] == b"# Sphinx inventory version 2", header[0]
+  assert b"zlib" in header[3], header[3]
+  entries = {}
+  for line in zlib.decompress(header[4]).decode().splitlines():
+    m = re.match(r"(.+?)\s+(\S+:\S+)\s+(-?\d+)\s+(\S+)\s+(.*)", line)
+    assert m, line
+    name, role, _, uri, _ = m.groups()
+    entries[name] = (role, uri.replace("$", name) if uri.endswith("$") else uri)
+  return entries
+
+
+def test_the_api_page_documents_every_public_name_once():
+  documented = [m.group(2) for m in _DIRECTIVE.finditer(API.read_text())]
+  assert sorted(documented) == sorted(set(documented)), "documented twice"
+  assert sorted(documented) == sorted(fs.__all__)
+  # The interop names are documented as the top-level objects they are.
+  assert set(fp16_scaling.interop.__all__) <= set(documented)
+
+
+def test_the_api_page_documents_each_with_the_directive_of_its_kind():
+  kinds = dict(
+    (m.group(2), m.group(1)) for m in _DIRECTIVE.finditer(API.read_text())
+  )
+  for name, kind in kinds.items():
+    obj = getattr(fs, name)
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+      assert kind == "exception", name
+    elif isinstance(obj, type):
+      assert kind == "class", name
+    elif callable(obj):
+      assert kind == "function", name
+    else:
+      assert kind == "data", name
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+  """The folder of a built site: CI's, or one built here."""
+  given = os.environ.get("FP16_SCALING_DOCS_BUILD")
+  if given:
+    return pathlib.Path(given)
+  build = pytest.importorskip("sphinx.cmd.build")
+  pytest.importorskip("myst_parser")
+  out = tmp_path_factory.mktemp("site")
+  args = ["-W", "-n", "--keep-going", "-q", "-E", "-b", "html"]
+  assert build.build_main([*args, str(ROOT / "docs"), str(out)]) == 0
+  return out
+
+
+def test_the_built_inventory_has_every_public_name(built_site):
+  inventory = read_inventory(built_site / "objects.inv")
+  missing = sorted(public_names() - set(inventory))
+  assert missing == []
+  for name in public_names():
+    role, uri = inventory[name]
+    assert role.startswith("py:"), (name, role)
+    # Each resolves to its entry on the API page; an interop name to the
+    # entry of the same object at the top level.
+    short = name.replace("fp16_scaling.interop.", "fp16_scaling.")
+    assert uri == f"api.html#{short}", (name, uri)
+    assert (built_site / "api.html").exists()
+
+
+def test_the_inventory_reader_reads_what_sphinx_writes(tmp_path):
+  # An inventory written by hand in Sphinx's format: the reader gives
+  # back its names, roles and uris ("$" expanded).
+  body = (
+    "fp16_scaling.chain py:function 1 api.html#$ -\n"
+    "fp16_scaling.Policy py:class 1 api.html#fp16_scaling.Policy -\n"
+    "api std:doc -1 api.html API reference\n"
+  )
+  (tmp_path / "objects.inv").write_bytes(
+    b"# Sphinx inventory version 2\n# Project: p\n# Version: 0\n"
+    b"# The remainder of this file is compressed using zlib.\n"
+    + zlib.compress(body.encode())
+  )
+  assert read_inventory(tmp_path / "objects.inv") == {
+    "fp16_scaling.chain": ("py:function", "api.html#fp16_scaling.chain"),
+    "fp16_scaling.Policy": ("py:class", "api.html#fp16_scaling.Policy"),
+    "api": ("std:doc", "api.html"),
+  }
