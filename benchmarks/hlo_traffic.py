@@ -143,6 +143,37 @@ def fused_ops(hlo):
   return fusions, ops
 
 
+def kernels(hlo):
+  """``(fusions, kernels)`` of a compiled module: its ``fusion``
+  instructions, and every instruction that does work (a fusion, a copy, a
+  lone reduction, a custom call: not one of ``_FREE``, nor a ``call``,
+  ``while`` or ``conditional``, which are walked into), from the entry
+  computation down. A loop's body counts once, and every branch."""
+  comps, entry = computations(hlo)
+  fusions = total = 0
+  todo, seen = [entry], set()
+  while todo:
+    comp = todo.pop()
+    if comp in seen:
+      continue
+    seen.add(comp)
+    for line in comps.get(comp, []):
+      m = _INSTR.match(line)
+      if not m or m.group(3) in _FREE:
+        continue
+      op, rest = m.group(3), m.group(4)
+      if op in ("conditional", "while", "call"):
+        found = re.findall(r"to_apply=%([\w.\-]+)", rest)
+        for groups in _CALLED.findall(rest):
+          for part in filter(None, groups):
+            found += re.findall(r"[\w.\-]+", part)
+        todo += [c.lstrip("%") for c in found]
+        continue
+      fusions += op == "fusion"
+      total += 1
+  return fusions, total
+
+
 def row(*cells):
   """One markdown table row of ``cells``."""
   return "| " + " | ".join(map(str, cells)) + " |"
