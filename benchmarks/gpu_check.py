@@ -38,7 +38,7 @@ CB_OFF = "--xla_gpu_enable_command_buffer="
 PAIR = ("floor", "fp16")
 # The peers part: the flat forms first (the step near the hardware?), then
 # the other recipes users would write instead.
-PEERS = ("floor", "fp16_flat", "flat", "apply_if_finite", "jmp")
+PEERS = ("floor", "flat_fp16", "flat_floor", "apply_if_finite", "jmp")
 TEST_IGNORES = ("tests/peers", "tests/mesh", "tests/multihost")
 TINY_TESTS = ("tests/test_scaler.py",)
 TEST_WORKERS = 6  # pytest-xdist workers on a GPU: 74 s for the suite on an H200
@@ -275,7 +275,7 @@ def read_tests(log_text):
   killed before it) from the ``-v`` lines that finished, with or without
   pytest-xdist; failing ids from the ``-v`` lines and the short summary's
   ``FAILED`` and ``ERROR`` lines (collection errors name a file)."""
-  outcomes, failing = {}, set()
+  outcomes = {}
   for line in log_text.splitlines():
     m = _XDIST_LINE.match(line)
     if m:
@@ -286,11 +286,11 @@ def read_tests(log_text):
       outcomes[m.group(1)] = m.group(2)
       continue
     m = _SHORT.match(line)
-    if m:
-      failing.add(m.group(2))
-  failing.update(k for k, v in outcomes.items() if v in ("FAILED", "ERROR"))
-  closing = [m.group(1) for m in map(_CLOSING.match, log_text.splitlines())]
-  closing = [c for c in closing if c]
+    if m:  # a collection error is only here
+      outcomes.setdefault(m.group(2), m.group(1))
+  failing = [k for k, v in outcomes.items() if v in ("FAILED", "ERROR")]
+  found = map(_CLOSING.match, log_text.splitlines())
+  closing = [m.group(1) for m in found if m]
   if closing:
     words = _COUNT.findall(closing[-1].rsplit(" in ", 1)[0])
     counts = {_PLURALS.get(w, w): int(n) for n, w in words}
@@ -306,10 +306,12 @@ def read_tests(log_text):
 
 
 def read_step_cost(result, recipes=()):
-  """Per recipe: step ms, per-round wall and CPU ratio to the floor, bytes,
-  kernels, the bandwidth they imply and its fraction of the run's copy
-  bandwidth; ``table``, the markdown table of them (a row for each of
-  ``recipes``' keys the run did not reach too)."""
+  """Per recipe: step ms, per-round wall and CPU ratio to the floor, bytes
+  (XLA's, and moved: step_cost's ``bytes_moved``), kernels, the bandwidth
+  the bytes moved imply and its fraction of the run's copy bandwidth;
+  ``table``, the markdown table of them (and a line naming those of
+  ``recipes`` that the run did not reach)."""
+  import _common as common
   import recipes as recipe_set
 
   rows, lines = {}, []
@@ -321,37 +323,37 @@ def read_step_cost(result, recipes=()):
       + (f"{copy:,.1f} GB/s (median)." if copy else "not measured."),
       "",
       "| recipe | compile s | step ms | per round vs floor [quartiles] | "
-      "bytes | B/param | kernels (fusions) | GB/s | of copy |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "bytes accessed | bytes moved | B/param moved | kernels (fusions) | "
+      "GB/s | of copy |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, row in shape["rows"].items():
       if row.get("status") != "ok":
         rows[label] = dict(status=row.get("status"), shape=shape["shape"])
-        lines.append(f"| {label} | {row.get('status')} |" + " – |" * 7)
+        lines.append(f"| {label} | {row.get('status')} |" + " – |" * 8)
         continue
       step, b = row["step_s_median"], row["bytes_accessed"]
+      moved = row.get("bytes_moved") or b
       wall = row.get("wall_vs_floor_per_round")
       cpu = row.get("cpu_vs_floor_per_round")
-      gb_s = b / step / 1e9 if step else None
+      gb_s = moved / step / 1e9 if step else None
       # fmt: off
       rows[label] = r = dict(
         status="ok", shape=shape["shape"], step_ms=step * 1e3,
         cpu_ms=(row.get("cpu_s_median") or 0.0) * 1e3,
         wall_vs_floor=statistics.median(wall) if wall else None,
         cpu_vs_floor=statistics.median(cpu) if cpu else None,
-        bytes_accessed=b, gb_s=gb_s,
+        bytes_accessed=b, bytes_moved=moved, gb_s=gb_s,
         copy_fraction=gb_s / copy if gb_s and copy else None,
         compile_s=row["lower_s"] + row["compile_s"],
         kernels=row.get("kernels"), fusions=row.get("fusions"),
       )
       # fmt: on
-      ratio = "–"
-      if wall:
-        lo, hi = (sorted(wall)[int(q * (len(wall) - 1))] for q in (0.25, 0.75))
-        ratio = f"{r['wall_vs_floor']:.3f}x [{lo:.3f}, {hi:.3f}]"
+      ratio = common.spread(wall) if wall else "–"
       cells = [f"{r['compile_s']:.1f}", f"{r['step_ms']:.3f}", ratio]
-      cells += [f"{b:,.0f}", f"{b / shape['params']:.1f}"]
-      cells += [f"{r['kernels']:,} ({r['fusions']:,})" if r["kernels"] else "–"]
+      cells += [f"{b:,.0f}", f"{moved:,.0f}", f"{moved / shape['params']:.1f}"]
+      kernels = r["kernels"] and f"{r['kernels']:,} ({r['fusions']:,})"
+      cells += [kernels or "–"]
       cells += [f"{gb_s:,.0f}" if gb_s else "–"]
       cells += [f"{r['copy_fraction']:.3f}" if r["copy_fraction"] else "–"]
       lines.append(f"| {label} | " + " | ".join(cells) + " |")

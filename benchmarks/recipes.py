@@ -52,8 +52,8 @@ OPTIONS = (
 # (``optax.flatten``), so that a step runs a few kernels over every
 # parameter instead of a few per leaf. ``--recipes flat`` selects them.
 FLAT = (
-  Recipe("flat", "k. optax.flatten(clip + adamw), no scaling", ""),
-  Recipe("fp16_flat", "l. fs.chain(scale, clip, optax.flatten(adamw))", ""),
+  Recipe("flat_floor", "k. optax.flatten(clip + adamw), no scaling", ""),
+  Recipe("flat_fp16", "l. fs.chain(scale, clip, optax.flatten(adamw))", ""),
 )
 BY_KEY = {r.key: r for r in RECIPES + OPTIONS + FLAT}
 OVERFLOW_ROW = "b. fp16_scaling, overflow step"
@@ -144,10 +144,10 @@ def build(key, num_leaves):
   if key in ("fp16", "fp16_expert"):
     return plain(fp16_tx(num_leaves, expert=key == "fp16_expert"))
 
-  if key == "flat":
+  if key == "flat_floor":
     return plain(optax.flatten(clip_adamw()), to_f32)
 
-  if key == "fp16_flat":
+  if key == "flat_fp16":
     return plain(fp16_tx(num_leaves, flat=True))
 
   if key in ("grad_range", "log_overflows", "headroom"):

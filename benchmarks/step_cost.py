@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402  (also puts the checkout on sys.path)
 from hlo_traffic import computations  # noqa: E402
 from hlo_traffic import kernels  # noqa: E402
+from hlo_traffic import total_bytes  # noqa: E402
 import recipes  # noqa: E402
 
 BY_KEY, OPTIONS, RECIPES = recipes.BY_KEY, recipes.OPTIONS, recipes.RECIPES
@@ -206,7 +207,8 @@ def compile_and_report(step, call_args, compiler_options=None, **kwargs):
   on top of the jit's own), each timed; prints RESULT and the figures as
   JSON: ``lower_s``, ``compile_s`` (wall), ``lower_cpu_s``,
   ``compile_cpu_s`` (CPU), ``flops``, ``bytes_accessed``, ``copies``,
-  ``fusions`` and ``kernels`` (``hlo_traffic.kernels``)."""
+  ``fusions`` and ``kernels`` (``hlo_traffic.kernels``) and
+  ``bytes_moved`` (``hlo_traffic.total_bytes`` with ``slices``)."""
   print(COMPILING, flush=True)
   t0, c0 = time.perf_counter(), time.process_time()
   lowered = step.lower(*call_args)
@@ -221,6 +223,7 @@ def compile_and_report(step, call_args, compiler_options=None, **kwargs):
   result = dict(lower_s=t1 - t0, compile_s=t2 - t1, lower_cpu_s=c1 - c0)
   result.update(compile_cpu_s=c2 - c1, copies=count_copies(text))
   result["fusions"], result["kernels"] = kernels(text)
+  result["bytes_moved"] = total_bytes(text, slices=True)
   print("RESULT " + json.dumps(result | common.costs(compiled)), flush=True)
 
 
@@ -433,8 +436,8 @@ def table(
     "",
     "| recipe | compile s | vs a | step ms (median) | vs a | "
     "CPU ms/step (median) | vs a | bytes accessed | B/param | vs a | "
-    "kernels (fusions) | GB/s | of copy |",
-    "|---|" + "---:|" * 12,
+    "bytes moved | kernels (fusions) | GB/s | of copy |",
+    "|---|" + "---:|" * 13,
   ]
   record = dict(shape=shape_name, params=n, leaves=num_leaves, rows={})
   names = [(k, BY_KEY[k].label) for k in keys]
@@ -446,7 +449,7 @@ def table(
   for key, name in names:
     res = results[key]
     if res["status"] != "ok":
-      lines.append(f"| {name} | {res['status']} |" + " – |" * 11)
+      lines.append(f"| {name} | {res['status']} |" + " – |" * 12)
       record["rows"][name] = dict(status=res["status"])
       continue
     same, b = name == OVERFLOW_ROW, res["bytes_accessed"]
@@ -461,13 +464,17 @@ def table(
     ]
     cells += ["", "", ""] if same else [f"{b:,.0f}", f"{b / n:.1f}"]
     cells += [] if same else [fmt_ratio(b, base_b)]
-    gb_s = b / med[name] / 1e9 if med.get(name) else None
+    moved = res["bytes_moved"]
+    gb_s = moved / med[name] / 1e9 if med.get(name) else None
     copy = gb_s / copy_gb_s if gb_s and copy_gb_s else None
+    cells += ["" if same else f"{moved:,.0f}"]
     cells += ["" if same else f"{res['kernels']:,} ({res['fusions']:,})"]
-    cells += [f"{gb_s:,.1f}" if gb_s else "–", f"{copy:.3f}" if copy else "–"]
+    cells += [f"{gb_s:,.1f}" if gb_s else "–"]
+    cells += [f"{copy:.3f}" if copy else "–"]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
     spread = wall.get(name, [])
     fields = ("lower_s", "compile_s", "flops", "copies", "fusions", "kernels")
+    fields += ("bytes_moved",)
     row = {k: res.get(k) for k in fields}
     # fmt: off
     row.update(
@@ -499,7 +506,7 @@ def table(
     if floor_ok and key != "floor" and name != OVERFLOW_ROW and name in wall:
       notes.append(f"{name} / floor, per round: {both(name, floor)}")
   for key, name in names:
-    vs_b = key in OPTION_SET[2:] or key == "fp16_flat"
+    vs_b = key in OPTION_SET[2:] or key == "flat_fp16"
     if vs_b and name in wall and fp16 in wall:
       notes.append(f"{name} / b, per round: {both(name, fp16)}")
   copies = [f"{k} {results[k]['copies']}" for k in keys if k in total]
@@ -511,7 +518,10 @@ def table(
   if copy_gb_s:
     notes.append(
       f"copy bandwidth in this run: {copy_gb_s:,.1f} GB/s (median; "
-      "`a * 1.0001`, read + write); GB/s is bytes accessed / step time"
+      "`a * 1.0001`, read + write); GB/s is bytes moved / step time, "
+      "bytes moved hlo_traffic.py's count of the compiled step with "
+      "--slices (XLA's bytes accessed but for an operand a loop fusion "
+      "only slices, which counts as its slice)"
     )
   if notes_fn is not None:
     notes += notes_fn(keys, results, wall, record)
