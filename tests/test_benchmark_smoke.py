@@ -101,6 +101,8 @@ def test_targets_table_has_a_row_for_every_recipe(targets_run, bench):
 def test_the_table_and_the_json_say_the_same(run, request, bench):
   stdout, shape = request.getfixturevalue(run)[:2]
   rows, n = helpers.table_rows(stdout), shape["params"]
+  (copy,) = re.findall(r"^Copy bandwidth: ([\d,.]+) GB/s median", stdout, re.M)
+  copy = float(copy.replace(",", ""))
   floor = shape["rows"][bench.RECIPES[0].label]
   for label, row in shape["rows"].items():
     cells = rows[label]
@@ -112,12 +114,21 @@ def test_the_table_and_the_json_say_the_same(run, request, bench):
     for per_round in ("wall_vs_floor_per_round", "cpu_vs_floor_per_round"):
       assert len(row[per_round]) == REPEATS, label
       assert all(math.isfinite(r) and r > 0 for r in row[per_round]), label
+    # GB/s: bytes moved over the median step; a fraction of the run's copy.
+    gb_s = row["bytes_moved"] / row["step_s_median"] / 1e9
+    assert cells[11] == f"{gb_s:,.1f}", label
+    assert cells[12] == f"{row['copy_fraction']:.3f}", label
+    # The header prints the copy bandwidth to 0.1 GB/s: that rounding.
+    assert row["copy_fraction"] == pytest.approx(gb_s / copy, rel=0.05 / copy)
     if label == bench.OVERFLOW_ROW:  # the clean row's executable
-      assert cells[0] == "(same executable)" and cells[6:] == ["", "", ""]
+      assert cells[0] == "(same executable)" and cells[6:11] == [""] * 5
       continue
     b = row["bytes_accessed"]
     assert cells[6] == f"{b:,.0f}" and cells[7] == f"{b / n:.1f}", label
     assert cells[8] == _ratio(b / floor["bytes_accessed"]), label
+    assert cells[9] == f"{row['bytes_moved']:,.0f}", label
+    kernels = f"{row['kernels']:,} ({row['fusions']:,})"
+    assert cells[10] == kernels and row["kernels"] >= row["fusions"] > 0
     compile_s = row["lower_s"] + row["compile_s"]
     assert cells[0] == f"{compile_s:.2f}" and compile_s > 0, label
   # The floor is the unit: its every ratio is exactly 1.
