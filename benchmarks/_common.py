@@ -1,5 +1,6 @@
 """What every benchmark here shares: the interleaved timer, the figures of a
-compiled step, per-round ratios, their quantiles and the verdicts on them.
+compiled step, the copy bandwidth, per-round ratios, their quantiles and
+the verdicts on them.
 
 Importing it puts the repository root, benchmarks/ and examples/ on
 ``sys.path``, so a script benchmarks the checkout it lives in.
@@ -82,6 +83,30 @@ def costs(compiled):
     flops=float(cost.get("flops", nan)),
     bytes_accessed=float(cost.get("bytes accessed", nan)),
   )
+
+
+def copy_bandwidth(nbytes, calls=20):
+  """The copy bandwidth of the default device: ``a * 1.0001``, jitted and
+  donated, on ``nbytes`` of float32, ``calls`` times after one warm-up
+  call. Returns ``median_gb_s`` and ``best_gb_s`` (read + write bytes over
+  the median and the fastest call's time), ``bytes`` and ``seconds``."""
+  import jax
+  import jax.numpy as jnp
+
+  n = max(nbytes // 4, 1)
+  a = jnp.ones((n,), jnp.float32)
+  scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
+  a = scale(a).block_until_ready()  # compile and warm up
+  times = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    a = scale(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  del a
+  med, best = (
+    2 * n * 4 / t / 1e9 for t in (statistics.median(times), min(times))
+  )
+  return dict(median_gb_s=med, best_gb_s=best, bytes=n * 4, seconds=times)
 
 
 def paired(xs, ys):

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -34,10 +35,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 CB_OFF = "--xla_gpu_enable_command_buffer="
-STEP_RECIPES = ("floor", "fp16", "apply_if_finite", "jmp")
-TINY_STEP_RECIPES = ("floor", "fp16")
+PAIR = ("floor", "fp16")
+# The peers part: the flat forms first (the step near the hardware?), then
+# the other recipes users would write instead.
+PEERS = ("floor", "flat_fp16", "flat_floor", "apply_if_finite", "jmp")
 TEST_IGNORES = ("tests/peers", "tests/mesh", "tests/multihost")
 TINY_TESTS = ("tests/test_scaler.py",)
+TEST_WORKERS = 6  # pytest-xdist workers on a GPU: 74 s for the suite on an H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,29 +52,36 @@ class Part:
   shape: str = ""  # step_cost parts: the shape, and at --tiny
   tiny_shape: str = ""
   command_buffers: bool = True
+  recipes: tuple = PAIR
 
 
-# In priority order, the tests first. On an H200 a 500M/500 compile takes
-# 22-36 s, a 20M/1000 one over 40 s: the four recipes run at 500M/500 with
-# command buffers on, the other settings time floor and fp16.
+# In priority order. The H200's figures (2026-12-04): a 500M/500 compile
+# takes 21-25 s (apply_if_finite 31 s, jmp over 60 s), a 20M/1000 one over
+# 40 s; the parent's inputs and each worker's start add seconds; the suite
+# takes 74 s on 6 workers, the train step 38 s. Parts past ``--total`` are
+# skipped: the default-flag floor and fp16 rows come first, then the tests.
 # fmt: off
 PARTS = (
   Part("env", 15, "versions and devices"),
-  Part("tests", 180, "test suite less peers, mesh and multihost"),
-  Part("bandwidth", 15, "copy bandwidth, a * 1.0001 on 2 GiB float32"),
   Part("step_cost_500M_500_cb_on", 120,
-       "step_cost 500M/500, command buffers on", "500M/500", "16K/16"),
-  Part("step_cost_500M_500_cb_off", 60,
+       "step_cost 500M/500, command buffers on: floor, fp16", "500M/500",
+       "16K/16"),
+  Part("tests", 120, "test suite less peers, mesh and multihost"),
+  Part("bandwidth", 15, "copy bandwidth, a * 1.0001 on 2 GiB float32"),
+  Part("train_step", 60, "whole train step, fp16_scaling / plain optax"),
+  Part("step_cost_500M_500_peers", 180,
+       "step_cost 500M/500, command buffers on: floor, the flat forms, "
+       "apply_if_finite, jmp", "500M/500", "16K/16", recipes=PEERS),
+  Part("step_cost_500M_500_cb_off", 100,
        "step_cost 500M/500, command buffers off", "500M/500", "16K/16", False),
-  Part("train_step", 30, "whole train step, fp16_scaling / plain optax"),
-  Part("step_cost_20M_1000_cb_on", 60,
+  Part("step_cost_20M_1000_cb_on", 120,
        "step_cost 20M/1000, command buffers on", "20M/1000", "4K/32"),
-  Part("step_cost_20M_1000_cb_off", 60,
+  Part("step_cost_20M_1000_cb_off", 120,
        "step_cost 20M/1000, command buffers off", "20M/1000", "4K/32", False),
 )
 # fmt: on
 BY_NAME = {p.name: p for p in PARTS}
-TOTAL_S = 480.0  # the whole run: 8 minutes; the limits add up to 540
+TOTAL_S = 480.0  # the whole run: 8 minutes; the limits add up to 850
 
 
 def worker_env(args):
@@ -99,26 +110,15 @@ def worker_env(args):
 def worker_bandwidth(args):
   """GB/s of a donated ``a * 1.0001`` over ``args.bytes`` of float32 (read
   and write), median and best of ``args.calls`` calls."""
+  import _common as common
   import jax
-  import jax.numpy as jnp
 
-  n = args.bytes // 4
-  a = jnp.ones((n,), jnp.float32)
-  scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
-  a = scale(a).block_until_ready()  # compile and warm up
-  times = []
-  for _ in range(args.calls):
-    t0 = time.perf_counter()
-    a = scale(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  med, best = (
-    2 * n * 4 / t / 1e9 for t in (statistics.median(times), min(times))
-  )
-  return dict(
-    bytes=n * 4, calls=args.calls, seconds=times, median_gb_s=med,
-    best_gb_s=best, device=jax.devices()[0].device_kind,
+  out = common.copy_bandwidth(args.bytes, args.calls)
+  med, best, size = out["median_gb_s"], out["best_gb_s"], out["bytes"]
+  return out | dict(
+    calls=args.calls, device=jax.devices()[0].device_kind,
     summary=f"{med:,.1f} GB/s median, {best:,.1f} GB/s best "
-    f"({n * 4 / 2**30:.3g} GiB float32, read + write, {args.calls} calls)",
+    f"({size / 2**30:.3g} GiB float32, read + write, {args.calls} calls)",
   )  # fmt: skip
 
 
@@ -174,23 +174,45 @@ def command(part, args, outdir):
     paths = args.tests or (
       list(TINY_TESTS) if args.tiny else ["tests", "fp16_scaling"]
     )
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "not peers"]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-ra", "-m", "not peers"]
     cmd += ["-p", "no:cacheprovider", *paths]
-    return cmd + [f"--ignore={p}" for p in TEST_IGNORES], None
+    cmd += [f"--ignore={p}" for p in TEST_IGNORES]
+    workers = test_workers(args)
+    return cmd + (["-n", str(workers)] if workers else []), None
   if part.shape:
-    all_four = part.name == "step_cost_500M_500_cb_on" and not args.tiny
-    recipes = STEP_RECIPES if all_four else TINY_STEP_RECIPES
-    jmp = importlib.util.find_spec("jmp") is not None
-    recipes = [r for r in recipes if r != "jmp" or jmp]
-    timing = (
-      "2 --warmup 0 --inner 2" if args.tiny else "10 --warmup 2 --inner 10"
-    )
+    recipes = part_recipes(part)
+    timing = "2 --warmup 0 --inner 2 --copy-mib 8"
+    timing = timing if args.tiny else "10 --warmup 2 --inner 10"
     cmd = [sys.executable, os.path.join(HERE, "step_cost.py"), "--shape"]
     cmd += [part.tiny_shape if args.tiny else part.shape]
     cmd += ["--recipes", ",".join(recipes), "--repeats", *timing.split()]
     # --budget: seconds a compile may take before its row is given up.
     return cmd + ["--budget", "60", "--json", result], result
   raise KeyError(part.name)
+
+
+def part_recipes(part):
+  """A step_cost part's recipes, jmp left out where it is not installed."""
+  jmp = importlib.util.find_spec("jmp") is not None
+  return [r for r in part.recipes if r != "jmp" or jmp]
+
+
+def test_workers(args):
+  """The ``-n`` the tests part adds: ``--test-workers`` if given; else none
+  where ``PYTEST_ADDOPTS`` already says how to run (``-n``,
+  ``--numprocesses``, ``-p no:xdist``) or pytest-xdist is missing, and
+  ``TEST_WORKERS`` on a GPU (the env part's backend, else ``nvidia-smi``
+  on the PATH)."""
+  if getattr(args, "test_workers", None) is not None:
+    return args.test_workers
+  addopts = os.environ.get("PYTEST_ADDOPTS", "")
+  if re.search(r"(^|\s)(-n|--numprocesses|-p\s*no:xdist)", addopts):
+    return 0
+  if importlib.util.find_spec("xdist") is None:
+    return 0
+  backend = getattr(args, "backend", None)
+  gpu = backend == "gpu" if backend else bool(shutil.which("nvidia-smi"))
+  return TEST_WORKERS if gpu else 0
 
 
 def part_env(part):
@@ -234,59 +256,112 @@ def run_part(part, cmd, env, limit, log_path):
 # Reading what a part left.
 
 _OUTCOME = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+# ``pytest -v``: "ID OUTCOME [ 25%]"; under pytest-xdist: "[gw3] [ 25%]
+# OUTCOME ID" (an id may hold spaces: "test_x[adamw+schedule 2]").
 _TEST_LINE = re.compile(rf"^(\S+::\S.*?) ({_OUTCOME})\b")
-_TEST_ERROR = re.compile(r"^ERROR (\S+)")
+_XDIST_LINE = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_OUTCOME}) (\S.*?)\s*$")
+# The short summary (-ra): "FAILED ID - message", "ERROR PATH - message".
+_SHORT = re.compile(r"^(FAILED|ERROR) (\S+?(?:\[.*?\])?)(?: - .*)?$")
+_CLOSING = re.compile(
+  r"^=+ (.*\b(?:passed|failed|errors?|skipped)\b.* in .*?) =+$"
+)
+_COUNT = re.compile(r"(\d+) (\w+)")
+_PLURALS = dict(errors="error", warnings="warning")
 
 
 def read_tests(log_text):
-  """Counts and failing ids from ``pytest -v``'s lines; whatever ran before
-  a timeout counts too."""
+  """Counts and failing ids of a pytest run, from its log: counts from the
+  closing line ("20 failed, 567 passed, 1 skipped in 73.96s"), else (a run
+  killed before it) from the ``-v`` lines that finished, with or without
+  pytest-xdist; failing ids from the ``-v`` lines and the short summary's
+  ``FAILED`` and ``ERROR`` lines (collection errors name a file)."""
   outcomes = {}
   for line in log_text.splitlines():
+    m = _XDIST_LINE.match(line)
+    if m:
+      outcomes[m.group(2)] = m.group(1)
+      continue
     m = _TEST_LINE.match(line)
     if m:
       outcomes[m.group(1)] = m.group(2)
       continue
-    m = _TEST_ERROR.match(line)  # collection errors, in the -rE summary
-    if m and "::" not in m.group(1):
-      outcomes[m.group(1)] = "ERROR"
-  counts = dict(collections.Counter(v.lower() for v in outcomes.values()))
-  failing = sorted(k for k, v in outcomes.items() if v in ("FAILED", "ERROR"))
-  closing = [
-    x.strip("= ")
-    for x in log_text.splitlines()
-    if re.match(r"^=+ .*\b(passed|failed|error|skipped)\b.* in ", x)
-  ]
+    m = _SHORT.match(line)
+    if m:  # a collection error is only here
+      outcomes.setdefault(m.group(2), m.group(1))
+  failing = [k for k, v in outcomes.items() if v in ("FAILED", "ERROR")]
+  found = map(_CLOSING.match, log_text.splitlines())
+  closing = [m.group(1) for m in found if m]
+  if closing:
+    words = _COUNT.findall(closing[-1].rsplit(" in ", 1)[0])
+    counts = {_PLURALS.get(w, w): int(n) for n, w in words}
+    counts.pop("warning", None)
+  else:
+    counts = dict(collections.Counter(v.lower() for v in outcomes.values()))
   summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
   return dict(
-    counts=counts, failing=failing, summary=summary or "no test finished",
+    counts=counts, failing=sorted(failing),
+    summary=summary or "no test finished",
     pytest_summary=closing[-1] if closing else None,
   )  # fmt: skip
 
 
-def read_step_cost(result):
+def read_step_cost(result, recipes=()):
   """Per recipe: step ms, per-round wall and CPU ratio to the floor, bytes
-  and the bandwidth they imply."""
-  rows = {}
+  (XLA's, and moved: step_cost's ``bytes_moved``), kernels, the bandwidth
+  the bytes moved imply and its fraction of the run's copy bandwidth;
+  ``table``, the markdown table of them (and a line naming those of
+  ``recipes`` that the run did not reach)."""
+  import _common as common
+  import recipes as recipe_set
+
+  rows, lines = {}, []
+  copy = (result.get("copy_bandwidth") or {}).get("median_gb_s")
   for shape in result.get("shapes", []):
+    lines += [
+      f"Shape {shape['shape']}: {shape['params']:,} float32 params in "
+      f"{shape['leaves']} leaves. Copy bandwidth in the same run: "
+      + (f"{copy:,.1f} GB/s (median)." if copy else "not measured."),
+      "",
+      "| recipe | compile s | step ms | per round vs floor [quartiles] | "
+      "bytes accessed | bytes moved | B/param moved | kernels (fusions) | "
+      "GB/s | of copy |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for label, row in shape["rows"].items():
       if row.get("status") != "ok":
-        rows[label] = dict(status=row.get("status"))
+        rows[label] = dict(status=row.get("status"), shape=shape["shape"])
+        lines.append(f"| {label} | {row.get('status')} |" + " – |" * 8)
         continue
-      step = row["step_s_median"]
+      step, b = row["step_s_median"], row["bytes_accessed"]
+      moved = row.get("bytes_moved") or b
       wall = row.get("wall_vs_floor_per_round")
       cpu = row.get("cpu_vs_floor_per_round")
+      gb_s = moved / step / 1e9 if step else None
       # fmt: off
-      rows[label] = dict(
+      rows[label] = r = dict(
         status="ok", shape=shape["shape"], step_ms=step * 1e3,
         cpu_ms=(row.get("cpu_s_median") or 0.0) * 1e3,
         wall_vs_floor=statistics.median(wall) if wall else None,
         cpu_vs_floor=statistics.median(cpu) if cpu else None,
-        bytes_accessed=row["bytes_accessed"],
-        gb_s=row["bytes_accessed"] / step / 1e9 if step else None,
+        bytes_accessed=b, bytes_moved=moved, gb_s=gb_s,
+        copy_fraction=gb_s / copy if gb_s and copy else None,
         compile_s=row["lower_s"] + row["compile_s"],
+        kernels=row.get("kernels"), fusions=row.get("fusions"),
       )
       # fmt: on
+      ratio = common.spread(wall) if wall else "–"
+      cells = [f"{r['compile_s']:.1f}", f"{r['step_ms']:.3f}", ratio]
+      cells += [f"{b:,.0f}", f"{moved:,.0f}", f"{moved / shape['params']:.1f}"]
+      kernels = r["kernels"] and f"{r['kernels']:,} ({r['fusions']:,})"
+      cells += [kernels or "–"]
+      cells += [f"{gb_s:,.0f}" if gb_s else "–"]
+      cells += [f"{r['copy_fraction']:.3f}" if r["copy_fraction"] else "–"]
+      lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+  missing = [recipe_set.BY_KEY[k].label for k in recipes]
+  missing = [label for label in missing if label not in rows]
+  if missing and lines:
+    lines.append("Not reached: " + "; ".join(missing) + ".")
   short = []
   for label, r in rows.items():
     name = label.split(" ", 1)[0].rstrip(".")
@@ -294,23 +369,31 @@ def read_step_cost(result):
       short.append(f"{name} {r['status']}")
     elif r["wall_vs_floor"] is not None:
       short.append(f"{name} {r['wall_vs_floor']:.3f}x, {r['gb_s']:,.1f} GB/s")
-  return dict(rows=rows, summary="wall / floor, per round: " + ", ".join(short))
+  short += [label.split(" ", 1)[0] + " not reached" for label in missing]
+  return dict(
+    rows=rows, table="\n".join(lines).strip(),
+    summary="wall / floor, per round: " + ", ".join(short),
+  )  # fmt: skip
 
 
 def read_part(part, status, log_path, result_path):
+  """What a part left: the tests' counts from its log; a step_cost part's
+  rows from its JSON, which it rewrites after every row (so a part killed
+  at its limit keeps the rows it timed); another part's JSON if it
+  finished, else its log's last line."""
   with open(log_path, errors="replace") as f:
     log_text = f.read()
   if part.name == "tests":
     return read_tests(log_text)
-  if status != "ok" or not result_path or not os.path.exists(result_path):
-    tail = log_text.strip().splitlines()[-1:] or [""]
-    return dict(summary=tail[0][:200])
-  with open(result_path) as f:
-    result = json.load(f)
-  if part.shape:
-    table = [x for x in log_text.splitlines() if x.startswith(("| ", "- "))]
-    return read_step_cost(result) | dict(table="\n".join(table))
-  return result
+  found = bool(result_path) and os.path.exists(result_path)
+  if found and (part.shape or status == "ok"):
+    with open(result_path) as f:
+      result = json.load(f)
+    if part.shape:
+      return read_step_cost(result, part_recipes(part))
+    return result
+  tail = log_text.strip().splitlines()[-1:] or [""]
+  return dict(summary=tail[0][:200])
 
 
 def markdown(report):
@@ -335,9 +418,11 @@ def markdown(report):
     summary = summary.replace("|", "/").replace("\n", " ")
     lines.append(f"| {name} | {r['status']} | {secs} | {summary} |")
   for name, r in report["parts"].items():
-    if r.get("result", {}).get("table"):  # step_cost's own, from its log
-      flags = f" ({r['xla_flags']})" if r.get("xla_flags") else ""
-      lines += ["", f"## {name}{flags}", "", r["result"]["table"]]
+    if r.get("result", {}).get("table"):  # read from step_cost's JSON
+      flags = f"`XLA_FLAGS={r['xla_flags']}`" if r.get("xla_flags") else ""
+      flags = flags or "XLA's default flags (command buffers on)"
+      lines += ["", f"## {name}: {r['status']}, {flags}", ""]
+      lines.append(r["result"]["table"])
   failing = report["parts"]["tests"].get("result", {}).get("failing")
   if failing:
     lines += ["", "## Failing tests", ""] + [f"- `{t}`" for t in failing]
@@ -389,15 +474,18 @@ def main(argv=None):
   add("outdir", help="folder for the results (created)")
   add("--tiny", action="store_true", help="shrink every part to seconds on a "
       "CPU (the smoke test): 8 MiB copy, step_cost at 16K/16 and 4K/32 with "
-      f"floor and fp16, the tiny train step, {', '.join(TINY_TESTS)}")
+      f"the same recipes, the tiny train step, {', '.join(TINY_TESTS)}")
   add("--parts", default=",".join(BY_NAME), help="comma-separated parts, run "
-      f"in this order: {', '.join(BY_NAME)} ('step_cost': all four). Default:"
-      " all")
+      f"in this order: {', '.join(BY_NAME)} ('step_cost': every step_cost "
+      "part). Default: all")
   add("--limit", action="append", type=parse_limit, default=[],
       metavar="PART=SECONDS", help="a part's time limit (repeatable). "
       "Defaults: " + ", ".join(f"{p.name} {p.limit_s:g}" for p in PARTS))
   add("--tests", action="append", metavar="PATH", help="a pytest path or "
       "node id for the tests part, instead of the suite (repeatable)")
+  add("--test-workers", type=int, metavar="N", help="pytest-xdist workers "
+      f"for the tests part (0: none). Default: {TEST_WORKERS} on a GPU, none "
+      "on a CPU or where PYTEST_ADDOPTS names -n")
   add("--total", type=float, default=TOTAL_S, help="seconds for the whole "
       f"run (default {TOTAL_S:g}); a part gets at most what is left")
   # fmt: on
@@ -441,6 +529,8 @@ def main(argv=None):
     if part.shape:
       entry["xla_flags"] = env.get("XLA_FLAGS", "")
     entry["result"] = read_part(part, status, log, result_path)
+    if part.name == "env":  # the tests part's workers depend on it
+      args.backend = entry["result"].get("backend")
     if part.name == "tests" and status == "ok" and entry["result"]["failing"]:
       entry["status"] = "failed"
     print(

@@ -64,24 +64,51 @@ _CALLED = re.compile(
 )
 
 
-def breakdown(hlo, branch=None):
+def elements(text):
+  """``(elements, bytes per element)`` of the first array shape in
+  ``text``; (0, 0) for none."""
+  m = _ARRAY.search(text)
+  if not m:
+    return 0, 0
+  n = 1
+  for d in filter(None, m.group(2).split(",")):
+    n *= int(d)
+  return n, _DTYPE_BYTES.get(m.group(1), 4)
+
+
+def slices_only(lines):
+  """Whether a fused computation is elementwise work on slices: a
+  ``slice`` and nothing that reads an operand otherwise than element for
+  element (a reduction, a dot, a gather, a transpose, a concatenation)."""
+  ops = {m.group(3) for m in map(_INSTR.match, lines) if m}
+  other = {"reduce", "dot", "gather", "transpose", "concatenate", "scatter"}
+  other |= {"reduce-window", "dynamic-slice", "dynamic-update-slice", "pad"}
+  return "slice" in ops and not ops & other
+
+
+def breakdown(hlo, branch=None, slices=False):
   """{group: [count, bytes]} over the entry computation of ``hlo``.
 
   ``branch`` None counts each ``conditional`` by its costliest branch, as
   XLA's ``bytes accessed`` does; an index (0: the false or first branch)
   counts that branch of each top-level conditional and the cheapest of any
   nested one. A ``while`` counts its body once, called computations under
-  ``<instruction stem>/``; a fusion counts its operands and result."""
+  ``<instruction stem>/``; a fusion counts its operands and result, and
+  with ``slices`` a loop fusion of elementwise work on slices
+  (``slices_only``) counts, of an operand larger than its result, only as
+  many elements as the result has: XLA's count takes the whole operand,
+  and ``optax.flatten``'s step slices each leaf's update out of a vector
+  of all of them, once a leaf."""
   comps, entry = computations(hlo)
 
   def walk(comp, prefix, out, branch):
-    sizes = {}
+    sizes, shapes = {}, {}
     for line in comps.get(comp, []):
       m = _INSTR.match(line)
       if not m:
         continue
       name, shape, op, rest = m.groups()
-      sizes[name] = shape_bytes(shape)
+      sizes[name], shapes[name] = shape_bytes(shape), shape
       if op in _FREE:
         continue
       if op in ("conditional", "while", "call"):
@@ -107,6 +134,14 @@ def breakdown(hlo, branch=None):
         continue
       operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0])
       b = sizes[name] + sum(sizes.get(o, 0) for o in operands)
+      fused = re.search(r"calls=%([\w.\-]+)", rest)
+      if slices and fused and slices_only(comps.get(fused.group(1), [])):
+        # A loop fusion reads, of an operand larger than its result, the
+        # elements of its result's slice: as many as the result has.
+        n = elements(shape)[0]
+        for o in operands:
+          size, width = elements(shapes.get(o, ""))
+          b -= (size - n) * width if size > n else 0
       e = out.setdefault(
         prefix + ("copy" if op == "copy" else stem(name)), [0, 0]
       )
@@ -117,9 +152,9 @@ def breakdown(hlo, branch=None):
   return walk(entry, "", {}, branch)
 
 
-def total_bytes(hlo, branch=None):
+def total_bytes(hlo, branch=None, slices=False):
   """The bytes of :func:`breakdown`, summed over its groups."""
-  return sum(b for _, b in breakdown(hlo, branch).values())
+  return sum(b for _, b in breakdown(hlo, branch, slices).values())
 
 
 def fused_ops(hlo):
@@ -141,6 +176,37 @@ def fused_ops(hlo):
           scalar = "[]" in i.group(2).split("{")[0]
           ops[i.group(3) + ("(scalar)" if scalar else "")] += 1
   return fusions, ops
+
+
+def kernels(hlo):
+  """``(fusions, kernels)`` of a compiled module: its ``fusion``
+  instructions, and every instruction that does work (a fusion, a copy, a
+  lone reduction, a custom call: not one of ``_FREE``, nor a ``call``,
+  ``while`` or ``conditional``, which are walked into), from the entry
+  computation down. A loop's body counts once, and every branch."""
+  comps, entry = computations(hlo)
+  fusions = total = 0
+  todo, seen = [entry], set()
+  while todo:
+    comp = todo.pop()
+    if comp in seen:
+      continue
+    seen.add(comp)
+    for line in comps.get(comp, []):
+      m = _INSTR.match(line)
+      if not m or m.group(3) in _FREE:
+        continue
+      op, rest = m.group(3), m.group(4)
+      if op in ("conditional", "while", "call"):
+        found = re.findall(r"to_apply=%([\w.\-]+)", rest)
+        for groups in _CALLED.findall(rest):
+          for part in filter(None, groups):
+            found += re.findall(r"[\w.\-]+", part)
+        todo += [c.lstrip("%") for c in found]
+        continue
+      fusions += op == "fusion"
+      total += 1
+  return fusions, total
 
 
 def row(*cells):
@@ -179,10 +245,12 @@ def main(argv=None):
   add("--params", type=float, default=1.0, help="the parameter count: B/param")
   add("--min", type=float, default=0.05, help="hide groups below this B/param")
   add("--per-leaf", type=int, metavar="LEAVES", help="fusions, ops per leaf")
+  add("--slices", action="store_true", help="an operand that a fusion only "
+      "slices counts the slices' bytes, not its own")  # fmt: skip
   args = p.parse_args(argv)
   if args.per_leaf:
     return per_leaf(args.hlo, args.per_leaf)
-  tables = [breakdown(open(f).read()) for f in args.hlo]
+  tables = [breakdown(open(f).read(), slices=args.slices) for f in args.hlo]
   keys = list(dict.fromkeys(k for t in tables for k in t))
   unit = "B/param" if args.params != 1.0 else "bytes"
   print(row("instructions", *(f"{n} (n, {unit})" for n in names(args.hlo))))

@@ -2,8 +2,9 @@
 
 Every recipe takes the same float16 gradients (already multiplied by the
 loss scale where it has one) and float32 parameters, clips at a global norm
-of 1.0, runs AdamW and applies the updates (``RECIPES``, a to e, and b's
-options ``OPTIONS``, f to j; benchmarks/README.md lists them). No timer
+of 1.0, runs AdamW and applies the updates (``RECIPES``, a to e, b's
+options ``OPTIONS``, f to j, and the flat forms ``FLAT``, k and l;
+benchmarks/README.md lists them). No timer
 here: ``build(key, num_leaves)`` returns ``(init, step)``, ``jitted`` the
 same with the step jitted, its parameters and state donated.
 """
@@ -47,7 +48,14 @@ OPTIONS = (
     calls=ACCUMULATE_K,
   ),
 )
-BY_KEY = {r.key: r for r in RECIPES + OPTIONS}
+# The flat forms: the optimizer on one vector of all parameters
+# (``optax.flatten``), so that a step runs a few kernels over every
+# parameter instead of a few per leaf. ``--recipes flat`` selects them.
+FLAT = (
+  Recipe("flat_floor", "k. optax.flatten(clip + adamw), no scaling", ""),
+  Recipe("flat_fp16", "l. fs.chain(scale, clip, optax.flatten(adamw))", ""),
+)
+BY_KEY = {r.key: r for r in RECIPES + OPTIONS + FLAT}
 OVERFLOW_ROW = "b. fp16_scaling, overflow step"
 
 
@@ -71,17 +79,22 @@ def leaf_sizes(n, leaves, distinct=False):
   return sizes
 
 
-def fp16_tx(num_leaves, expert=False, headroom=False, **scale_kwargs):
+def fp16_tx(
+  num_leaves, expert=False, headroom=False, flat=False, **scale_kwargs
+):
+  """Recipe b: ``fs.chain(fp16_loss_scale, clip_by_unscaled_norm, adamw)``;
+  ``flat``: adamw as ``optax.flatten(adamw)`` (recipe l)."""
   import optax
 
   import fp16_scaling as fs
 
   mask = [i % 2 == 1 for i in range(num_leaves)] if expert else None
   preset = fs.headroom_scaler if headroom else fs.deepspeed_scaler
+  adamw = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   return fs.chain(
     fs.fp16_loss_scale(preset(init_scale=LOSS_SCALE), **scale_kwargs),
     fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
-    optax.adamw(LR, weight_decay=WEIGHT_DECAY),
+    optax.flatten(adamw) if flat else adamw,
   )
 
 
@@ -130,6 +143,12 @@ def build(key, num_leaves):
 
   if key in ("fp16", "fp16_expert"):
     return plain(fp16_tx(num_leaves, expert=key == "fp16_expert"))
+
+  if key == "flat_floor":
+    return plain(optax.flatten(clip_adamw()), to_f32)
+
+  if key == "flat_fp16":
+    return plain(fp16_tx(num_leaves, flat=True))
 
   if key in ("grad_range", "log_overflows", "headroom"):
     return plain(fp16_tx(num_leaves, **{key: True}))
@@ -245,6 +264,17 @@ def make_inputs(n, num_leaves, seed=0, distinct=False):
   draws[0][0] = np.inf
   overflow = [jnp.asarray(draws[0])] + grads[1:]
   return params, grads, overflow
+
+
+def abstract_inputs(n, num_leaves, distinct=False):
+  """The shapes and dtypes of :func:`make_inputs`'s params and gradients
+  (``jax.ShapeDtypeStruct``): what a compile needs, with no array drawn."""
+  import jax
+  import jax.numpy as jnp
+
+  sizes = leaf_sizes(n, num_leaves, distinct)
+  params = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
+  return params, [jax.ShapeDtypeStruct((s,), jnp.float16) for s in sizes]
 
 
 def copy_tree(tree):

@@ -3,15 +3,21 @@
 
 Times ``recipes.py``'s steps (a the floor, plain optax; b fp16_scaling, its
 expert mask and its overflow step; c jmp; d ``optax.apply_if_finite``; e
-Flax; with ``--recipes options`` b's options f to j) in one process, rounds
-interleaved (``_common.interleaved``), each compiled cold in a worker killed
-past ``--budget``. Reports compile time, wall and CPU time per step, XLA's
-bytes accessed and the per-round ratios to (a); benchmarks/README.md tells
-what each means. ``targets.py`` judges the same measurement.
+Flax; with ``--recipes options`` b's options f to j; with ``--recipes
+flat`` the flat forms k and l) in one process, rounds interleaved
+(``_common.interleaved``). Each recipe is compiled cold in a worker, killed
+``--budget`` seconds into its compile, then every recipe compiled so far
+is timed before the next compiles, and ``--json`` is rewritten: a compile
+that never ends loses only its own row. Reports compile time, wall and CPU
+time per step, XLA's bytes accessed, the kernels of the compiled step, the
+GB/s and their fraction of the copy bandwidth measured in the same run,
+and the per-round ratios to (a); benchmarks/README.md tells what each
+means. ``targets.py`` judges the same measurement.
 
   python benchmarks/step_cost.py                   # 20M/200 and 2M/1000
   python benchmarks/step_cost.py --shape 500x16 --recipes options
   python benchmarks/step_cost.py --tiny            # seconds; the smoke test
+  python benchmarks/step_cost.py --shape 500M/500 --recipes flat --inner 10
   python benchmarks/step_cost.py --recipes floor,fp16,jmp \
       --compiler-option xla_cpu_copy_insertion_use_region_analysis=true
 """
@@ -21,8 +27,8 @@ import atexit
 import json
 import os
 import re
+import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402  (also puts the checkout on sys.path)
 from hlo_traffic import computations  # noqa: E402
+from hlo_traffic import kernels  # noqa: E402
+from hlo_traffic import total_bytes  # noqa: E402
 import recipes  # noqa: E402
 
 BY_KEY, OPTIONS, RECIPES = recipes.BY_KEY, recipes.OPTIONS, recipes.RECIPES
@@ -44,6 +52,9 @@ SHAPES["tiny"] = (4_096, 8)
 DEFAULT_SHAPES = ("20M/200", "2M/1000")
 # ``--recipes options``: b's options next to b (and the floor).
 OPTION_SET = ("floor", "fp16") + tuple(r.key for r in OPTIONS)
+# ``--recipes flat``: the flat forms next to the floor and b.
+FLAT_SET = ("floor", "fp16") + tuple(r.key for r in recipes.FLAT)
+COMPILING = "COMPILING"  # what a worker prints when its compile starts
 DISTINCT = ":distinct"
 SHAPE_HELP = (
   "PARAMS/LEAVES (20M/200: 20,000,000 params in 200 leaves; K, M, G "
@@ -176,35 +187,34 @@ def worker(args):
   _, (n, num_leaves) = parse_shape(args.shape)
   options = dict(args.compiler_option or ())
   init, step = jitted(args.worker, num_leaves, compiler_options=options)
-  params, grads, _ = make_inputs(
+  # Shapes only: the compile needs no array, and the timing process's
+  # concrete inputs find the same executable in the cache.
+  params, grads = recipes.abstract_inputs(
     n, num_leaves, distinct=args.shape.endswith(DISTINCT)
   )
-  state = init(params)
-  jax.block_until_ready((params, state, grads))
+  state = jax.eval_shape(init, params)
   name = f"{args.worker}_{args.shape.replace('/', '_')}.hlo.txt"
   dump = os.path.join(args.dump_hlo, name) if args.dump_hlo else None
   # The options are the jit's own, so that the timing process's jit, built
   # with the same ones, finds this executable in the cache.
-  compile_and_report(
-    step, (params, state, grads), None, dump_path=dump, budget=args.budget
-  )
+  compile_and_report(step, (params, state, grads), None, dump_path=dump)
 
 
 def compile_and_report(step, call_args, compiler_options=None, **kwargs):
-  """What a compile worker does once its inputs exist: starts the timer
-  that kills it (SIGALRM) ``budget`` seconds on, if given; traces, lowers
-  and compiles ``step`` on ``call_args`` (with ``compiler_options`` on top
-  of the jit's own), each timed; prints RESULT and the figures as JSON:
-  ``lower_s``, ``compile_s`` (wall), ``lower_cpu_s``, ``compile_cpu_s``
-  (CPU), ``flops``, ``bytes_accessed`` and ``copies``."""
-  if kwargs.get("budget"):
-    signal.setitimer(signal.ITIMER_REAL, kwargs["budget"])
+  """What a compile worker does once its inputs exist: prints COMPILING
+  (from then on ``compile_in_worker`` gives it ``budget`` seconds); traces,
+  lowers and compiles ``step`` on ``call_args`` (with ``compiler_options``
+  on top of the jit's own), each timed; prints RESULT and the figures as
+  JSON: ``lower_s``, ``compile_s`` (wall), ``lower_cpu_s``,
+  ``compile_cpu_s`` (CPU), ``flops``, ``bytes_accessed``, ``copies``,
+  ``fusions`` and ``kernels`` (``hlo_traffic.kernels``) and
+  ``bytes_moved`` (``hlo_traffic.total_bytes`` with ``slices``)."""
+  print(COMPILING, flush=True)
   t0, c0 = time.perf_counter(), time.process_time()
   lowered = step.lower(*call_args)
   t1, c1 = time.perf_counter(), time.process_time()
   compiled = lowered.compile(compiler_options or None)
   t2, c2 = time.perf_counter(), time.process_time()
-  signal.setitimer(signal.ITIMER_REAL, 0)
   text, dump_path = compiled.as_text(), kwargs.get("dump_path")
   if dump_path:
     os.makedirs(os.path.dirname(dump_path), exist_ok=True)
@@ -212,31 +222,65 @@ def compile_and_report(step, call_args, compiler_options=None, **kwargs):
       f.write(text)
   result = dict(lower_s=t1 - t0, compile_s=t2 - t1, lower_cpu_s=c1 - c0)
   result.update(compile_cpu_s=c2 - c1, copies=count_copies(text))
+  result["fusions"], result["kernels"] = kernels(text)
+  result["bytes_moved"] = total_bytes(text, slices=True)
   print("RESULT " + json.dumps(result | common.costs(compiled)), flush=True)
+
+
+def watch(proc, budget, startup_s):
+  """``(stdout, killed)`` of a compile worker ``proc`` (stdout a pipe):
+  read until it exits, or killed (``killed`` True) ``budget`` seconds after
+  its COMPILING line unless its RESULT line came first. RuntimeError if it
+  spends over ``startup_s`` before COMPILING, or after RESULT."""
+  fd, out = proc.stdout.fileno(), b""
+  deadline, stage = time.monotonic() + startup_s, "starting"
+  while True:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      proc.kill()
+      proc.wait()
+      if stage == "compiling":
+        return out.decode(errors="replace"), True
+      raise RuntimeError(f"worker hung past {startup_s:g} s {stage}")
+    if not select.select([fd], [], [], left)[0]:
+      continue
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:  # end of output: the worker is exiting
+      proc.wait()
+      return out.decode(errors="replace"), False
+    out += chunk
+    lines = out.splitlines()
+    if stage != "done" and b"RESULT " in out:
+      stage, deadline = "done", time.monotonic() + startup_s
+    elif stage == "starting" and COMPILING.encode() in lines:
+      stage, deadline = "compiling", time.monotonic() + budget
 
 
 def compile_in_worker(key, shape, cache_dir, budget, dump_hlo, **kwargs):
   """Cold compile of recipe ``key`` at ``shape`` in a subprocess (of
   ``script``, default this one), into the cache in ``cache_dir``:
-  ``compile_and_report``'s figures, or None when the worker's own timer
-  killed it ``budget`` seconds into the compile (after its imports and inputs).
-  RuntimeError (with the tail of its stderr) when the worker failed or
-  took over ``startup_s`` more."""
+  ``compile_and_report``'s figures, or None when it was killed ``budget``
+  seconds into its compile (its imports and inputs do not count): the
+  compile is given up, not waited for. RuntimeError (with the tail of its
+  stderr) when the worker failed or spent over ``startup_s`` starting."""
   script = kwargs.get("script") or os.path.abspath(__file__)
   cmd = [sys.executable, script, "--worker", key, "--shape", shape]
   cmd += ["--cache-dir", cache_dir, "--budget", str(budget)]
   cmd += ["--dump-hlo", dump_hlo] if dump_hlo else []
   cmd += option_args(kwargs.get("compiler_options"))
-  limit = budget + kwargs.get("startup_s", 300)
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
-  except subprocess.TimeoutExpired as e:
-    raise RuntimeError(f"worker {key} hung past {limit:g} s") from e
-  if proc.returncode == -signal.SIGALRM:
+  with tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+    try:
+      stdout, killed = watch(proc, budget, kwargs.get("startup_s", 300))
+    except RuntimeError as e:
+      raise RuntimeError(f"worker {key}: {e}") from None
+    err.seek(0)
+    stderr = err.read()
+  if killed:
     return None
-  found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+  found = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
   if proc.returncode or not found:
-    raise RuntimeError(f"worker {key} failed:\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"worker {key} failed:\n{stderr[-3000:]}")
   return json.loads(found[-1][len("RESULT ") :])
 
 
@@ -270,41 +314,56 @@ def compile_recipe(key, shape_arg, cache_dir, args):
   return res | dict(compile_attempts_s=totals, status="ok")
 
 
-def run_shape(shape_name, n, num_leaves, keys, args):
-  """Compiles and times ``keys`` at one shape: ``(results, wall, cpu)``,
-  the compile figures by key and ``{row label: [seconds per call]}``."""
+def load_unit(key, fn, init, inputs, args):
+  """The timing unit of recipe ``key`` (its row, and the overflow step's
+  for b) and ``{load_s, cache_hit}``: the first call, which loads the
+  worker's executable from the cache, and one more untimed step."""
+  params, grads, grads_overflow = inputs
+  p = copy_tree(params)
+  s = copy_tree(init(p))
+  t0 = time.perf_counter()
+  (p, s), hit = first_call(fn, p, s, grads)
+  loaded = dict(load_s=time.perf_counter() - t0, cache_hit=hit)
+  calls = args.inner * BY_KEY[key].calls
+  unit = [(BY_KEY[key].label, common.stepper(fn, [p, s], grads, calls))]
+  if key == "fp16" and not args.no_overflow:
+    p = copy_tree(params)
+    box = [p, copy_tree(init(p))]
+    unit.append((OVERFLOW_ROW, common.stepper(fn, box, grads_overflow, calls)))
+  return unit, loaded
+
+
+def run_shape(shape_name, n, num_leaves, keys, args, on_pass=None):
+  """Compiles and times ``keys`` at one shape, one recipe at a time: after
+  each compile every recipe compiled so far is timed, in interleaved
+  rounds, and ``on_pass(results, wall, cpu)`` gets the figures so far
+  (``main`` writes the JSON there), before the next recipe compiles.
+  Returns the last pass's ``(results, wall, cpu)``: the compile figures by
+  key and ``{row label: [seconds per call]}``."""
   import jax
 
   cache_dir = _process_cache()
   shape_arg = shape_name if shape_name in SHAPES else f"{n}/{num_leaves}"
   shape_arg += DISTINCT if shape_name.endswith(DISTINCT) else ""
-  results = {k: compile_recipe(k, shape_arg, cache_dir, args) for k in keys}
-  params, grads, grads_overflow = make_inputs(
-    n, num_leaves, distinct=shape_name.endswith(DISTINCT)
-  )
-  units = []
-  for key in (k for k in keys if results[k]["status"] == "ok"):
-    init, fn = jitted(key, num_leaves, compiler_options=args.options)
-    p = copy_tree(params)
-    s = copy_tree(init(p))
-    # The first call traces and loads the worker's executable from the cache
-    # (whose key holds the compiler options); one more untimed warm-up step.
-    t0 = time.perf_counter()
-    (p, s), hit = first_call(fn, p, s, grads)
-    results[key].update(load_s=time.perf_counter() - t0, cache_hit=hit)
-    if hit is False:
-      log(f"[{shape_name}]   {key}: not in the worker's cache, compiled again")
-    calls = args.inner * BY_KEY[key].calls
-    unit = [(BY_KEY[key].label, common.stepper(fn, [p, s], grads, calls))]
-    if key == "fp16" and not args.no_overflow:
-      p = copy_tree(params)
-      sample = common.stepper(
-        fn, [p, copy_tree(init(p))], grads_overflow, calls
-      )
-      unit.append((OVERFLOW_ROW, sample))
-    units.append(unit)
-  log(f"[{shape_name}] timing {sum(map(len, units))} rows x {args.repeats} ...")
-  wall, cpu = common.split(common.interleaved(units, args.repeats, args.warmup))
+  inputs = make_inputs(n, num_leaves, distinct=shape_name.endswith(DISTINCT))
+  results, units, wall, cpu = {}, [], {}, {}
+  for key in keys:
+    results[key] = compile_recipe(key, shape_arg, cache_dir, args)
+    if results[key]["status"] == "ok":
+      init, fn = jitted(key, num_leaves, compiler_options=args.options)
+      unit, loaded = load_unit(key, fn, init, inputs, args)
+      results[key].update(loaded)
+      if loaded["cache_hit"] is False:
+        log(
+          f"[{shape_name}]   {key}: not in the worker's cache, compiled again"
+        )
+      units.append(unit)
+      rows = sum(map(len, units))
+      log(f"[{shape_name}] timing {rows} rows x {args.repeats} ...")
+      timed = common.interleaved(units, args.repeats, args.warmup)
+      wall, cpu = common.split(timed)
+    if on_pass is not None:
+      on_pass(dict(results), wall, cpu)
   jax.clear_caches()
   return results, wall, cpu
 
@@ -354,12 +413,17 @@ def fmt_ratio(x, base):
   return f"{x / base:.3f}x"
 
 
-def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
+def table(
+  shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None, **kw
+):
   """``(text, record)``: the markdown table of one shape with its notes,
   and its JSON record (``rows`` by label: compile figures, samples and
   per-round ratios to the floor). ``results``, ``wall`` and ``cpu`` are
-  ``run_shape``'s; ``notes_fn(keys, results, wall, record)`` returns more
-  notes (``targets.py``'s verdicts)."""
+  ``run_shape``'s (``keys``: those of ``results`` to show);
+  ``notes_fn(keys, results, wall, record)`` returns more notes
+  (``targets.py``'s verdicts); ``copy_gb_s``, the copy bandwidth that each
+  row's GB/s (bytes accessed / median step time) is a fraction of."""
+  copy_gb_s = kw.get("copy_gb_s")
   floor, fp16 = BY_KEY["floor"].label, BY_KEY["fp16"].label
   floor_ok = results.get("floor", {}).get("status") == "ok"
   ok = [k for k, r in results.items() if r["status"] == "ok"]
@@ -371,8 +435,9 @@ def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
     "float16 grads",
     "",
     "| recipe | compile s | vs a | step ms (median) | vs a | "
-    "CPU ms/step (median) | vs a | bytes accessed | B/param | vs a |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "CPU ms/step (median) | vs a | bytes accessed | B/param | vs a | "
+    "bytes moved | kernels (fusions) | GB/s | of copy |",
+    "|---|" + "---:|" * 13,
   ]
   record = dict(shape=shape_name, params=n, leaves=num_leaves, rows={})
   names = [(k, BY_KEY[k].label) for k in keys]
@@ -384,7 +449,7 @@ def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
   for key, name in names:
     res = results[key]
     if res["status"] != "ok":
-      lines.append(f"| {name} | {res['status']} |" + " – |" * 8)
+      lines.append(f"| {name} | {res['status']} |" + " – |" * 12)
       record["rows"][name] = dict(status=res["status"])
       continue
     same, b = name == OVERFLOW_ROW, res["bytes_accessed"]
@@ -399,9 +464,18 @@ def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
     ]
     cells += ["", "", ""] if same else [f"{b:,.0f}", f"{b / n:.1f}"]
     cells += [] if same else [fmt_ratio(b, base_b)]
+    moved = res["bytes_moved"]
+    gb_s = moved / med[name] / 1e9 if med.get(name) else None
+    copy = gb_s / copy_gb_s if gb_s and copy_gb_s else None
+    cells += ["" if same else f"{moved:,.0f}"]
+    cells += ["" if same else f"{res['kernels']:,} ({res['fusions']:,})"]
+    cells += [f"{gb_s:,.1f}" if gb_s else "–"]
+    cells += [f"{copy:.3f}" if copy else "–"]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
     spread = wall.get(name, [])
-    row = {k: res.get(k) for k in ("lower_s", "compile_s", "flops", "copies")}
+    fields = ("lower_s", "compile_s", "flops", "copies", "fusions", "kernels")
+    fields += ("bytes_moved",)
+    row = {k: res.get(k) for k in fields}
     # fmt: off
     row.update(
       status="ok", compile_attempts_s=res.get("compile_attempts_s"),
@@ -410,7 +484,7 @@ def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
       step_s_p10=common.quantile(spread, 0.1),
       step_s_p90=common.quantile(spread, 0.9),
       cpu_s_median=cpu_med.get(name), cpu_s_samples=cpu.get(name, []),
-      bytes_accessed=b,
+      bytes_accessed=b, gb_s=gb_s, copy_fraction=copy,
     )
     # fmt: on
     if floor_ok and name in wall:
@@ -432,13 +506,22 @@ def table(shape_name, n, num_leaves, keys, results, wall, cpu, notes_fn=None):
     if floor_ok and key != "floor" and name != OVERFLOW_ROW and name in wall:
       notes.append(f"{name} / floor, per round: {both(name, floor)}")
   for key, name in names:
-    if key in OPTION_SET[2:] and name in wall and fp16 in wall:
+    vs_b = key in OPTION_SET[2:] or key == "flat_fp16"
+    if vs_b and name in wall and fp16 in wall:
       notes.append(f"{name} / b, per round: {both(name, fp16)}")
   copies = [f"{k} {results[k]['copies']}" for k in keys if k in total]
   if copies:
     notes.append(
       "array copy instructions in each compiled step (entry computation): "
       + ", ".join(copies)
+    )
+  if copy_gb_s:
+    notes.append(
+      f"copy bandwidth in this run: {copy_gb_s:,.1f} GB/s (median; "
+      "`a * 1.0001`, read + write); GB/s is bytes moved / step time, "
+      "bytes moved hlo_traffic.py's count of the compiled step with "
+      "--slices (XLA's bytes accessed but for an operand a loop fusion "
+      "only slices, which counts as its slice)"
     )
   if notes_fn is not None:
     notes += notes_fn(keys, results, wall, record)
@@ -468,7 +551,8 @@ def parser_for(description, prog):
       help=SHAPE_HELP + " (repeatable; default 20M/200 and 2M/1000)")
   add("--tiny", action="store_true", help=f"the tiny shape {SHAPES['tiny']}")
   add("--recipes", default=recipes, help=f"comma-separated, of {list(BY_KEY)}"
-      f"; 'options' stands for {','.join(OPTION_SET)}. Default: {recipes}")
+      f"; 'options' stands for {','.join(OPTION_SET)}, 'flat' for "
+      f"{','.join(FLAT_SET)}. Default: {recipes}")
   add("--repeats", type=int, default=30, help="timed rounds (default 30)")
   add("--inner", type=int, default=1,
       help="steps per timed sample (default 1; more on a GPU)")
@@ -478,6 +562,9 @@ def parser_for(description, prog):
   add("--compile-repeats", type=int, default=1, help="cold compiles per "
       "recipe, median reported; one if it took over budget/10 (default 1)")
   add("--no-overflow", action="store_true", help="no overflow-step row")
+  add("--copy-mib", type=float, help="MiB of float32 for the copy bandwidth "
+      "that each row's GB/s is a fraction of (default 2048 on a GPU or TPU, "
+      "256 on a CPU, 8 with --tiny; 0: none)")
   add("--dump-hlo", metavar="DIR", help="write each step's optimized HLO here")
   for flag in ("--compiler-option", "--json", "--worker", "--cache-dir"):
     add(flag, **FLAG[flag])
@@ -486,10 +573,11 @@ def parser_for(description, prog):
 
 
 def recipe_keys(parser, text):
-  """The recipes of ``--recipes`` ('options' expanded), the floor first."""
-  keys = []
+  """The recipes of ``--recipes`` ('options', 'flat' expanded), the floor
+  first."""
+  keys, sets = [], dict(options=OPTION_SET, flat=FLAT_SET)
   for word in (w.strip() for w in text.split(",")):
-    words = OPTION_SET if word == "options" else [word]
+    words = sets.get(word, [word])
     keys += [k for k in words if k and k not in keys]
   for k in keys:
     if k not in BY_KEY:
@@ -517,20 +605,59 @@ def main(argv=None, notes_fn=None, description=None, prog=None):
   settings = ("repeats", "inner", "warmup", "budget", "compile_repeats")
   print(" ".join(f"{k}={getattr(args, k):g}" for k in settings))
   print(options_line(args.options))
+  copy = copy_bandwidth(args)
+  head = dict(machine=common.machine(), argv=argv, copy_bandwidth=copy)
+  head.update(xla_flags=os.environ.get("XLA_FLAGS", ""))
+  head.update(compiler_options=args.options)
   records = []
+  save = lambda shapes: args.json and write_json(args.json, head, shapes)
+  copy_gb_s = copy and copy["median_gb_s"]
   for shape_name, (n, num_leaves) in shapes:
-    results, wall, cpu = run_shape(shape_name, n, num_leaves, keys, args)
     shape = (shape_name, n, num_leaves)
-    text, record = table(*shape, keys, results, wall, cpu, notes_fn)
+
+    def on_pass(results, wall, cpu, shape=shape):
+      _, record = table(
+        *shape, list(results), results, wall, cpu, notes_fn,
+        copy_gb_s=copy_gb_s,
+      )  # fmt: skip
+      save(records + [record])
+
+    results, wall, cpu = run_shape(*shape, keys, args, on_pass)
+    text, record = table(
+      *shape, keys, results, wall, cpu, notes_fn, copy_gb_s=copy_gb_s
+    )
     print(f"\n{text}", flush=True)
     records.append(record)
-  if args.json:
-    with open(args.json, "w") as f:
-      flags = os.environ.get("XLA_FLAGS", "")
-      record = dict(machine=common.machine(), argv=argv, xla_flags=flags)
-      record.update(compiler_options=args.options, shapes=records)
-      json.dump(record, f, indent=1)
+  save(records)
   return 0
+
+
+def copy_bandwidth(args):
+  """``_common.copy_bandwidth`` at ``--copy-mib``, printed; None at 0."""
+  import jax
+
+  mib = args.copy_mib
+  if mib is None:
+    mib = 8 if args.tiny else 256 if jax.default_backend() == "cpu" else 2048
+  if not mib:
+    return None
+  copy = common.copy_bandwidth(int(mib * 2**20)) | dict(mib=mib)
+  print(
+    f"Copy bandwidth: {copy['median_gb_s']:,.1f} GB/s median, "
+    f"{copy['best_gb_s']:,.1f} GB/s best (a * 1.0001 on {mib:g} MiB "
+    "float32, read + write)",
+    flush=True,
+  )
+  return copy
+
+
+def write_json(path, head, shapes):
+  """``head`` and ``shapes`` as JSON in ``path``, atomically: a reader (or
+  a kill) finds the previous file or this one, never half of one."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(head | dict(shapes=shapes), f, indent=1)
+  os.replace(tmp, path)
 
 
 if __name__ == "__main__":

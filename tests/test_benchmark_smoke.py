@@ -8,10 +8,15 @@ ratios (finite, positive; the floor's is 1.000x), fp16_scaling's bytes
 accessed within the bound benchmarks/README.md states, and hlo_traffic.py's
 count next to XLA's. No timing is asserted."""
 
+import functools
 import json
 import math
+import os
 import re
+import signal
 import statistics
+import subprocess
+import sys
 
 import helpers
 from helpers import ROOT
@@ -84,7 +89,7 @@ def test_targets_table_has_a_row_for_every_recipe(targets_run, bench):
   labels = [r.label for r in bench.RECIPES] + [bench.OVERFLOW_ROW]
   assert sorted(shape["rows"]) == sorted(labels)
   for label in labels:
-    assert len(rows[label]) == 9, rows[label]
+    assert len(rows[label]) == 13, rows[label]
     assert shape["rows"][label]["status"] == "ok", label
   assert shape["shape"] == "tiny"
   assert "overflow step / clean step vs target" in stdout
@@ -96,6 +101,8 @@ def test_targets_table_has_a_row_for_every_recipe(targets_run, bench):
 def test_the_table_and_the_json_say_the_same(run, request, bench):
   stdout, shape = request.getfixturevalue(run)[:2]
   rows, n = helpers.table_rows(stdout), shape["params"]
+  (copy,) = re.findall(r"^Copy bandwidth: ([\d,.]+) GB/s median", stdout, re.M)
+  copy = float(copy.replace(",", ""))
   floor = shape["rows"][bench.RECIPES[0].label]
   for label, row in shape["rows"].items():
     cells = rows[label]
@@ -107,12 +114,21 @@ def test_the_table_and_the_json_say_the_same(run, request, bench):
     for per_round in ("wall_vs_floor_per_round", "cpu_vs_floor_per_round"):
       assert len(row[per_round]) == REPEATS, label
       assert all(math.isfinite(r) and r > 0 for r in row[per_round]), label
+    # GB/s: bytes moved over the median step; a fraction of the run's copy.
+    gb_s = row["bytes_moved"] / row["step_s_median"] / 1e9
+    assert cells[11] == f"{gb_s:,.1f}", label
+    assert cells[12] == f"{row['copy_fraction']:.3f}", label
+    # The header prints the copy bandwidth to 0.1 GB/s: that rounding.
+    assert row["copy_fraction"] == pytest.approx(gb_s / copy, rel=0.05 / copy)
     if label == bench.OVERFLOW_ROW:  # the clean row's executable
-      assert cells[0] == "(same executable)" and cells[6:] == ["", "", ""]
+      assert cells[0] == "(same executable)" and cells[6:11] == [""] * 5
       continue
     b = row["bytes_accessed"]
     assert cells[6] == f"{b:,.0f}" and cells[7] == f"{b / n:.1f}", label
     assert cells[8] == _ratio(b / floor["bytes_accessed"]), label
+    assert cells[9] == f"{row['bytes_moved']:,.0f}", label
+    kernels = f"{row['kernels']:,} ({row['fusions']:,})"
+    assert cells[10] == kernels and row["kernels"] >= row["fusions"] > 0
     compile_s = row["lower_s"] + row["compile_s"]
     assert cells[0] == f"{compile_s:.2f}" and compile_s > 0, label
   # The floor is the unit: its every ratio is exactly 1.
@@ -415,3 +431,133 @@ def test_sync_cost_runs(capsys):
   module.main(["--rounds", "1", "--leaves", "2", "--size", "8"])
   out = capsys.readouterr().out
   assert "without sync" in out and "1 rounds" in out
+
+
+def _recipe_env():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+  return env
+
+
+def test_killed_while_compiling_its_third_recipe_it_has_the_first_rows(
+  tmp_path, bench
+):
+  """Each recipe is timed, and the JSON rewritten, before the next one
+  compiles: killed (with its compile worker) once it logs that the third
+  recipe is compiling, the run leaves the floor's and b's rows, timed."""
+  out = tmp_path / "r.json"
+  args = "--tiny --recipes floor,fp16,apply_if_finite --repeats 2 --warmup 0"
+  cmd = [sys.executable, str(SCRIPT), *args.split(), "--copy-mib", "1"]
+  proc = subprocess.Popen(
+    cmd + ["--json", str(out)], cwd=ROOT, env=_recipe_env(), text=True,
+    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+  )  # fmt: skip
+  seen = []
+  try:
+    for line in proc.stderr:
+      seen.append(line)
+      if "compiling apply_if_finite ..." in line:
+        break
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+  assert "compiling apply_if_finite ..." in seen[-1], "".join(seen)
+  (shape,) = json.loads(out.read_text())["shapes"]
+  labels = [bench.BY_KEY[k].label for k in ("floor", "fp16")]
+  assert sorted(shape["rows"]) == sorted(labels + [bench.OVERFLOW_ROW])
+  for label, row in shape["rows"].items():
+    assert row["status"] == "ok", label
+    assert len(row["step_s_samples"]) == 2 and row["step_s_median"] > 0
+    assert len(row["wall_vs_floor_per_round"]) == 2, label
+    assert row["bytes_accessed"] > 0 and row["kernels"] > 0, label
+  assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+
+
+def test_a_compile_past_the_budget_is_given_up(tmp_path, bench):
+  """``compile_in_worker`` kills a worker ``budget`` seconds after it says
+  COMPILING (its start-up does not count) and returns None; one that
+  never gets there is an error after ``startup_s``; one that reports is
+  read. Stand-in workers, so that no compile's speed matters."""
+
+  def worker(name, code):
+    path = tmp_path / f"{name}.py"
+    path.write_text(f"import time\n{code}\n")
+    return str(path)
+
+  call = functools.partial(
+    bench.compile_in_worker, "floor", "tiny", str(tmp_path), 0.5, None
+  )
+  slow = worker("slow", "time.sleep(1)\nprint('COMPILING', flush=True)\n"
+                "time.sleep(600)")  # fmt: skip
+  assert call(script=slow, startup_s=120) is None
+  stuck = worker("stuck", "time.sleep(600)")
+  with pytest.raises(RuntimeError, match="hung past 0.5 s starting"):
+    call(script=stuck, startup_s=0.5)
+  done = worker("done", "print('COMPILING', flush=True)\n"
+                "print('RESULT {\"compile_s\": 1.5}', flush=True)")  # fmt: skip
+  assert call(script=done) == {"compile_s": 1.5}
+
+
+@pytest.fixture(scope="module")
+def flat_run(tmp_path_factory):
+  """step_cost.py --tiny --recipes flat, HLO dumped: (JSON shape, dir)."""
+  out = tmp_path_factory.mktemp("flat")
+  args = f"--tiny --recipes flat --repeats {REPEATS} --warmup 0"
+  _, result = _run_json(SCRIPT, args, out / "r.json", "--dump-hlo", out)
+  (shape,) = result["shapes"]
+  return shape, out, result
+
+
+def test_the_flat_recipes_run_and_run_fewer_kernels(flat_run, bench):
+  """k (``optax.flatten(clip + adamw)``) and l (``fs.chain(scale, clip,
+  optax.flatten(adamw))``) compile and run next to a and b, with fewer
+  kernels than their per-leaf forms (one update over all parameters);
+  each row's GB/s is its bytes moved over its step time, and its
+  fraction is of the copy bandwidth measured in the same run."""
+  shape, _, result = flat_run
+  rows = shape["rows"]
+  label = {k: bench.BY_KEY[k].label for k in bench.FLAT_SET}
+  assert sorted(rows) == sorted([*label.values(), bench.OVERFLOW_ROW])
+  assert all(row["status"] == "ok" for row in rows.values()), rows
+  assert rows[label["flat_floor"]]["kernels"] < rows[label["floor"]]["kernels"]
+  assert rows[label["flat_fp16"]]["kernels"] < rows[label["fp16"]]["kernels"]
+  copy = result["copy_bandwidth"]["median_gb_s"]
+  for name, row in rows.items():
+    gb_s = row["bytes_moved"] / row["step_s_median"] / 1e9
+    assert row["gb_s"] == pytest.approx(gb_s, rel=1e-12), name
+    assert row["copy_fraction"] == pytest.approx(gb_s / copy, rel=1e-12)
+
+
+def test_bytes_moved_counts_a_sliced_operand_by_its_slice(flat_run):
+  """``hlo_traffic.total_bytes(slices=True)``: by hand on a fusion that
+  slices 10 of an operand's 100 float32 elements (40 + 40 bytes, not 40 +
+  400), and on the dumped steps: XLA's count where nothing is sliced out of
+  a larger operand (the floor), below it for the flat form, which slices
+  every leaf's update out of one vector."""
+  traffic = helpers.load_script(TRAFFIC)
+  hlo = "\n".join(
+    [
+      "%fused (p: f32[100]) -> f32[10] {",
+      "  %p = f32[100]{0} parameter(0)",
+      "  %n = f32[100]{0} negate(%p)",
+      "  ROOT %s = f32[10]{0} slice(%n), slice={[0:10]}",
+      "}",
+      "",
+      "ENTRY %main (a: f32[100]) -> f32[10] {",
+      "  %a = f32[100]{0} parameter(0)",
+      "  ROOT %f = f32[10]{0} fusion(%a), kind=kLoop, calls=%fused",
+      "}",
+    ]
+  )
+  assert traffic.total_bytes(hlo) == 440
+  assert traffic.total_bytes(hlo, slices=True) == 80
+  assert traffic.kernels(hlo) == (1, 1)
+  shape, out, _ = flat_run
+  for key, rel in (("floor", "same"), ("flat_floor", "less")):
+    text = (out / f"{key}_tiny.hlo.txt").read_text()
+    whole = traffic.total_bytes(text)
+    moved = traffic.total_bytes(text, slices=True)
+    assert (moved == whole) if rel == "same" else (moved < whole), key
+    row = shape["rows"][helpers.load_script(RECIPES).BY_KEY[key].label]
+    assert row["bytes_moved"] == moved
+    assert traffic.kernels(text) == (row["fusions"], row["kernels"])
