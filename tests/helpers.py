@@ -27,6 +27,19 @@ DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 
+# float32's and float16's unit roundoffs: a correctly rounded operation's
+# result is within these of its exact value, relatively (normal results).
+U32 = 2.0**-24
+U16 = 2.0**-11
+
+# The most units in the last place a float32 square root may be off its
+# correctly rounded value on any backend the tests state a bound for:
+# XLA:CPU rounds correctly (0); XLA:GPU may lower it to CUDA's approximate
+# form, at most 1 ulp off on compute capability 5.2 and later and 3 before
+# (CUDA C++ Programming Guide, "Mathematical Functions": sqrtf without
+# -prec-sqrt). An H200 was seen 1 ulp off on sqrt(5).
+SQRT_ULPS = 3
+
 
 def with_eight_devices(flags: str) -> str:
   """``flags`` (an XLA_FLAGS value) with 8 simulated CPU devices."""
@@ -219,3 +232,64 @@ def launch(cmds, env, timeout=110) -> list:
       if p.poll() is None:
         p.kill()
   return [(p.returncode, log) for p, log in zip(procs, logs)]
+
+
+def on_cpu() -> bool:
+  """Whether JAX runs on XLA:CPU: the backend that recorded tests/data and
+  the one whose exact results (no float16 convert pair folded away, no
+  contraction into FMA, correctly rounded square roots) the tests pin bit
+  for bit. Elsewhere they hold the bound each test derives."""
+  import jax
+
+  return jax.default_backend() == "cpu"
+
+
+def gamma(n) -> float:
+  """Higham's gamma_n = n u / (1 - n u) for float32: the relative error
+  bound of a product of n roundings, or of a sum of n + 1 non-negative
+  float32 terms added in any order."""
+  return n * U32 / (1 - n * U32)
+
+
+def ulps(a, b) -> np.ndarray:
+  """How many float32 values lie between ``a`` and ``b``, elementwise: 0
+  for the same value (+0.0 and -0.0 included), 1 for neighbours."""
+  ordered = []
+  for x in (a, b):
+    i = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+    ordered.append(np.where(i < 0, -(i & 0x7FFFFFFF), i))
+  return np.abs(ordered[0] - ordered[1])
+
+
+def first_order_bound(fn, sites, rel):
+  """A first-order bound on how far ``fn``'s output moves when every value
+  it multiplies by ``1 + e`` is rounded differently, by a relative error of
+  at most ``rel``: sum over j of ``|d fn(e) / d e_j| * rel_j`` at ``e = 0``
+  (the classic forward propagation of backward errors, exact to first order
+  in the roundoff).
+
+  Args:
+    fn: a function of ``sites`` (a pytree of float32 arrays, each a relative
+      perturbation of one intermediate value); returns a pytree of arrays.
+    sites: the zero perturbations, as ``fn`` takes them.
+    rel: a pytree of floats with the structure of ``sites``: each site's
+      largest relative error.
+
+  Returns:
+    A pytree like ``fn(sites)`` of float64 numpy arrays.
+  """
+  import jax
+
+  out_def = jax.tree.structure(jax.eval_shape(fn, sites))
+  outs = jax.tree.leaves(jax.eval_shape(fn, sites))
+  # Eagerly: compiling the Jacobian of a few unrolled optimizer steps takes
+  # far longer than running it on a few dozen values.
+  jacobians = out_def.flatten_up_to(jax.jacrev(fn)(sites))
+  bounds = []
+  for out, jacobian in zip(outs, jacobians):
+    total = np.zeros(out.shape)
+    for j, r in zip(jax.tree.leaves(jacobian), jax.tree.leaves(rel)):
+      j = np.abs(np.asarray(j, np.float64)).reshape(out.shape + (-1,))
+      total += r * j.sum(axis=-1)
+    bounds.append(total)
+  return jax.tree.unflatten(out_def, bounds)
