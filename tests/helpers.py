@@ -280,16 +280,60 @@ def first_order_bound(fn, sites, rel):
   """
   import jax
 
-  out_def = jax.tree.structure(jax.eval_shape(fn, sites))
-  outs = jax.tree.leaves(jax.eval_shape(fn, sites))
+  shapes = jax.eval_shape(fn, sites)
+  out_def = jax.tree.structure(shapes)
+  outs = jax.tree.leaves(shapes)
+  wide = [k for k, out in enumerate(outs) if is_float(out)]
+
+  def float_outputs(sites):
+    leaves = jax.tree.leaves(fn(sites))
+    return [leaves[k] for k in wide]
+
   # Eagerly: compiling the Jacobian of a few unrolled optimizer steps takes
   # far longer than running it on a few dozen values.
-  jacobians = out_def.flatten_up_to(jax.jacrev(fn)(sites))
-  bounds = []
-  for out, jacobian in zip(outs, jacobians):
-    total = np.zeros(out.shape)
+  jacobians = dict(zip(wide, jax.jacrev(float_outputs)(sites)))
+  # An integer or bool output does not depend on the perturbations: 0.
+  bounds = [np.zeros(out.shape) for out in outs]
+  for k, jacobian in jacobians.items():
     for j, r in zip(jax.tree.leaves(jacobian), jax.tree.leaves(rel)):
-      j = np.abs(np.asarray(j, np.float64)).reshape(out.shape + (-1,))
-      total += r * j.sum(axis=-1)
-    bounds.append(total)
+      j = np.abs(np.asarray(j, np.float64)).reshape(outs[k].shape + (-1,))
+      bounds[k] += r * j.sum(axis=-1)
   return jax.tree.unflatten(out_def, bounds)
+
+
+def is_float(x) -> bool:
+  """Whether ``x`` (an array, traced or not, or a number) is floating
+  point."""
+  import jax.numpy as jnp
+
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def times(tree, e):
+  """``tree`` with each leaf multiplied by ``1 + `` its leaf of ``e``: a
+  relative perturbation site for :func:`first_order_bound`."""
+  import jax
+
+  return jax.tree.map(lambda x, r: x * (1 + r), tree, e)
+
+
+def times_floats(state, e):
+  """``state`` with its floating-point leaves, in order, multiplied by ``1 +
+  `` the arrays of the list ``e`` (integer and bool leaves kept)."""
+  import jax
+
+  leaves, treedef = jax.tree.flatten(state)
+  rel = iter(e)
+  leaves = [x * (1 + next(rel)) if is_float(x) else x for x in leaves]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def float_sites(state) -> list:
+  """Zero perturbations for the floating-point leaves of ``state``, as
+  :func:`times_floats` takes them."""
+  import jax
+  import jax.numpy as jnp
+
+  return [
+    jnp.zeros(jnp.shape(x)) for x in jax.tree.leaves(state) if is_float(x)
+  ]

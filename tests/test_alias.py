@@ -16,11 +16,14 @@ from helpers import SQRT_ULPS
 from helpers import U32
 from helpers import bits as _bits
 from helpers import first_order_bound
+from helpers import float_sites
 from helpers import gamma
 from helpers import guarded
 from helpers import load_script
 from helpers import on_cpu
 from helpers import strip_bookkeeping as _inner
+from helpers import times as _times
+from helpers import times_floats as _times_floats
 import hlo
 import jax
 import jax.numpy as jnp
@@ -178,21 +181,6 @@ _STEP_REL = {name: 2 * 16 * U32 for name in _OPTIMIZERS}
 _STEP_REL["adafactor"] = 2 * (16 * U32 + gamma(_N - 1))
 
 
-def _is_float(x):
-  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-
-
-def _times(tree, e):
-  return jax.tree.map(lambda x, r: x * (1 + r), tree, e)
-
-
-def _times_floats(state, e):
-  leaves, treedef = jax.tree.flatten(state)
-  rel = iter(e)
-  leaves = [x * (1 + next(rel)) if _is_float(x) else x for x in leaves]
-  return jax.tree.unflatten(treedef, leaves)
-
-
 def _plain_steps(name, grads, sites):
   """Plain optax's params after each clean step on the true gradients
   ``grads``, the clipped gradient, each float state leaf, the update and
@@ -216,8 +204,7 @@ def _rounding_bound(name, grads):
   """Per clean step, a params-shaped bound on ``|ours - plain|`` from the
   roundings above (helpers.first_order_bound)."""
   params = _zoo_params()
-  floats = [x for x in jax.tree.leaves(_OPTIMIZERS[name]().init(params))]
-  floats = [jnp.zeros(jnp.shape(x)) for x in floats if _is_float(x)]
+  floats = float_sites(_OPTIMIZERS[name]().init(params))
   zeros = jax.tree.map(jnp.zeros_like, params)
   site = dict(clipped=zeros, state=floats, update=zeros, params=zeros)
   rel = dict(
