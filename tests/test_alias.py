@@ -239,7 +239,7 @@ def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
   same float16 gradients' bits. The control: the chain given its gradients
   unrounded (float32 values up to 2**-11 away, what an H200 gave it when
   the float16 cast was inside the step's jit) leaves the bound, for every
-  optimizer here but lion, whose update is a sign."""
+  optimizer here but those of _CONTROL_TOO_CLOSE."""
   ours, plain, true, unrounded = zoo_runs[name]
   assert int(fs.scale_metrics(ours[-1][1])["skipped_steps"]) == 2
   # On the overflow steps the parameters and every inner state leaf keep
@@ -262,7 +262,15 @@ def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
       limit = bound + 2 * U32 * np.abs(b)
       assert np.all(np.abs(a - b) <= limit), (a, b)
       outside.append(np.any(np.abs(c - b) > limit))
-  assert any(outside) == (name != "lion")
+  if name not in _CONTROL_TOO_CLOSE:
+    assert any(outside)
+
+
+# The control's departure from plain optax is a sign flip away for lion
+# (its update is lr * sign), and 1.09 times inject_hyperparams adam's bound
+# on XLA:CPU (inside it with --xla_cpu_enable_fast_math): too close to pin
+# on every backend. The others leave it 7 to 47 times over.
+_CONTROL_TOO_CLOSE = ("lion", "inject_hyperparams adam")
 
 
 # --------------------------------------------------------------------------
