@@ -27,6 +27,19 @@ DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 
+# float32's and float16's unit roundoffs: a correctly rounded operation's
+# result is within these of its exact value, relatively (normal results).
+U32 = 2.0**-24
+U16 = 2.0**-11
+
+# The most units in the last place a float32 square root may be off its
+# correctly rounded value on any backend the tests state a bound for:
+# XLA:CPU rounds correctly (0); XLA:GPU may lower it to CUDA's approximate
+# form, at most 1 ulp off on compute capability 5.2 and later and 3 before
+# (CUDA C++ Programming Guide, "Mathematical Functions": sqrtf without
+# -prec-sqrt). An H200 was seen 1 ulp off on sqrt(5).
+SQRT_ULPS = 3
+
 
 def with_eight_devices(flags: str) -> str:
   """``flags`` (an XLA_FLAGS value) with 8 simulated CPU devices."""
@@ -219,3 +232,108 @@ def launch(cmds, env, timeout=110) -> list:
       if p.poll() is None:
         p.kill()
   return [(p.returncode, log) for p, log in zip(procs, logs)]
+
+
+def on_cpu() -> bool:
+  """Whether JAX runs on XLA:CPU: the backend that recorded tests/data and
+  the one whose exact results (no float16 convert pair folded away, no
+  contraction into FMA, correctly rounded square roots) the tests pin bit
+  for bit. Elsewhere they hold the bound each test derives."""
+  import jax
+
+  return jax.default_backend() == "cpu"
+
+
+def gamma(n) -> float:
+  """Higham's gamma_n = n u / (1 - n u) for float32: the relative error
+  bound of a product of n roundings, or of a sum of n + 1 non-negative
+  float32 terms added in any order."""
+  return n * U32 / (1 - n * U32)
+
+
+def ulps(a, b) -> np.ndarray:
+  """How many float32 values lie between ``a`` and ``b``, elementwise: 0
+  for the same value (+0.0 and -0.0 included), 1 for neighbours."""
+  ordered = []
+  for x in (a, b):
+    i = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+    ordered.append(np.where(i < 0, -(i & 0x7FFFFFFF), i))
+  return np.abs(ordered[0] - ordered[1])
+
+
+def first_order_bound(fn, sites, rel):
+  """A first-order bound on how far ``fn``'s output moves when every value
+  it multiplies by ``1 + e`` is rounded differently, by a relative error of
+  at most ``rel``: sum over j of ``|d fn(e) / d e_j| * rel_j`` at ``e = 0``
+  (the classic forward propagation of backward errors, exact to first order
+  in the roundoff).
+
+  Args:
+    fn: a function of ``sites`` (a pytree of float32 arrays, each a relative
+      perturbation of one intermediate value); returns a pytree of arrays.
+    sites: the zero perturbations, as ``fn`` takes them.
+    rel: a pytree of floats with the structure of ``sites``: each site's
+      largest relative error.
+
+  Returns:
+    A pytree like ``fn(sites)`` of float64 numpy arrays.
+  """
+  import jax
+
+  shapes = jax.eval_shape(fn, sites)
+  out_def = jax.tree.structure(shapes)
+  outs = jax.tree.leaves(shapes)
+  wide = [k for k, out in enumerate(outs) if is_float(out)]
+
+  def float_outputs(sites):
+    leaves = jax.tree.leaves(fn(sites))
+    return [leaves[k] for k in wide]
+
+  # Eagerly: compiling the Jacobian of a few unrolled optimizer steps takes
+  # far longer than running it on a few dozen values.
+  jacobians = dict(zip(wide, jax.jacrev(float_outputs)(sites)))
+  # An integer or bool output does not depend on the perturbations: 0.
+  bounds = [np.zeros(out.shape) for out in outs]
+  for k, jacobian in jacobians.items():
+    for j, r in zip(jax.tree.leaves(jacobian), jax.tree.leaves(rel)):
+      j = np.abs(np.asarray(j, np.float64)).reshape(outs[k].shape + (-1,))
+      bounds[k] += r * j.sum(axis=-1)
+  return jax.tree.unflatten(out_def, bounds)
+
+
+def is_float(x) -> bool:
+  """Whether ``x`` (an array, traced or not, or a number) is floating
+  point."""
+  import jax.numpy as jnp
+
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def times(tree, e):
+  """``tree`` with each leaf multiplied by ``1 + `` its leaf of ``e``: a
+  relative perturbation site for :func:`first_order_bound`."""
+  import jax
+
+  return jax.tree.map(lambda x, r: x * (1 + r), tree, e)
+
+
+def times_floats(state, e):
+  """``state`` with its floating-point leaves, in order, multiplied by ``1 +
+  `` the arrays of the list ``e`` (integer and bool leaves kept)."""
+  import jax
+
+  leaves, treedef = jax.tree.flatten(state)
+  rel = iter(e)
+  leaves = [x * (1 + next(rel)) if is_float(x) else x for x in leaves]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def float_sites(state) -> list:
+  """Zero perturbations for the floating-point leaves of ``state``, as
+  :func:`times_floats` takes them."""
+  import jax
+  import jax.numpy as jnp
+
+  return [
+    jnp.zeros(jnp.shape(x)) for x in jax.tree.leaves(state) if is_float(x)
+  ]

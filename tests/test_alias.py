@@ -7,14 +7,23 @@ select after the update on XLA:CPU; docs/design.md).
 Also, for an optimizer zoo, every overflow step is skipped bit for bit and
 the run is plain optax's run on the clean steps' true gradients."""
 
+import functools
 import math
 import re
 
 from helpers import ROOT
+from helpers import SQRT_ULPS
+from helpers import U32
 from helpers import bits as _bits
+from helpers import first_order_bound
+from helpers import float_sites
+from helpers import gamma
 from helpers import guarded
 from helpers import load_script
+from helpers import on_cpu
 from helpers import strip_bookkeeping as _inner
+from helpers import times as _times
+from helpers import times_floats as _times_floats
 import hlo
 import jax
 import jax.numpy as jnp
@@ -67,26 +76,40 @@ def _same_bits_chain(name):
   )
 
 
-def _same_bits_step(tx, params, state, units, i):
-  scale = fs.current_scale(state)
-  grads = jax.tree.map(lambda g: (g[i] * scale).astype(jnp.float16), units)
+def _same_bits_step(tx, params, state, scaled, i):
+  """One step of ``tx`` on the float16 gradients ``scaled``, made at the
+  state's scale before the step (outside any jit: inside the step's jit,
+  XLA:GPU would fold the float32 -> float16 -> float32 converts away and
+  hand the chain unrounded float32 gradients, about 2**-11 relative away
+  from the float16 ones plain optax is given)."""
   # Steps 3 and 4 overflow.
   poison = (i == 3) | (i == 4)
+  grads = dict(scaled)
   w = grads["w"]
   grads["w"] = w.at[0, 0].set(jnp.where(poison, jnp.inf, w[0, 0]))
   updates, state = tx.update(grads, state, params)
   return optax.apply_updates(params, updates), state
 
 
-@pytest.fixture(scope="module")
-def zoo_runs():
-  """``{optimizer: (ours, plain)}``: the params after each step of the
-  guarded chain, and of plain ``chain(clip_by_global_norm(1.0), optimizer)``
-  on the true gradients of the clean steps only (the oracle: an overflow
-  step is as if it never happened), and ours' states. One jit steps every
-  optimizer's chain."""
+_CLEAN = [i for i in range(_STEPS) if i not in (3, 4)]
+
+
+def _zoo_params():
   params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4))}
   params["b"] = jnp.array([0.0, -0.0, 1.0, 2.0])
+  return params
+
+
+@pytest.fixture(scope="module")
+def zoo_runs():
+  """``{optimizer: (ours, plain, true, unrounded)}``: the params after each
+  step of the guarded chain, and of plain ``chain(clip_by_global_norm(1.0),
+  optimizer)`` on the true gradients of the clean steps only (the oracle: an
+  overflow step is as if it never happened), and ours' states; ``true``:
+  the clean steps' true gradients; ``unrounded``: the params of the chain
+  given the scaled gradients in float32, never rounded to float16. One jit
+  steps every optimizer's chain."""
+  params = _zoo_params()
   names = sorted(_OPTIMIZERS)
   txs = [_same_bits_chain(name) for name in names]
   plains = [
@@ -94,8 +117,10 @@ def zoo_runs():
   ]
 
   @jax.jit
-  def step_all(runs, units, i):
-    return [_same_bits_step(tx, *run, units, i) for tx, run in zip(txs, runs)]
+  def step_all(runs, scaled, i):
+    return [
+      _same_bits_step(tx, *run, g, i) for tx, run, g in zip(txs, runs, scaled)
+    ]
 
   @jax.jit
   def plain_all(runs, grads):
@@ -106,25 +131,116 @@ def zoo_runs():
     return out
 
   runs = [(params, tx.init(params)) for tx in txs]
+  folded = runs
   plain = [(params, tx.init(params)) for tx in plains]
   ours, theirs = [[] for _ in names], [[] for _ in names]
+  true, unrounded = [[] for _ in names], [[] for _ in names]
   for i in range(_STEPS):
+    # Each chain's float16 gradients at its scale, rounded here, eagerly.
     scales = [fs.current_scale(s) for _, s in runs]
-    runs = step_all(runs, _UNIT_GRADS, i)
-    if i not in (3, 4):
-      # The true gradients: float16 at the scale, divided back exactly.
-      true = lambda g, s: (g[i] * s).astype(jnp.float16).astype(jnp.float32) / s
-      grads = [jax.tree.map(lambda g: true(g, s), _UNIT_GRADS) for s in scales]
+    exact = [
+      {k: g[i] * scale for k, g in _UNIT_GRADS.items()} for scale in scales
+    ]
+    scaled = [jax.tree.map(lambda g: g.astype(jnp.float16), g) for g in exact]
+    runs = step_all(runs, scaled, i)
+    # The control: the same chains given the float32 values unrounded, as
+    # XLA:GPU's fold of the converts inside the step's jit gave them.
+    folded = step_all(folded, exact, i)
+    if i in _CLEAN:
+      # The true gradients: the same float16 values, divided back exactly
+      # (the scale is a power of two).
+      grads = [
+        {k: g.astype(jnp.float32) / s for k, g in g16.items()}
+        for g16, s in zip(scaled, scales)
+      ]
       plain = plain_all(plain, grads)
+      for k in range(len(names)):
+        true[k].append(grads[k])
     for k in range(len(names)):
       ours[k].append(runs[k])
       theirs[k].append(plain[k][0])
-  return {name: (ours[k], theirs[k]) for k, name in enumerate(names)}
+      unrounded[k].append(folded[k][0])
+  return {
+    name: (ours[k], theirs[k], true[k], unrounded[k])
+    for k, name in enumerate(names)
+  }
+
+
+# How far ours may be from plain optax, from the rounding of one and the
+# same computation in two programs, n = 36 gradient elements:
+# - the clip's factor: fs.clip_by_unscaled_norm multiplies by max_norm /
+#   (norm + 1e-6), optax by max_norm / norm (relative 1e-6 / max_norm at
+#   most); each sums the same 36 squares (exact in float32: float16 values)
+#   in its own order (gamma_35 / 2 after the square root), takes a square
+#   root (SQRT_ULPS ulp, 2 u each) and divides and multiplies (2 u), in
+#   each of the two programs;
+# - apply_updates' sum: one rounding in each program (2 u on the params and
+#   on the update);
+# - every other value an optimizer step computes (a state leaf, the update)
+#   carries the backward error of its own elementwise formula in each
+#   program: XLA:CPU and XLA:GPU round +, -, * and / correctly, but may
+#   contract a product into an FMA in one program and not the other, and
+#   XLA:GPU's square root is SQRT_ULPS ulp off: at most 16 roundings of u
+#   per value, and for adafactor one sum over at most n elements more (its
+#   factored moments and its update's RMS).
+_N = 36
+_CLIP_REL = 1e-6 + 2 * (gamma(_N - 1) / 2 + (2 * SQRT_ULPS + 2) * U32)
+_SUM_REL = 2 * U32
+_STEP_REL = {name: 2 * 16 * U32 for name in _OPTIMIZERS}
+_STEP_REL["adafactor"] = 2 * (16 * U32 + gamma(_N - 1))
+
+
+def _plain_steps(name, grads, sites):
+  """Plain optax's params after each clean step on the true gradients
+  ``grads``, the clipped gradient, each float state leaf, the update and
+  the params multiplied by ``1 + `` their perturbation in ``sites``."""
+  params = _zoo_params()
+  clip, opt = optax.clip_by_global_norm(1.0), _OPTIMIZERS[name]()
+  state = opt.init(params)
+  out = []
+  for g, e in zip(grads, sites):
+    g, _ = clip.update(g, clip.init(params))
+    g = _times(g, e["clipped"])
+    state = _times_floats(state, e["state"])
+    u, state = opt.update(g, state, params)
+    params = _times(params, e["params"])
+    params = optax.apply_updates(params, _times(u, e["update"]))
+    out.append(params)
+  return out
+
+
+def _rounding_bound(name, grads):
+  """Per clean step, a params-shaped bound on ``|ours - plain|`` from the
+  roundings above (helpers.first_order_bound)."""
+  params = _zoo_params()
+  floats = float_sites(_OPTIMIZERS[name]().init(params))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  site = dict(clipped=zeros, state=floats, update=zeros, params=zeros)
+  rel = dict(
+    clipped=jax.tree.map(lambda _: _CLIP_REL, zeros),
+    state=[_STEP_REL[name]] * len(floats),
+    update=jax.tree.map(lambda _: _STEP_REL[name] + _SUM_REL, zeros),
+    params=jax.tree.map(lambda _: _SUM_REL, zeros),
+  )
+  sites, rels = [site] * len(grads), [rel] * len(grads)
+  return first_order_bound(
+    functools.partial(_plain_steps, name, grads), sites, rels
+  )
 
 
 @pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
 def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
-  ours, plain = zoo_runs[name]
+  """On every backend: the skips, and the params and inner state of an
+  overflow step, bit for bit (a select of the old bits). Every step's params
+  within a first-order bound of plain optax's, from the roundings listed at
+  _CLIP_REL, _SUM_REL and _STEP_REL propagated through the optimizer's own
+  derivatives (helpers.first_order_bound), plus 2 u of the values for what
+  a first-order bound leaves out (terms in u**2). Both runs are given the
+  same float16 gradients' bits. The control: the chain given its gradients
+  unrounded (float32 values up to 2**-11 away, what an H200 gave it when
+  the float16 cast was inside the step's jit) leaves the bound, for every
+  optimizer here but those of _CONTROL_TOO_CLOSE."""
+  ours, plain, true, unrounded = zoo_runs[name]
   assert int(fs.scale_metrics(ours[-1][1])["skipped_steps"]) == 2
   # On the overflow steps the parameters and every inner state leaf keep
   # their bits (only the bookkeeping moves).
@@ -133,12 +249,28 @@ def test_overflow_steps_are_skipped_and_the_rest_is_plain_optax(name, zoo_runs):
     assert fs.scale_metrics(after[1])["overflow"]
     assert _bits(after[0]) == _bits(before[0])
     assert _bits(_inner(after[1])) == _bits(_inner(before[1]))
-  # Every step's params: plain optax on the clean steps' true gradients
-  # (the clip's norm is summed in another order: last-place differences).
-  for (params, _), want in zip(ours, plain):
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
-      a, b = np.asarray(a), np.asarray(b)
-      np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+  bounds = _rounding_bound(name, true)
+  # Step i's params are those after the last clean step up to i.
+  last_clean = [
+    max(k for k, c in enumerate(_CLEAN) if c <= i) for i in range(_STEPS)
+  ]
+  outside = []
+  for (params, _), want, k, control in zip(ours, plain, last_clean, unrounded):
+    leaves = zip(*map(jax.tree.leaves, (params, want, bounds[k], control)))
+    for a, b, bound, c in leaves:
+      a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
+      limit = bound + 2 * U32 * np.abs(b)
+      assert np.all(np.abs(a - b) <= limit), (a, b)
+      outside.append(np.any(np.abs(c - b) > limit))
+  if name not in _CONTROL_TOO_CLOSE:
+    assert any(outside)
+
+
+# The control's departure from plain optax is a sign flip away for lion
+# (its update is lr * sign), and 1.09 times inject_hyperparams adam's bound
+# on XLA:CPU (inside it with --xla_cpu_enable_fast_math): too close to pin
+# on every backend. The others leave it 7 to 47 times over.
+_CONTROL_TOO_CLOSE = ("lion", "inject_hyperparams adam")
 
 
 # --------------------------------------------------------------------------
@@ -232,6 +364,13 @@ def _bookkeeping(state):
 
 @pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.float32])
 def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
+  """On every backend: no array copy in either step. The byte bounds are
+  XLA:CPU's, with its copy-insertion option; on another backend (no option
+  passed) only those that hold there: for float16 gradients the array
+  traffic, the scalar traffic, and XLA's own count within the scalar bound
+  of optax's (an H200 counted 215,578 bytes against optax's 215,248). For
+  float32 gradients an H200's array traffic exceeds optax's (276,644 bytes
+  against 245,856; no bound of XLA:GPU's is claimed): skipped there."""
   traffic = _hlo_traffic()
   ours = guarded(
     fs.deepspeed_scaler(init_scale=2.0**16),
@@ -240,7 +379,7 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
   )
   adamw = optax.adamw(1e-3, weight_decay=1e-4)
   plain = optax.chain(optax.clip_by_global_norm(1.0), adamw)
-  cpu = jax.default_backend() == "cpu"
+  cpu = on_cpu()
   options = CPU_OPTION if cpu else None
   floor = _compiled_step(plain, grad_dtype, cast_to_f32=True)
   kept = _compiled_step(ours, grad_dtype, options=options)
@@ -253,6 +392,8 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
   # (the option is what removes them). So the check can fail.
   if cpu:
     assert len(_array_copies(default, traffic)) == 2 * len(_SIZES)
+  elif grad_dtype == jnp.float32:
+    pytest.skip("the float32 step's byte bound is XLA:CPU's (its option)")
 
   # Array traffic: no more than plain optax's. Scalar traffic
   # (instructions whose operands and result hold at most one value per
@@ -267,9 +408,12 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
   assert _scalar_bytes(kept, traffic, small) <= 16 * book
   if grad_dtype == jnp.float16:
     # No rescue branch is traced for float16 gradients (their squares
-    # cannot overflow a float32 sum): XLA's own count applies as it is.
+    # cannot overflow a float32 sum): XLA's own count applies as it is. On
+    # XLA:CPU it is no more than optax's; elsewhere the arrays are no more
+    # (above) and the scalars within their bound.
     assert "conditional" not in kept.as_text()
-    assert _bytes_accessed(kept) <= _bytes_accessed(floor)
+    scalars = 0 if cpu else 16 * book
+    assert _bytes_accessed(kept) <= _bytes_accessed(floor) + scalars
     if cpu:
       assert _bytes_accessed(default) > _bytes_accessed(floor)
 
@@ -336,7 +480,7 @@ def _unaliased(text, outputs):
 @pytest.mark.parametrize("name", sorted(_IN_PLACE))
 def test_every_output_aliases_a_donated_input(name):
   tx = _IN_PLACE[name]()
-  cpu = jax.default_backend() == "cpu"
+  cpu = on_cpu()
   for options in (None, CPU_OPTION) if cpu else (None,):
     jitted, params, state, grads, text = _donated_step(tx, options)
     outputs = len(jax.tree.leaves((params, state)))

@@ -294,3 +294,26 @@ def test_the_package_has_no_hidden_channels():
 
 # ---------------------------------------------------------------------------
 # The step as docs/design.md tells it.
+
+
+def _section(title):
+  text = _DESIGN.read_text()
+  start = text.index(f"\n## {title}\n")
+  end = text.find("\n## ", start + 1)
+  return text[start:end]
+
+
+def test_the_backend_section_names_tests_that_exist():
+  """ "On every backend" backs each claim with the tests that pin it: every
+  file and test it names is there, and so is each helper it names."""
+  section = _section("On every backend")
+  named = re.findall(r"`(tests/\w+\.py)(?:::(\w+))?`", section)
+  assert len(named) >= 10
+  root = _DESIGN.parents[1]
+  for path, test in named:
+    source = (root / path).read_text()
+    if test:
+      assert re.search(rf"^def {test}\(", source, re.M), (path, test)
+  helpers = (root / "tests" / "helpers.py").read_text()
+  for name in ("SQRT_ULPS", "first_order_bound"):
+    assert name in section and re.search(rf"^(def )?{name}\b", helpers, re.M)
