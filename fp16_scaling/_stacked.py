@@ -93,7 +93,7 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
     raise ValueError(f"{what}: {_WHAT}: {e}") from None
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [jax.tree_util.keystr(p) for p, _ in with_paths]
-  specs = _sharding._leaf_specs(partition_specs, tree, what)
+  specs = _sharding.leaf_specs(partition_specs, tree, what)
   boxes = _partition_names(tree, len(names))
   layer_names = {"layers", *(stacked_axes.names if under else ())}
   axes, found = [], {}
