@@ -1,8 +1,11 @@
 """Which mesh axes each gradient leaf is split over, and the collectives
 that combine per-leaf scalars across them: the user's ``partition_specs``
 (a pytree of specs, or a prefix of the gradients' tree) become static
-per-leaf axes, checked against the mesh.
+per-leaf axes, checked against the mesh. Flax's partition names (of an
+``nn.Partitioned`` or an NNX ``Variable``) are read here too.
 """
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +86,30 @@ def leaf_specs(partition_specs, tree, what: str) -> list:
       f"(or a prefix of it), with a PartitionSpec or None at each leaf: "
       f"{e}"
     ) from None
+
+
+def _box_names(x) -> Optional[tuple]:
+  """The axis names a Flax ``nn.Partitioned`` (``names``) or an NNX
+  ``Variable`` (``out_sharding`` metadata) gives its array, else None."""
+  if hasattr(x, "unbox") and hasattr(x, "names"):  # linen AxisMetadata
+    names = x.names
+  elif hasattr(x, "get_metadata") and hasattr(x, "get_value"):  # nnx
+    names = x.get_metadata("out_sharding", None)
+  else:
+    return None
+  ok = isinstance(names, (tuple, list)) and all(
+    n is None or isinstance(n, str) for n in names
+  )
+  return tuple(names) if ok else None
+
+
+def partition_names(tree, n: int) -> list:
+  """Per leaf of ``tree``, its box's axis names, or None; all None when
+  the boxes are not one per leaf."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: _box_names(x) is not None)
+  if len(leaves) != n:
+    return [None] * n
+  return [_box_names(x) for x in leaves]
 
 
 def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
