@@ -161,7 +161,10 @@ class Scaler:
     (a :class:`WindowedScalerState`), else as it is."""
     if self.history == 1:
       return state
-    return WindowedScalerState(*state, *window)
+    ring, position = window
+    return WindowedScalerState(
+      **state._asdict(), grad_max_history=ring, history_position=position
+    )
 
   def update(
     self,
