@@ -48,8 +48,13 @@ def _sample(fmt, n=20_000, seed=0):
   edges = np.array(
     [big, big + step / 2, normal, normal - sub / 2, sub, sub / 2, 0.0, 1.0]
   ).astype(np.float32)
-  up = np.nextafter(edges, np.float32(np.inf))
-  near = np.concatenate([up, edges, np.nextafter(edges, np.float32(0))])
+  near = np.concatenate(
+    [
+      np.nextafter(edges, np.float32(np.inf)),
+      edges,
+      np.nextafter(edges, np.float32(0)),
+    ]
+  )
   signs = rng.choice([-1.0, 1.0], n)
   x = np.concatenate([(signs * mags).astype(np.float32), near, -near])
   return np.concatenate([x, [np.inf, np.nan]]).astype(np.float32)
@@ -69,7 +74,7 @@ def test_counts_match_thresholds_derived_from_the_format(fmt):
 
 
 @pytest.mark.parametrize(
-  "fmt", "float8_e4m3fn float8_e5m2 float8_e4m3fnuz".split()
+  "fmt", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
 )
 def test_float8_counts_match_numpys_cast(fmt):
   # ml_dtypes' cast, elementwise: e4m3fn and e4m3fnuz have no inf, so a
@@ -77,8 +82,9 @@ def test_float8_counts_match_numpys_cast(fmt):
   t = getattr(ml_dtypes, fmt)
   info = ml_dtypes.finfo(t)
   rng = np.random.default_rng(1)
-  signs = rng.choice([-1, 1], 5000)
-  x = (signs * 2.0 ** rng.uniform(-25, 18, 5000)).astype(np.float32)
+  x = (rng.choice([-1, 1], 5000) * 2.0 ** rng.uniform(-25, 18, 5000)).astype(
+    np.float32
+  )
   with np.errstate(over="ignore", invalid="ignore"):
     y = np.abs(x.astype(t).astype(np.float64))
   want = (
@@ -101,13 +107,15 @@ def test_a_bfloat16_checkpoint_with_one_value_past_65504_is_named():
   ckpt = {
     "embed": rng.normal(0, 1, (64, 8)),
     "layers": [
-      {"w": rng.normal(0, 0.02, (8, 8)), "b": np.zeros(8)} for _ in range(2)
+      {"w": rng.normal(0, 0.02, (8, 8)), "b": np.zeros(8)},
+      {"w": rng.normal(0, 0.02, (8, 8)), "b": np.zeros(8)},
     ],
     "step": np.int32(1000),  # not cast, not listed
   }
   ckpt["layers"][1]["w"][3, 4] = 7.0e4  # bfloat16 holds it; float16 cannot
-  cast = lambda a: a if a.dtype.kind == "i" else a.astype(jnp.bfloat16)
-  ckpt = jax.tree.map(cast, ckpt)
+  ckpt = jax.tree.map(
+    lambda a: a if a.dtype.kind == "i" else a.astype(jnp.bfloat16), ckpt
+  )
   report = fs.cast_report(ckpt, jnp.float16)
   assert report.overflowing == ("['layers'][1]['w']",)
   leaf = report.leaves["['layers'][1]['w']"]
@@ -144,5 +152,6 @@ def test_bad_arguments_name_the_parameter():
   with pytest.raises(ValueError, match="top must be an integer in"):
     fs.cast_report({"w": np.ones(2)}, "float16", top=0)
   with pytest.raises(TypeError, match="cast_report runs on the host"):
-    traced = jax.jit(lambda p: fs.cast_report(p, "float16").max_finite)
-    traced({"w": jnp.ones(2)})
+    jax.jit(lambda p: fs.cast_report(p, "float16").max_finite)(
+      {"w": jnp.ones(2)}
+    )

@@ -32,9 +32,14 @@ def test_half_inputs_widen_and_the_rest_pass_unchanged():
     return a + b["w"] + c
 
   key = jax.random.key(0)
-  c = np.ones(2, np.float16)  # numpy's float16 too
-  args = (jnp.ones(2, F16), {"w": jnp.ones(2, BF16)})
-  out = fs.float32(fn)(*args, c=c, n=jnp.arange(2), key=key, s=0.5)
+  out = fs.float32(fn)(
+    jnp.ones(2, F16),
+    {"w": jnp.ones(2, BF16)},
+    c=np.ones(2, np.float16),  # numpy's float16 too
+    n=jnp.arange(2),
+    key=key,
+    s=0.5,
+  )
   assert out.dtype == F32
   assert (seen["a"], seen["b"], seen["c"]) == (F32, F32, F32)
   assert seen["n"] == jnp.int32 and seen["key"] is key and seen["s"] == 0.5
@@ -163,13 +168,15 @@ def _namespace():
   def linen(module, x):
     return module.apply(module.init(jax.random.key(0), x), x)
 
-  modules = dict(jax=jax, jnp=jnp, lax=lax, optax=optax, nn=nn, nnx=nnx)
-  return dict(modules, linen=linen)
+  return dict(
+    jax=jax, jnp=jnp, lax=lax, optax=optax, nn=nn, nnx=nnx, linen=linen
+  )
 
 
 def _inputs():
   rng = np.random.default_rng(0)
-  x, y = (jnp.asarray(rng.uniform(0.1, 0.9, (2, 4, 4, 8)), F16) for _ in "xy")
+  x = jnp.asarray(rng.uniform(0.1, 0.9, size=(2, 4, 4, 8)), F16)
+  y = jnp.asarray(rng.uniform(0.1, 0.9, size=(2, 4, 4, 8)), F16)
   labels = jnp.asarray(rng.integers(0, 8, size=(2, 4, 4)), jnp.int32)
   return x, y, labels
 
@@ -312,9 +319,14 @@ def test_page_code_runs():
   dots = _operands_of(eqns, "dot_general")
   assert dots.count({F32}) == 2 and dots.count({F16}) == 4, dots
   # Without the wrapper's dtype=None the softmax is float16 again.
-  kw = dict(num_heads=4, in_features=16, dtype=F16, dropout_rate=0.1)
-  attention = fs.float32(nnx.dot_product_attention, keep_dtype=True)
-  kw.update(attention_fn=attention, decode=False, rngs=nnx.Rngs(0))
-  plain = nnx.MultiHeadAttention(**kw)
+  plain = nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=16,
+    dtype=F16,
+    dropout_rate=0.1,
+    attention_fn=fs.float32(nnx.dot_product_attention, keep_dtype=True),
+    decode=False,
+    rngs=nnx.Rngs(0),
+  )
   eqns = _eqns(read(plain).jaxpr, [])
   assert _operands_of(eqns, "exp") == [{F16}]

@@ -108,11 +108,13 @@ def test_target_rises_when_the_old_maximum_leaves_the_window():
   g = [4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
   o = [False, False, True, False, False, False, False]
   got, state = scales(fs.headroom_scaler(**HAND, history=3), g, o)
-  want = [2.0**9, 2.0**9, 2.0**8, 2.0**9, 2.0**10, 2.0**11, 2.0**11]
-  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(
+    got, [2.0**9, 2.0**9, 2.0**8, 2.0**9, 2.0**10, 2.0**11, 2.0**11]
+  )
   got1, _ = scales(fs.headroom_scaler(**HAND, history=1), g, o)
-  want1 = [2.0**9, 2.0**10, 2.0**9, 2.0**10, 2.0**11, 2.0**11, 2.0**11]
-  np.testing.assert_array_equal(got1, want1)
+  np.testing.assert_array_equal(
+    got1, [2.0**9, 2.0**10, 2.0**9, 2.0**10, 2.0**11, 2.0**11, 2.0**11]
+  )
   # Six clean steps wrote slots 0, 1, 2, 0, 1, 2: the ring holds three 1s.
   np.testing.assert_array_equal(state.grad_max_history, [1.0, 1.0, 1.0])
   assert int(state.history_position) == 0
@@ -139,8 +141,10 @@ def test_a_corrupt_window_is_read_within_range():
   # A checkpoint's NaN, inf or negative entries count as no step; its
   # position wraps into the ring: the scale stays a finite power of two.
   scaler = fs.headroom_scaler(**HAND, history=4)
-  ring = dict(grad_max_history=jnp.array([jnp.nan, jnp.inf, -8.0, 0.0]))
-  state = scaler.init()._replace(**ring, history_position=jnp.int32(9))
+  state = scaler.init()._replace(
+    grad_max_history=jnp.array([jnp.nan, jnp.inf, -8.0, 0.0]),
+    history_position=jnp.int32(9),
+  )
   after = scaler.update(state, jnp.bool_(False), jnp.float32(8.0))
   # max of (8 written at slot 9 mod 4 = 1, |-8|): target 2**(11-3) = 2**8.
   assert float(after.loss_scale) == 2.0**8
@@ -189,11 +193,14 @@ def test_saved_and_restored_mid_run_continues_bit_for_bit(tmp_path):
   # The own dict holds the whole loss-scale state: loaded into the live
   # state with its loss-scale part reset (AdamW's moments are not in it).
   saved = json.loads(json.dumps(fs.scaler_state_dict(state, SCALER)))
-  fresh = fs.scaler_state_dict(TX.init(PARAMS))
-  blank = fs.load_scaler_state_dict(state, fresh, SCALER)
+  blank = fs.load_scaler_state_dict(
+    state, fs.scaler_state_dict(TX.init(PARAMS)), SCALER
+  )
   assert fs.scaler_state_dict(blank)["grad_max_history"] == [0.0] * 8
-  loaded = fs.load_scaler_state_dict(blank, saved, SCALER)
-  from_dict = {"params": params, "opt_state": loaded}
+  from_dict = {
+    "params": params,
+    "opt_state": fs.load_scaler_state_dict(blank, saved, SCALER),
+  }
   for restored in (from_orbax, from_msgpack, from_dict):
     assert_same_bits(restored, live)
     resumed = run(restored["params"], restored["opt_state"], 11, 12)

@@ -62,14 +62,17 @@ def test_static_scale_reports_true_norm():
   jax.tree.map(np.testing.assert_array_equal, updates, TRUE_GRADS)
 
 
-_MEGATRON = dict(initial_scale=128.0, min_scale=1.0, growth_interval=2)
 DYNAMIC = {
   "deepspeed": fs.deepspeed_scaler(
     init_scale=128.0, scale_window=2, min_scale=1.0
   ),
   "torch": fs.torch_scaler(init_scale=128.0, growth_interval=2),
-  "megatron": fs.megatron_scaler(**_MEGATRON, hysteresis=1),
-  "megatron_h2": fs.megatron_scaler(**_MEGATRON),
+  "megatron": fs.megatron_scaler(
+    initial_scale=128.0, min_scale=1.0, growth_interval=2, hysteresis=1
+  ),
+  "megatron_h2": fs.megatron_scaler(
+    initial_scale=128.0, min_scale=1.0, growth_interval=2
+  ),
   "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
 }
 
