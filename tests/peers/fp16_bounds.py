@@ -105,6 +105,17 @@ def flat(tree):
   return np.asarray(jax.flatten_util.ravel_pytree(tree)[0], np.float64)
 
 
+def update_roundings(params):
+  """The two runs' own float32 roundings of an update, flat: ``F32 * |p|``
+  of the parameters after it."""
+  return F32 * np.abs(flat(params))
+
+
+def gap(a, b):
+  """``|a - b|`` of two parameter trees, elementwise, flat."""
+  return np.abs(flat(a) - flat(b))
+
+
 def mlp_bounds(params, x, y, rounds, scale):
   """eps (``rounds`` float16 roundings of the absolute gradient, at loss
   scale ``scale``), the |Hessian| bound, and the float32 gradient, flat, of

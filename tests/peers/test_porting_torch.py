@@ -56,7 +56,8 @@ def torch_net(params):
 
 
 def torch_batch(page, i, bad=False):
-  return tuple(torch.tensor(np.asarray(a)) for a in page["batch"](i, bad))
+  x, y = page["batch"](i, bad)
+  return torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y))
 
 
 def torch_loss(page, net, i, bad=False):
@@ -65,16 +66,21 @@ def torch_loss(page, net, i, bad=False):
     return torch.nn.functional.mse_loss(net(x)[:, 0], y)
 
 
+def _kernel(layer):
+  """A torch ``Linear``'s weights, in the JAX kernel's layout."""
+  return layer.weight.detach().numpy().T.copy()
+
+
 def weights(net):
   return {
-    "hidden": {"kernel": net[0].weight.detach().numpy().T.copy()},
-    "out": {"kernel": net[2].weight.detach().numpy().T.copy()},
+    "hidden": {"kernel": _kernel(net[0])},
+    "out": {"kernel": _kernel(net[2])},
   }
 
 
 def assert_within(net, params, bound):
   """|torch's - ours| <= bound, elementwise (flat, fp16_bounds' order)."""
-  diff = np.abs(fb.flat(weights(net)) - fb.flat(params))
+  diff = fb.gap(weights(net), params)
   assert (diff <= bound).all(), (diff.max(), bound[diff.argmax()])
 
 
@@ -90,7 +96,8 @@ def before(run, params0, i):
 
 def one_net(page, key, optimizer):
   """The page's run ``key``, params0, torch's net, optimizer and scaler."""
-  run, p0 = page[key], page["params0"]
+  run = page[key]
+  p0 = page["params0"]
   net = torch_net(p0)
   scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
   return run, p0, net, optimizer(net.parameters(), lr=1e-2), scaler
@@ -107,9 +114,10 @@ def test_typical(page):
   run, p0, net, optimizer, scaler = one_net(page, "amp_run", torch.optim.Adam)
   steps, bounds = [], []
   for i, (params, m) in enumerate(run):
-    d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
+    d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
-    scaler.scale(torch_loss(page, net, i, bad=i == 3)).backward()
+    loss = torch_loss(page, net, i, bad=i == 3)
+    scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
     assert scaler.get_scale() == float(m["loss_scale"])
@@ -130,9 +138,10 @@ def test_clipping(page):
   # torch: scaler.unscale_(optimizer); clip_grad_norm_(..., 1.0).
   run, p0, net, optimizer, scaler = one_net(page, "clip_run", torch.optim.SGD)
   for i, (params, m) in enumerate(run):
-    d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
+    d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
-    scaler.scale(torch_loss(page, net, i, bad=i == 3)).backward()
+    loss = torch_loss(page, net, i, bad=i == 3)
+    scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
     scaler.step(optimizer)
@@ -153,7 +162,7 @@ def test_clipping(page):
       low = gn - e2
       assert low > 1
       du = (e + (np.abs(g) + e) * e2 / gn) / low
-      d = d + 1e-2 * du + fb.F32 * np.abs(fb.flat(params))
+      d = d + 1e-2 * du + fb.update_roundings(params)
     assert_within(net, params, d)
   # A step missed or taken twice moves by lr * 1.0 in norm: 4 times this.
   assert np.linalg.norm(d) < 1e-2 / 4
@@ -164,10 +173,12 @@ def test_accumulation(page):
   run, p0, net, optimizer, scaler = one_net(page, "accum_run", torch.optim.SGD)
   iters_to_accumulate = 4
   # The 1st window, all at params0 (torch's backward at 2**10 / 4).
-  bound = lambda i: one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4)[0]
-  eps = sum(bound(i) for i in range(4)) / 4
+  window = [
+    one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4) for i in range(4)
+  ]
+  eps = sum(eps_i for eps_i, _, _ in window) / 4
   # The float32 mean of 4 and the update: a few float32 roundings.
-  d = 1e-2 * eps + 2 * fb.F32 * np.abs(fb.flat(run[3][0]))
+  d = 1e-2 * eps + 2 * fb.update_roundings(run[3][0])
   checked = 0
   for i, (params, m) in enumerate(run):
     loss = torch_loss(page, net, i, bad=i == 5) / iters_to_accumulate
@@ -180,7 +191,7 @@ def test_accumulation(page):
       assert_within(net, params, d)  # the 2nd window skipped: the same d
       checked += 1
   assert checked == 2
-  moved = np.abs(fb.flat(run[3][0]) - fb.flat(p0)).max()
+  moved = fb.gap(run[3][0], p0).max()
   assert d.max() < moved / 10  # the window's step is 10 times the bound
 
 
@@ -189,7 +200,7 @@ def test_gradient_penalty(page):
   # add the gradients' norm, backward of the scaled sum.
   run, p0, net, optimizer, scaler = one_net(page, "pen_run", torch.optim.SGD)
   for i, (params, m) in enumerate(run):
-    d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
+    d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
     loss = torch_loss(page, net, i, bad=i == 3)
     scaled_grads = torch.autograd.grad(
@@ -212,12 +223,13 @@ def test_gradient_penalty(page):
       e = eps + R_PEN * 2.0**-10 * (hess @ big_g) / gn
       # Feedback: the penalized loss's curvature, H and the penalty's
       # own, H_abs @ H_abs / |g| to first order.
-      d = d + 1e-2 * (e + hess @ d + hess @ (hess @ d) / gn)
-      d = d + fb.F32 * np.abs(fb.flat(params))
+      feedback = hess @ d + hess @ (hess @ d) / gn
+      d = d + 1e-2 * (e + feedback)
+      d = d + fb.update_roundings(params)
     assert_within(net, params, d)
   # Loose: the absolute second-order terms bound a rounding of H g / |g|
   # by |H| |g| / |g| summed without cancellation; below the run's move.
-  moved = np.abs(fb.flat(run[-1][0]) - fb.flat(p0)).max()
+  moved = fb.gap(run[-1][0], p0).max()
   assert d.max() < moved / 2
 
 
@@ -243,7 +255,9 @@ def two_net_bounds(page, p0, p1, losses, scale, which=(0, 1)):
       x, y = page["batch"](i, bad)
       g = fb.abs_grad([p0, p1], [(coeffs, x, y)])[j]
       total = total + fb.flat(g)
-      total = total + 8 * float(np.abs(x).max()) * 2.0**-25 / scale
+      # A subnormal result's absolute rounding, as fp16_bounds.mlp_bounds.
+      subnormal = 8 * float(np.abs(x).max()) * 2.0**-25 / scale
+      total = total + subnormal
     eps.append(R_TWO * 2.0**-10 * total)
   data = [(c, *page["batch"](i, bad)) for c, i, bad in losses]
   return np.concatenate(eps), fb.abs_hessian([p0, p1], data)
@@ -257,8 +271,13 @@ def _two_flat(net0, net1):
   return _flat2(weights(net0), weights(net1))
 
 
+def _two_gap(nets, p0, p1):
+  """``|torch's - ours|`` of both nets, elementwise, flat."""
+  return np.abs(_two_flat(*nets) - _flat2(p0, p1))
+
+
 def _check_two(nets, r, d):
-  diff = np.abs(_two_flat(*nets) - _flat2(r[0], r[1]))
+  diff = _two_gap(nets, r[0], r[1])
   assert (diff <= d).all(), (diff.max(), d[diff.argmax()])
 
 
@@ -266,19 +285,21 @@ def two_nets(page):
   """torch's two nets (params0, params1), their SGDs and one GradScaler."""
   nets = torch_net(page["params0"]), torch_net(page["params1"])
   opt0, opt1 = (torch.optim.SGD(n.parameters(), lr=1e-3) for n in nets)
-  shared_args = dict(init_scale=2.0**6, growth_interval=2)
-  return nets, opt0, opt1, torch.amp.GradScaler("cpu", **shared_args)
+  scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2)
+  return nets, opt0, opt1, scaler
 
 
 def test_two_models_one_scaler(page):
   # torch: two backward passes, scaler.step(opt0), scaler.step(opt1), one
   # scaler.update().
-  two, p0, p1 = page["two"], page["params0"], page["params1"]
+  two = page["two"]
+  p0 = page["params0"]
+  p1 = page["params1"]
   nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(two):
     q0, q1 = (p0, p1) if i == 0 else two[i - 1][:2]
-    d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
+    d = _two_gap(nets, q0, q1)
     opt0.zero_grad()
     opt1.zero_grad()
     loss0, loss1 = torch_losses(page, nets, i, bad=i == 2)
@@ -293,27 +314,31 @@ def test_two_models_one_scaler(page):
       losses = [((2.0, 3.0), i, False), ((3.0, -5.0), i, False)]
       eps, hess = two_net_bounds(page, q0, q1, losses, scale, (None, None))
       d = d + 1e-3 * (eps + hess @ d)
-      d = d + fb.F32 * np.abs(_flat2(r[0], r[1]))
+      d = d + fb.update_roundings((r[0], r[1]))
     _check_two(nets, r, d)
-  step = np.abs(fb.flat(two[1][0]) - fb.flat(two[0][0])).max()
+  step = fb.gap(two[1][0], two[0][0]).max()
   assert d.max() < step  # below one step's move
 
 
 def test_gan_order(page):
   # The 2nd loss after the 1st optimizer stepped; model 1's gradients
   # zeroed before its backward, as fake.detach() does.
-  gan, p0, p1 = page["gan"], page["params0"], page["params1"]
+  gan = page["gan"]
+  p0 = page["params0"]
+  p1 = page["params1"]
   nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(gan):
     q0, q1 = (p0, p1) if i == 0 else gan[i - 1][:2]
-    d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
+    d = _two_gap(nets, q0, q1)
     opt0.zero_grad()
     opt1.zero_grad()
-    scaler.scale(torch_losses(page, nets, i)[0]).backward()
+    loss0 = torch_losses(page, nets, i)[0]
+    scaler.scale(loss0).backward()
     scaler.step(opt0)
     opt1.zero_grad()
-    scaler.scale(torch_losses(page, nets, 10 + i, bad=i == 2)[1]).backward()
+    loss1 = torch_losses(page, nets, 10 + i, bad=i == 2)[1]
+    scaler.scale(loss1).backward()
     scaler.step(opt1)
     scaler.update()
     assert scaler.get_scale() == float(current(r[2]))
@@ -330,9 +355,9 @@ def test_gan_order(page):
       eps[half:] = 0.0
       hess[half:] = 0.0  # model 1 does not move
     d = d + 1e-3 * (eps + hess @ d)
-    d = d + fb.F32 * np.abs(_flat2(r[0], r[1]))
+    d = d + fb.update_roundings((r[0], r[1]))
     _check_two(nets, r, d)
-  step = np.abs(fb.flat(gan[1][0]) - fb.flat(gan[0][0])).max()
+  step = fb.gap(gan[1][0], gan[0][0]).max()
   assert d.max() < step  # below one step's move
 
 
