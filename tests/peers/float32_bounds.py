@@ -65,6 +65,12 @@ def _inputs(rec, max_norm, norm_rtol, float16_sums):
   return out
 
 
+def _filtered(x, decay, value):
+  """One step of an exponential moving average: ``decay x + (1 - decay)
+  value``, as Adam's moments filter their inputs."""
+  return decay * x + (1 - decay) * value
+
+
 def adam_param_bounds(
   records,
   params0,
@@ -97,14 +103,16 @@ def adam_param_bounds(
         out[i].append(z[i] if follow_peer else d[i].copy())
       continue
     k += 1
-    bc1, bc2 = 1 - b1 ** (k + count_offset), 1 - b2 ** (k + count_offset)
+    count = k + count_offset  # the step count Adam's bias corrections see
+    bc1 = 1 - b1**count
+    bc2 = 1 - b2**count
     inputs = _inputs(rec, max_norm, norm_rtol, float16_sums)
     for i, (g, dg) in enumerate(inputs):
-      m[i] = b1 * m[i] + (1 - b1) * g
-      m_abs[i] = b1 * m_abs[i] + (1 - b1) * np.abs(g)
-      v[i] = b2 * v[i] + (1 - b2) * g**2
-      dm[i] = b1 * dm[i] + (1 - b1) * dg
-      dv2[i] = b2 * dv2[i] + (1 - b2) * dg**2
+      m[i] = _filtered(m[i], b1, g)
+      m_abs[i] = _filtered(m_abs[i], b1, np.abs(g))
+      v[i] = _filtered(v[i], b2, g**2)
+      dm[i] = _filtered(dm[i], b1, dg)
+      dv2[i] = _filtered(dv2[i], b2, dg**2)
       e_m[i] = b1 * e_m[i] + 3 * U * m_abs[i]
       e_v[i] = b2 * e_v[i] + 4 * U * v[i]
       root = np.sqrt(v[i] / bc2)
@@ -151,6 +159,8 @@ def sgd_momentum_param_bounds(
       db[i] = momentum * db[i] + dg
       e_b[i] = momentum * e_b[i] + 2 * U * b_abs[i]
       p = np.abs(np.asarray(rec.params[i], np.float64))
-      d[i] = d[i] + lr * (db[i] + 2 * e_b[i]) + 2 * U * (p + lr * np.abs(b[i]))
+      from_inputs = lr * (db[i] + 2 * e_b[i])
+      own = 2 * U * (p + lr * np.abs(b[i]))  # the step's two roundings
+      d[i] = d[i] + from_inputs + own
       out[i].append(d[i].copy())
   return [np.stack(o) for o in out]
