@@ -238,8 +238,10 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   assert fs.scaler_state_dict(opt.opt_state)["skipped_steps"] == 1
   # Writing goes back into Variables of the same kind.
   opt.opt_state = fs.set_loss_scale(opt.opt_state, 32.0)
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  kinds = {type(x) for x in jax.tree.leaves(opt.opt_state, is_leaf=is_variable)}
+  leaves = jax.tree.leaves(
+    opt.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
+  kinds = {type(x) for x in leaves}
   assert all(issubclass(k, nnx.Variable) for k in kinds)
   assert float(fs.current_scale(opt.opt_state)) == 32.0
   opt.update(model, jax.tree.map(jnp.ones_like, grads))

@@ -33,8 +33,9 @@ def through_fs(model, state, x, y):
 
 
 def by_hand(model, state, x, y):
-  scaled = lambda m, x, y: loss(m, x, y) * fs.current_scale(state)
-  value, grads = eqx.filter_value_and_grad(scaled)(model, x, y)
+  value, grads = eqx.filter_value_and_grad(
+    lambda m, x, y: loss(m, x, y) * fs.current_scale(state)
+  )(model, x, y)
   return value / fs.current_scale(state), grads
 
 
@@ -106,7 +107,10 @@ def test_a_modules_float_field_is_left_as_equinox_leaves_it():
 
   model = Scaled(jnp.ones((2, 2)), 0.5)
   state = TX.init(eqx.filter(model, eqx.is_inexact_array))
-  loss = lambda m: jnp.sum(m(jnp.array([1.0, 2.0])))
+
+  def loss(m):
+    return jnp.sum(m(jnp.array([1.0, 2.0])))
+
   _, grads = fs.value_and_grad(loss, state)(model)
   ref = eqx.filter_grad(lambda m: loss(m) * fs.current_scale(state))(model)
   assert grads.alpha is None and ref.alpha is None

@@ -91,8 +91,7 @@ def test_gradients_flow_through_the_casts_in_the_inputs_dtype():
   # d/dx sum(log_softmax(x)) = 1 - n * softmax(x); in float32 inside, the
   # cotangent cast back to float16 at the input.
   x = jnp.asarray([0.5, 1.0, 3.0], F16)
-  f = lambda a: jnp.sum(fs.float32(jax.nn.log_softmax)(a))
-  g = jax.grad(f)(x)
+  g = jax.grad(lambda a: jnp.sum(fs.float32(jax.nn.log_softmax)(a)))(x)
   assert g.dtype == F16
   x64 = np.asarray(x, np.float64)
   p = np.exp(x64 - x64.max()) / np.exp(x64 - x64.max()).sum()
@@ -126,7 +125,10 @@ def test_a_norm_of_float16_values_of_300_overflows_unless_wrapped():
 )
 def test_the_cpu_svd_refuses_float16_and_runs_wrapped():
   x = jnp.eye(3, dtype=F16)
-  nuc = lambda a: jnp.linalg.norm(a, "nuc")
+
+  def nuc(a):
+    return jnp.linalg.norm(a, "nuc")
+
   with pytest.raises(Exception, match="float16"):
     jax.jit(nuc)(x)
   # The nuclear norm of the identity is its size; float32 SVD rounding.
@@ -137,6 +139,11 @@ def test_the_cpu_svd_refuses_float16_and_runs_wrapped():
 # The page's table, row by row, on the jaxpr.
 
 
+def _prims(cell):
+  """The backquoted primitive names of a table cell."""
+  return re.findall(r"`(\w+)`", cell)
+
+
 def _ops_rows():
   """``[(torch op cell, JAX code, float16 prims, float32 prims, out, wrap)]``
   of the page's op table (the rows whose JAX cell is code)."""
@@ -144,8 +151,9 @@ def _ops_rows():
   for first, cells in helpers.table_rows(PAGE.read_text()).items():
     if len(cells) == 5 and cells[0].startswith("`"):
       code, half, wide, out, wrap = cells
-      prims = lambda c: re.findall(r"`(\w+)`", c)
-      rows.append((first, code.strip("`"), prims(half), prims(wide), out, wrap))
+      rows.append(
+        (first, code.strip("`"), _prims(half), _prims(wide), out, wrap)
+      )
   return rows
 
 
@@ -309,7 +317,10 @@ def test_page_code_runs():
 
   def read(module):  # a new function per module: make_jaxpr caches by it
     graphdef, state = nnx.split(module)
-    run = lambda st, x: nnx.merge(graphdef, st)(x, deterministic=False)
+
+    def run(st, x):
+      return nnx.merge(graphdef, st)(x, deterministic=False)
+
     return jax.make_jaxpr(run)(state, ns["tokens"])
 
   jaxpr = read(ns["mha"])

@@ -42,13 +42,14 @@ def _state(scaler=None):
   return _tx(scaler).init(PARAMS)
 
 
+def _is_variable(x):
+  return isinstance(x, nnx.Variable)
+
+
 def _same(a, b):
   """Whether ``a`` holds the very leaves of ``b`` (Variables as leaves)."""
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  la, lb = (
-    jax.tree.leaves(a, is_leaf=is_var),
-    jax.tree.leaves(b, is_leaf=is_var),
-  )
+  la = jax.tree.leaves(a, is_leaf=_is_variable)
+  lb = jax.tree.leaves(b, is_leaf=_is_variable)
   return len(la) == len(lb) > 0 and all(x is y for x, y in zip(la, lb))
 
 

@@ -176,8 +176,9 @@ def test_float16_params_warn_that_there_are_no_float32_masters():
     optax.chain(optax.identity(), _guarded(fs.torch_scaler())),
   ]
   for tx in wrapped:
-    match = "params are float16.*param_dtype"
-    with pytest.warns(UserWarning, match=match) as w:
+    with pytest.warns(
+      UserWarning, match="params are float16.*param_dtype"
+    ) as w:
       tx.init(params)
     assert [x.filename for x in w] == [__file__]
   with warnings.catch_warnings():
