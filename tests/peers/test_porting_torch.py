@@ -43,10 +43,9 @@ def page():
 
 
 def test_the_page_runs(page):
-  assert page["ran"] == len(docs_snippets.blocks(PAGE)) == 12
-  assert not any(
-    docs_snippets.NEEDS.match(b) for b in docs_snippets.blocks(PAGE)
-  )
+  blocks = docs_snippets.blocks(PAGE)
+  assert page["ran"] == len(blocks) == 12
+  assert not any(docs_snippets.NEEDS.match(b) for b in blocks)
 
 
 def torch_net(params):
@@ -78,10 +77,14 @@ def weights(net):
   }
 
 
+def _assert_below(diff, bound):
+  """``diff <= bound`` elementwise; else the largest and its bound."""
+  assert (diff <= bound).all(), (diff.max(), bound[diff.argmax()])
+
+
 def assert_within(net, params, bound):
   """|torch's - ours| <= bound, elementwise (flat, fp16_bounds' order)."""
-  diff = fb.gap(weights(net), params)
-  assert (diff <= bound).all(), (diff.max(), bound[diff.argmax()])
+  _assert_below(fb.gap(weights(net), params), bound)
 
 
 def one_net_bounds(page, params, i, bad, rounds, scale):
@@ -105,7 +108,10 @@ def one_net(page, key, optimizer):
 
 def bounds_before(page, run, p0, i):
   """one_net_bounds of clean step ``i`` at its start's params and scale."""
-  scale = float(run[i - 1][1]["loss_scale"]) if i else 2.0**10
+  if i == 0:
+    scale = 2.0**10
+  else:
+    scale = float(run[i - 1][1]["loss_scale"])
   return one_net_bounds(page, before(run, p0, i), i, False, R_MLP, scale)
 
 
@@ -156,7 +162,8 @@ def test_clipping(page):
       # |norm' - norm| <= |g' - g|_2 <= |e|_2, and the float32 sums of
       # squares, 288 terms: 288 * 2**-24 relative.
       gn = float(m["grad_norm"])
-      assert abs(norm.item() - gn) <= e2 + 288 * 2.0**-24 * gn
+      sums = 288 * 2.0**-24 * gn
+      assert abs(norm.item() - gn) <= e2 + sums
       # Clipping to the unit ball: g / |g| moves by at most
       # e / |g'| + |g| |e|_2 / (|g| |g'|), |g'| >= |g| - |e|_2 > 1.
       low = gn - e2
@@ -209,7 +216,8 @@ def test_gradient_penalty(page):
     inv_scale = 1.0 / scaler.get_scale()
     grads = [g * inv_scale for g in scaled_grads]
     with torch.autocast("cpu", dtype=torch.float16):
-      loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
+      penalty = sum(g.pow(2).sum() for g in grads).sqrt()
+      loss = loss + penalty
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
@@ -277,8 +285,7 @@ def _two_gap(nets, p0, p1):
 
 
 def _check_two(nets, r, d):
-  diff = _two_gap(nets, r[0], r[1])
-  assert (diff <= d).all(), (diff.max(), d[diff.argmax()])
+  _assert_below(_two_gap(nets, r[0], r[1]), d)
 
 
 def two_nets(page):
@@ -289,16 +296,24 @@ def two_nets(page):
   return nets, opt0, opt1, scaler
 
 
+def _two_before(page, run, i, scale_at):
+  """Both nets' parameters and the loss scale at the start of step ``i`` of
+  ``run``, whose records hold the scale's state at ``scale_at``."""
+  if i == 0:
+    return page["params0"], page["params1"], 2.0**6
+  q0, q1 = run[i - 1][:2]
+  scale = float(page["fs"].current_scale(run[i - 1][scale_at]))
+  return q0, q1, scale
+
+
 def test_two_models_one_scaler(page):
   # torch: two backward passes, scaler.step(opt0), scaler.step(opt1), one
   # scaler.update().
   two = page["two"]
-  p0 = page["params0"]
-  p1 = page["params1"]
   nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(two):
-    q0, q1 = (p0, p1) if i == 0 else two[i - 1][:2]
+    q0, q1, scale = _two_before(page, two, i, scale_at=2)
     d = _two_gap(nets, q0, q1)
     opt0.zero_grad()
     opt1.zero_grad()
@@ -310,7 +325,6 @@ def test_two_models_one_scaler(page):
     scaler.update()
     assert scaler.get_scale() == float(current(r[2]))
     if i != 2:
-      scale = 2.0**6 if i == 0 else float(current(two[i - 1][2]))
       losses = [((2.0, 3.0), i, False), ((3.0, -5.0), i, False)]
       eps, hess = two_net_bounds(page, q0, q1, losses, scale, (None, None))
       d = d + 1e-3 * (eps + hess @ d)
@@ -324,12 +338,10 @@ def test_gan_order(page):
   # The 2nd loss after the 1st optimizer stepped; model 1's gradients
   # zeroed before its backward, as fake.detach() does.
   gan = page["gan"]
-  p0 = page["params0"]
-  p1 = page["params1"]
   nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(gan):
-    q0, q1 = (p0, p1) if i == 0 else gan[i - 1][:2]
+    q0, q1, scale = _two_before(page, gan, i, scale_at=3)
     d = _two_gap(nets, q0, q1)
     opt0.zero_grad()
     opt1.zero_grad()
@@ -342,7 +354,6 @@ def test_gan_order(page):
     scaler.step(opt1)
     scaler.update()
     assert scaler.get_scale() == float(current(r[2]))
-    scale = 2.0**6 if i == 0 else float(current(gan[i - 1][3]))
     # Model 0 always steps; model 1 skips step 2. Loss 1 is taken with the
     # stepped model 0 (r[0]); to first order in lr its |Hessian| is the
     # one before the step.
