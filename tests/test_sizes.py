@@ -11,7 +11,9 @@ Density is AST nodes (every node of the module's tree) per code line, a
 code line being a line that holds a token other than a comment, outside
 docstrings. No package module is over 10 nodes per code line and no test
 file over 12.5; a module of fewer than 30 code lines is exempt (too few
-lines to average), and so are the data tables named in ``TABLES``.
+lines to average), and so are the data tables named in ``TABLES``. The
+test files still over 12.5 when the rule was set are in ``OVER_DENSITY``,
+each expected to fail until it is rewritten.
 
 History: the limits were in lines of code (at last 3,700 for the package,
 300 a module, 60 a function body). Lines measure layout, not logic: they

@@ -44,9 +44,12 @@ def test_every_device_drops_the_same_microbatch():
       out_specs=(SPECS, state_specs),
     )
   )
-  place = lambda tree, specs: jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
-  )
+
+  def place(tree, specs):
+    return jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+    )
+
   clean = {"shard": jnp.ones(8), "rep": jnp.ones(3)}
   # float32 like clean, not weak-typed: the step compiles once for both.
   f32 = jnp.float32

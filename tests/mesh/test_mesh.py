@@ -514,9 +514,12 @@ def test_jit_update_keeps_state_shardings(layout):
   tx = make_tx(layout)
   mesh = make_mesh(layout, AxisType.Auto)
   specs, st_specs, params, state = placed(tx, layout, mesh)
-  shardings = lambda sp: jax.tree.map(
-    lambda s: NamedSharding(mesh, s), sp, is_leaf=lambda s: isinstance(s, P)
-  )
+
+  def shardings(sp):
+    return jax.tree.map(
+      lambda s: NamedSharding(mesh, s), sp, is_leaf=lambda s: isinstance(s, P)
+    )
+
   with jax.set_mesh(mesh):
     step = jax.jit(
       step_fn(tx),

@@ -52,7 +52,10 @@ def run(axis):
       out_specs=(st_specs, P("model")),
     )
   )
-  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+
+  def put(x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
   with jax.set_mesh(mesh):
     grads = jax.tree.map(put, grads, specs)
     return step(grads, jax.tree.map(put, state, st_specs))

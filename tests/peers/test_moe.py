@@ -144,15 +144,16 @@ def test_chained_norm_with_expert_groups_matches_deepspeed(structure, draw):
   shared16 = [(g * SCALE).astype(np.float16) for g in shared]
   assert all(np.isfinite(g).all() for g in expert16 + shared16)
   metrics = _chained(structure, expert16, shared16)
-  upcast = lambda gs: [g.astype(np.float32) for g in gs]
+  expert32 = [g.astype(np.float32) for g in expert16]
+  shared32 = [g.astype(np.float32) for g in shared16]
   np.testing.assert_allclose(
     float(metrics["grad_norm"]),
-    oracles.ds_moe_norm(upcast(expert16), upcast(shared16)) / SCALE,
+    oracles.ds_moe_norm(expert32, shared32) / SCALE,
     rtol=NORM_RTOL,
   )
   np.testing.assert_allclose(
     float(metrics["expert_grad_norm"]),
-    oracles.ds_moe_norm(upcast(expert16), []) / SCALE,
+    oracles.ds_moe_norm(expert32, []) / SCALE,
     rtol=NORM_RTOL,
   )
 
