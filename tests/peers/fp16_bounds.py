@@ -49,6 +49,19 @@ def _pred(params, x):
   return h @ params["out"]["kernel"][:, 0]
 
 
+def _relu_mask(params, x):
+  """1.0 where the hidden layer's ReLU passes, else 0.0."""
+  return (x @ params["hidden"]["kernel"] > 0).astype(jnp.float32)
+
+
+def _combo_abs(coeffs, absp, xa, masks):
+  """``sum_j |coeffs[j]| * surrogate_j(|x|)``: the loss's combination of
+  the nets, at absolute values."""
+  return sum(
+    abs(a) * _net_abs(q, xa, m) for a, q, m in zip(coeffs, absp, masks)
+  )
+
+
 def _parts(nets, losses):
   """Per loss: the nets' |parameters|, each net's |x| and ReLU mask, and the
   cotangent bound ``c``. ``losses``: ``(coeffs, x, y)``, the loss
@@ -57,14 +70,13 @@ def _parts(nets, losses):
   out = []
   for coeffs, x, y in losses:
     x = jnp.asarray(x, jnp.float32)
-    masks = [(x @ p["hidden"]["kernel"] > 0).astype(jnp.float32) for p in nets]
+    xa = jnp.abs(x)
+    masks = [_relu_mask(p, x) for p in nets]
     combo = sum(a * _pred(p, x) for a, p in zip(coeffs, nets))
-    combo_abs = sum(
-      abs(a) * _net_abs(q, jnp.abs(x), m)
-      for a, q, m in zip(coeffs, absp, masks)
-    )
-    c = 2.0 / x.shape[0] * (jnp.abs(combo - y) + combo_abs)
-    out.append((coeffs, jnp.abs(x), masks, c))
+    combo_abs = _combo_abs(coeffs, absp, xa, masks)
+    n = x.shape[0]
+    c = 2.0 / n * (jnp.abs(combo - y) + combo_abs)
+    out.append((coeffs, xa, masks, c))
   return absp, out
 
 
@@ -74,9 +86,7 @@ def _surrogate(absp, parts, quadratic):
   bounds the loss's |Hessian| elementwise)."""
   total = 0.0
   for coeffs, xa, masks, c in parts:
-    combo = sum(
-      abs(a) * _net_abs(q, xa, m) for a, q, m in zip(coeffs, absp, masks)
-    )
+    combo = _combo_abs(coeffs, absp, xa, masks)
     total += jnp.sum(c * combo)
     if quadratic:
       total += jnp.sum(combo**2) / xa.shape[0]
@@ -124,8 +134,13 @@ def mlp_bounds(params, x, y, rounds, scale):
   eps = rounds * 2.0**-10 * flat(abs_grad([params], losses))
   # A subnormal float16 result's rounding is absolute: at most 2**-25 in
   # the scaled gradient; 8 rows of |x| carry it into dW.
-  eps += rounds * 8 * float(np.abs(x).max()) * 2.0**-25 / scale
-  g = jax.grad(lambda p: jnp.mean((_pred(p, x) - y) ** 2))(params)
+  largest = float(np.abs(x).max())
+  eps += rounds * 8 * largest * 2.0**-25 / scale
+
+  def mse(p):
+    return jnp.mean((_pred(p, x) - y) ** 2)
+
+  g = jax.grad(mse)(params)
   return eps, abs_hessian([params], losses), flat(g)
 
 
@@ -156,14 +171,17 @@ def adam_step_bounds(steps, lr, b1=0.9, b2=0.999):
   out = []
   for k, (d, eps, hess, p, g) in enumerate(steps, 1):
     if v is None:
-      v, big_e = np.zeros_like(p), np.zeros_like(p)
+      v = np.zeros_like(p)
+      big_e = np.zeros_like(p)
     big_e = np.maximum(big_e, eps + hess @ d)
     v = b2 * v + (1 - b2) * g**2
     low = np.sqrt(v / (1 - b2**k)) - 2 * big_e  # both runs' sqrt(v_hat)
     ratio = adam_ratio_bound(k, b1, b2)
     du = np.full_like(p, 2 * ratio)
     ok = low > 0
-    du[ok] = np.minimum(du[ok], (1 + ratio) * big_e[ok] / low[ok])
+    from_inputs = (1 + ratio) * big_e[ok] / low[ok]
+    du[ok] = np.minimum(du[ok], from_inputs)
     # The two Adams' own float32 arithmetic: a few roundings of u.
-    out.append(d + lr * (du + 2.0**-20 * ratio) + F32 * np.abs(p))
+    own = 2.0**-20 * ratio
+    out.append(d + lr * (du + own) + F32 * np.abs(p))
   return out
