@@ -47,13 +47,14 @@ def _inputs(rec, max_norm, norm_rtol, float16_sums):
   micro = rec.grads if windowed else [rec.grads]
   k = len(micro)
   # Where either side's clip may bind (below, both multiply by 1).
-  c, r = 1.0, 8 * U
+  c = 1.0  # the clip's multiplier
+  r = 8 * U  # the relative bound on the clipped unscaled gradient
   if rec.norm * (1 + norm_rtol) + 1e-6 >= max_norm:
-    c, r = (
-      min(1.0, max_norm / (rec.norm + 1e-6)),
-      r + norm_rtol + 1e-6 / rec.norm,
-    )
-  per_sum = k * (2.0**-11 if float16_sums else U) if k > 1 else 0.0
+    c = min(1.0, max_norm / (rec.norm + 1e-6))
+    r = r + norm_rtol + 1e-6 / rec.norm
+  per_sum = 0.0  # a window's sum in another order, relative to sum |h|
+  if k > 1:
+    per_sum = k * (2.0**-11 if float16_sums else U)
   out = []
   for i in range(len(micro[0])):
     hs = [np.asarray(mb[i], np.float64) / rec.scale_before for mb in micro]
@@ -125,9 +126,10 @@ def adam_param_bounds(
       dmh = dm[i] / bc1 + 2 * e_m[i] / bc1
       dvh = np.sqrt(dv2[i] / bc2) + 2 * own_v
       low = np.maximum(den - dvh, eps)
-      du = (dmh + np.abs(u) * dvh) / low + 8 * U * np.abs(u)
+      abs_u = np.abs(u)
+      du = (dmh + abs_u * dvh) / low + 8 * U * abs_u
       p = np.abs(np.asarray(rec.params[i], np.float64))
-      step = lr * du + 2 * U * (p + lr * np.abs(u))
+      step = lr * du + 2 * U * (p + lr * abs_u)
       if weight_decay:
         step += 2 * U * (before[i] + lr * weight_decay * before[i])
       d[i] = step if follow_peer else d[i] + step
