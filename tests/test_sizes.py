@@ -55,7 +55,6 @@ OVER_DENSITY = {
   # derivation (each a named quantity of the docstring's argument).
   "tests/peers/float32_bounds.py": "14.2 (15.5 before), the bounds' arithmetic",
   "tests/peers/fp16_bounds.py": "13.3 (14.6 before), the bounds' arithmetic",
-  "tests/peers/test_porting_torch.py": "12.8 (14.6 before), its bounds",
 }
 _SKIP = {
   tokenize.COMMENT,

@@ -62,7 +62,8 @@ def torch_batch(page, i, bad=False):
 def torch_loss(page, net, i, bad=False):
   x, y = torch_batch(page, i, bad)
   with torch.autocast("cpu", dtype=torch.float16):  # "cuda" on a GPU
-    return torch.nn.functional.mse_loss(net(x)[:, 0], y)
+    pred = net(x)[:, 0]
+    return torch.nn.functional.mse_loss(pred, y)
 
 
 def _kernel(layer):
@@ -94,7 +95,10 @@ def one_net_bounds(page, params, i, bad, rounds, scale):
 
 
 def before(run, params0, i):
-  return params0 if i == 0 else run[i - 1][0]
+  """The parameters at the start of step ``i`` of ``run``."""
+  if i == 0:
+    return params0
+  return run[i - 1][0]
 
 
 def one_net(page, key, optimizer):
@@ -103,7 +107,8 @@ def one_net(page, key, optimizer):
   p0 = page["params0"]
   net = torch_net(p0)
   scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
-  return run, p0, net, optimizer(net.parameters(), lr=1e-2), scaler
+  opt = optimizer(net.parameters(), lr=1e-2)
+  return run, p0, net, opt, scaler
 
 
 def bounds_before(page, run, p0, i):
@@ -118,7 +123,8 @@ def bounds_before(page, run, p0, i):
 def test_typical(page):
   # torch: scaler.scale(loss).backward(); scaler.step; scaler.update.
   run, p0, net, optimizer, scaler = one_net(page, "amp_run", torch.optim.Adam)
-  steps, bounds = [], []
+  steps = []  # per applied step, what adam_step_bounds takes
+  bounds = []
   for i, (params, m) in enumerate(run):
     d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
@@ -210,8 +216,9 @@ def test_gradient_penalty(page):
     d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
     loss = torch_loss(page, net, i, bad=i == 3)
+    scaled_loss = scaler.scale(loss)
     scaled_grads = torch.autograd.grad(
-      scaler.scale(loss), net.parameters(), create_graph=True
+      scaled_loss, net.parameters(), create_graph=True
     )
     inv_scale = 1.0 / scaler.get_scale()
     grads = [g * inv_scale for g in scaled_grads]
@@ -261,14 +268,16 @@ def two_net_bounds(page, p0, p1, losses, scale, which=(0, 1)):
       if which[k] not in (j, None):
         continue
       x, y = page["batch"](i, bad)
-      g = fb.abs_grad([p0, p1], [(coeffs, x, y)])[j]
-      total = total + fb.flat(g)
+      abs_grads = fb.abs_grad([p0, p1], [(coeffs, x, y)])
+      total = total + fb.flat(abs_grads[j])
       # A subnormal result's absolute rounding, as fp16_bounds.mlp_bounds.
-      subnormal = 8 * float(np.abs(x).max()) * 2.0**-25 / scale
+      largest = float(np.abs(x).max())
+      subnormal = 8 * largest * 2.0**-25 / scale
       total = total + subnormal
     eps.append(R_TWO * 2.0**-10 * total)
   data = [(c, *page["batch"](i, bad)) for c, i, bad in losses]
-  return np.concatenate(eps), fb.abs_hessian([p0, p1], data)
+  hess = fb.abs_hessian([p0, p1], data)
+  return np.concatenate(eps), hess
 
 
 def _flat2(p0, p1):
@@ -291,7 +300,8 @@ def _check_two(nets, r, d):
 def two_nets(page):
   """torch's two nets (params0, params1), their SGDs and one GradScaler."""
   nets = torch_net(page["params0"]), torch_net(page["params1"])
-  opt0, opt1 = (torch.optim.SGD(n.parameters(), lr=1e-3) for n in nets)
+  opt0 = torch.optim.SGD(nets[0].parameters(), lr=1e-3)
+  opt1 = torch.optim.SGD(nets[1].parameters(), lr=1e-3)
   scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2)
   return nets, opt0, opt1, scaler
 
