@@ -54,7 +54,6 @@ OVER_DENSITY = {
   # Error-bound arithmetic, to be written out term by term with its
   # derivation (each a named quantity of the docstring's argument).
   "tests/peers/float32_bounds.py": "14.2 (15.5 before), the bounds' arithmetic",
-  "tests/peers/fp16_bounds.py": "13.3 (14.6 before), the bounds' arithmetic",
 }
 _SKIP = {
   tokenize.COMMENT,

@@ -41,12 +41,15 @@ F32 = 2.0**-23  # two float32 half-ulps, relative: one in each framework
 def _net_abs(params, xa, mask):
   """The positive surrogate of the page's MLP at ``|params|``, ``|x|``."""
   h = (xa @ params["hidden"]["kernel"]) * mask
-  return h @ params["out"]["kernel"][:, 0]
+  w2 = params["out"]["kernel"][:, 0]
+  return h @ w2
 
 
 def _pred(params, x):
+  """The page's MLP."""
   h = jax.nn.relu(x @ params["hidden"]["kernel"])
-  return h @ params["out"]["kernel"][:, 0]
+  w2 = params["out"]["kernel"][:, 0]
+  return h @ w2
 
 
 def _relu_mask(params, x):
@@ -75,7 +78,8 @@ def _parts(nets, losses):
     combo = sum(a * _pred(p, x) for a, p in zip(coeffs, nets))
     combo_abs = _combo_abs(coeffs, absp, xa, masks)
     n = x.shape[0]
-    c = 2.0 / n * (jnp.abs(combo - y) + combo_abs)
+    residual = jnp.abs(combo - y) + combo_abs  # with the roundings' share
+    c = 2.0 / n * residual
     out.append((coeffs, xa, masks, c))
   return absp, out
 
@@ -89,7 +93,8 @@ def _surrogate(absp, parts, quadratic):
     combo = _combo_abs(coeffs, absp, xa, masks)
     total += jnp.sum(c * combo)
     if quadratic:
-      total += jnp.sum(combo**2) / xa.shape[0]
+      n = xa.shape[0]
+      total += jnp.sum(combo**2) / n
   return total
 
 
@@ -97,7 +102,11 @@ def abs_grad(nets, losses):
   """The absolute gradient: one tree per net, every element at least the sum
   of the absolute values of the terms of the true gradient's element."""
   absp, parts = _parts(nets, losses)
-  return jax.grad(lambda q: _surrogate(q, parts, False))(absp)
+
+  def surrogate(q):
+    return _surrogate(q, parts, False)
+
+  return jax.grad(surrogate)(absp)
 
 
 def abs_hessian(nets, losses):
@@ -105,10 +114,11 @@ def abs_hessian(nets, losses):
   nets' parameters, flattened in ``jax.flatten_util.ravel_pytree`` order."""
   absp, parts = _parts(nets, losses)
   flat, unravel = jax.flatten_util.ravel_pytree(absp)
-  return np.asarray(
-    jax.hessian(lambda f: _surrogate(unravel(f), parts, True))(flat),
-    np.float64,
-  )
+
+  def surrogate(f):
+    return _surrogate(unravel(f), parts, True)
+
+  return np.asarray(jax.hessian(surrogate)(flat), np.float64)
 
 
 def flat(tree):
@@ -131,7 +141,8 @@ def mlp_bounds(params, x, y, rounds, scale):
   scale ``scale``), the |Hessian| bound, and the float32 gradient, flat, of
   the page's mse at ``params`` on ``(x, y)``."""
   losses = [((1.0,), x, y)]
-  eps = rounds * 2.0**-10 * flat(abs_grad([params], losses))
+  abs_grads = abs_grad([params], losses)
+  eps = rounds * 2.0**-10 * flat(abs_grads)
   # A subnormal float16 result's rounding is absolute: at most 2**-25 in
   # the scaled gradient; 8 rows of |x| carry it into dW.
   largest = float(np.abs(x).max())
@@ -141,7 +152,8 @@ def mlp_bounds(params, x, y, rounds, scale):
     return jnp.mean((_pred(p, x) - y) ** 2)
 
   g = jax.grad(mse)(params)
-  return eps, abs_hessian([params], losses), flat(g)
+  hess = abs_hessian([params], losses)
+  return eps, hess, flat(g)
 
 
 def adam_ratio_bound(t, b1=0.9, b2=0.999):
@@ -151,7 +163,8 @@ def adam_ratio_bound(t, b1=0.9, b2=0.999):
   s = np.arange(t)
   w = (1 - b1) * b1**s / (1 - b1**t)
   w2 = (1 - b2) * b2**s / (1 - b2**t)
-  return float(np.sqrt(np.sum(w**2 / w2)))
+  terms = w**2 / w2
+  return float(np.sqrt(np.sum(terms)))
 
 
 def adam_step_bounds(steps, lr, b1=0.9, b2=0.999):
@@ -173,9 +186,11 @@ def adam_step_bounds(steps, lr, b1=0.9, b2=0.999):
     if v is None:
       v = np.zeros_like(p)
       big_e = np.zeros_like(p)
-    big_e = np.maximum(big_e, eps + hess @ d)
+    e = eps + hess @ d  # this step's gradients, one run's against the other's
+    big_e = np.maximum(big_e, e)
     v = b2 * v + (1 - b2) * g**2
-    low = np.sqrt(v / (1 - b2**k)) - 2 * big_e  # both runs' sqrt(v_hat)
+    v_hat = v / (1 - b2**k)
+    low = np.sqrt(v_hat) - 2 * big_e  # both runs' sqrt(v_hat)
     ratio = adam_ratio_bound(k, b1, b2)
     du = np.full_like(p, 2 * ratio)
     ok = low > 0
