@@ -51,9 +51,6 @@ OVER_DENSITY = {
   "tests/test_value_and_grad.py": f"13.0, {_OTHER_BRANCH}",
   "tests/test_norm.py": f"12.7, {_OTHER_BRANCH}",
   "tests/peers/test_docs_porting_keras.py": f"12.8, {_OTHER_BRANCH}",
-  # Error-bound arithmetic, to be written out term by term with its
-  # derivation (each a named quantity of the docstring's argument).
-  "tests/peers/float32_bounds.py": "14.2 (15.5 before), the bounds' arithmetic",
 }
 _SKIP = {
   tokenize.COMMENT,
