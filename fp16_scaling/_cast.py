@@ -112,12 +112,12 @@ def _leaf_cast(x: np.ndarray, dtype, smallest_normal) -> LeafCast:
   with np.errstate(over="ignore", invalid="ignore"):  # counted below
     y = np.abs(x.astype(dtype).astype(np.float64))
   return LeafCast(
-    int(x.size),
-    int(np.sum(finite & ~np.isfinite(y))),
-    int(np.sum((y > 0) & (y < smallest_normal))),
-    int(np.sum(finite & (x != 0) & (y == 0))),
-    float(np.max(np.abs(x[finite]), initial=0.0)),
-    int(np.sum(~finite)),
+    size=int(x.size),
+    to_inf=int(np.sum(finite & ~np.isfinite(y))),
+    to_subnormal=int(np.sum((y > 0) & (y < smallest_normal))),
+    to_zero=int(np.sum(finite & (x != 0) & (y == 0))),
+    max_abs=float(np.max(np.abs(x[finite]), initial=0.0)),
+    nonfinite=int(np.sum(~finite)),
   )
 
 
@@ -171,7 +171,14 @@ def cast_report(params: Any, dtype: Any, *, top: int = 10) -> CastReport:
   )
   overflowing = tuple(p for p, c in leaves.items() if c.to_inf)
   nonfinite = tuple(p for p, c in leaves.items() if c.nonfinite)
-  return CastReport(name, float(info.max), leaves, overflowing, top, nonfinite)
+  return CastReport(
+    dtype=name,
+    max_finite=float(info.max),
+    leaves=leaves,
+    overflowing=overflowing,
+    top=top,
+    nonfinite=nonfinite,
+  )
 
 
 def _require_host(params: Any) -> None:

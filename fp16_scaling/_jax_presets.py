@@ -9,7 +9,7 @@ import numpy as np
 
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
-from fp16_scaling._scaler import _floor
+from fp16_scaling._scaler import scale_bound
 
 
 def _number(name: str, value):
@@ -103,7 +103,7 @@ def jmp_scaler(
       f"{counter!r}"
     )
   factor = _power_of_two_factor(factor)
-  min_scale = _floor(
+  min_scale = scale_bound(
     "min_loss_scale", _number("min_loss_scale", min_loss_scale), init_scale
   )
   return Scaler(

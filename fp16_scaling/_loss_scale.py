@@ -413,7 +413,7 @@ def _grad_range(leaves, measurement: Measurement, stacked: bool) -> GradRange:
   if not stacked:
     return GradRange(peaks * m.inv_scale, zero_fraction)
   sums = jnp.maximum(m.norms.leaf_sums, 0.0)  # a non-finite unit's is -inf
-  norm = _norm._sqrt(sums) * m.inv_scale
+  norm = _norm.safe_sqrt(sums) * m.inv_scale
   return StackedRange(peaks * m.inv_scale, zero_fraction, norm)
 
 

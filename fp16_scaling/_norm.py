@@ -58,8 +58,9 @@ def check_float_leaves(
     if len(with_paths) == len(leaves):
       paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
   for i, (x, path) in enumerate(zip(leaves, paths)):
-    leaf = f"leaf {i}" + (f" ({path})" if path else "")
-    if not hasattr(x, "dtype") and not isinstance(x, (int, float, complex)):
+    leaf = f"leaf {i} ({path})" if path else f"leaf {i}"
+    is_number = isinstance(x, (int, float, complex))
+    if not hasattr(x, "dtype") and not is_number:
       raise TypeError(
         f"{what} must be arrays of floating point; {leaf} is a "
         f"{type(x).__name__} ({_short(x)}), not an array. An Equinox "
@@ -90,43 +91,51 @@ def _is_wide(x) -> bool:
   return jnp.result_type(x) != jnp.float16
 
 
+def _wide_dtype(x: jax.Array) -> np.dtype:
+  """float32, or the dtype of ``x`` where it is wider."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def widen(x: jax.Array) -> jax.Array:
   """``x`` in (at least) float32, a float16 value out of float16's range as
   ``+-inf`` (docs/design.md, "What float16 holds")."""
-  wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  wide = x.astype(_wide_dtype(x))
   if _is_wide(x):
     return wide
-  out = lax.ge(lax.abs(wide), np.float32(FLOAT16_INF_FROM))
-  return jnp.where(out, wide * np.float32(jnp.inf), wide)
+  out_of_range = lax.ge(lax.abs(wide), np.float32(FLOAT16_INF_FROM))
+  as_inf = wide * np.float32(jnp.inf)
+  return jnp.where(out_of_range, as_inf, wide)
 
 
 def _squares(x: jax.Array) -> jax.Array:
   """Elementwise squares in float32: ``+inf`` or NaN where a float16 ``x`` is
   out of range (:func:`widen`), ``-inf`` where a wider one is not finite."""
-  wide = lax.convert_element_type(x, jnp.promote_types(x.dtype, jnp.float32))
+  wide = lax.convert_element_type(x, _wide_dtype(x))
   sq = lax.mul(wide, wide)
   if not _is_wide(x):
     # float32 multiplication rounds correctly and monotonically, and
     # 65520**2 is a float32: sq >= 65520**2 exactly when |x| >= 65520, the
     # squares of widen(x) without its select. NaN stays NaN.
-    return jnp.where(lax.ge(sq, np.float32(FLOAT16_INF_FROM**2)), jnp.inf, sq)
+    out_of_range = lax.ge(sq, np.float32(FLOAT16_INF_FROM**2))
+    return jnp.where(out_of_range, jnp.inf, sq)
   sq = jnp.minimum(sq, np.float32(CAP))
   return jnp.where(lax.is_finite(wide), sq, -jnp.inf)
 
 
 @jax.custom_jvp
-def _sqrt(x: jax.Array) -> jax.Array:
+def safe_sqrt(x: jax.Array) -> jax.Array:
   """``jnp.sqrt`` whose derivative is 0 where it is not finite (the norm of
   an overflow step is discarded; its derivative must not be NaN)."""
   return jnp.sqrt(x)
 
 
-@_sqrt.defjvp
-def _sqrt_jvp(primals, tangents):
+@safe_sqrt.defjvp
+def _safe_sqrt_jvp(primals, tangents):
   (x,), (dx,) = primals, tangents
   y = jnp.sqrt(x)
   ok = jnp.isfinite(y) & (y > 0)
-  return y, dx * jnp.where(ok, 0.5 / jnp.where(ok, y, 1), 0)
+  slope = jnp.where(ok, 0.5 / jnp.where(ok, y, 1), 0)  # d sqrt(x) / dx
+  return y, dx * slope
 
 
 def leaf_sums(leaves: Sequence[jax.Array], layer_axes=None) -> list:
@@ -151,9 +160,11 @@ def _leaf_sums_jvp(layer_axes, primals, tangents):
   (leaves,), (dleaves,) = primals, tangents
   out = []
   for x, dx, a in zip(leaves, dleaves, layer_axes):
-    x, dx = widen(x), dx.astype(jnp.promote_types(x.dtype, jnp.float32))
+    dx = dx.astype(_wide_dtype(x))
+    x = widen(x)
     safe = lax.select(lax.is_finite(x), x, lax.full_like(x, 0))
-    out.append(jnp.sum(2 * safe * dx, summed_axes(x, a), dtype=jnp.float32))
+    d_squares = 2 * safe * dx
+    out.append(jnp.sum(d_squares, summed_axes(x, a), dtype=jnp.float32))
   return _leaf_sums(leaves, layer_axes), tuple(out)
 
 
@@ -163,7 +174,9 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
   return tuple(jnp.where(overflow, 0.0, x) for x in leaves)
 
 
-def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
+def _grouped(
+  values, leaf_groups, leaf_axes, num_groups, *, combine, collective
+):
   """Combines per-leaf scalars into one value per group, across the mesh."""
   buckets = {}
   for v, g, axes in zip(values, leaf_groups, leaf_axes):
@@ -171,7 +184,9 @@ def _grouped(values, leaf_groups, leaf_axes, num_groups, combine, collective):
   per_group = [[] for _ in range(num_groups)]
   for (g, axes), vs in buckets.items():
     v = combine(jnp.stack(vs)) if len(vs) > 1 else vs[0]
-    per_group[g].append(collective(v, axes) if axes else v)
+    if axes:
+      v = collective(v, axes)
+    per_group[g].append(v)
   return jnp.stack(
     [combine(jnp.stack(vs)) if vs else jnp.float32(0) for vs in per_group]
   )
@@ -207,57 +222,68 @@ def reduce_norms(
     :class:`Norms`; with no leaves, zeros and no overflow.
   """
   n = len(leaves)
-  leaf_groups = tuple(leaf_groups) if leaf_groups is not None else (0,) * n
-  leaf_axes = tuple(leaf_axes) if leaf_axes is not None else ((),) * n
+  if leaf_groups is None:
+    leaf_groups = (0,) * n
+  if leaf_axes is None:
+    leaf_axes = ((),) * n
+  leaf_groups = tuple(leaf_groups)
+  leaf_axes = tuple(leaf_axes)
   if n == 0:
     return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
   if per_leaf is None:
-    mark = lambda local: _marked(local, cap=needs_rescue)
-    per_leaf = leaf_vector(sums, leaf_axes, lax.psum, mark)
+    mark = functools.partial(_marked, cap=needs_rescue)
+    per_leaf = leaf_vector(sums, leaf_axes, lax.psum, prepare=mark)
   unit_groups = leaf_groups
   if per_leaf.shape[0] != n:  # per unit: each stacked leaf's group per layer
-    unit_groups = tuple(np.repeat(leaf_groups, [np.size(s) for s in sums]))
+    units_per_leaf = [np.size(s) for s in sums]
+    unit_groups = tuple(np.repeat(leaf_groups, units_per_leaf))
   common, total = _group_sums(per_leaf, unit_groups, num_groups)
   # The rescue reads the leaves again: their groups are the per-leaf ones.
   if needs_rescue and not in_float16_range:
-    groups = (leaf_groups, leaf_axes, num_groups)
-    rescue = lambda _: _rescued_roots(leaves, *groups)
-    keep = lambda _: _roots(total, common)
-    root, group_roots = lax.cond(total >= CAP, rescue, keep, None)
+    rescue = functools.partial(
+      _rescued_roots, leaves, leaf_groups, leaf_axes, num_groups
+    )
+    keep = functools.partial(_roots, total, common)
+    root, group_roots = lax.cond(total >= CAP, rescue, keep)
   else:
     root, group_roots = _roots(total, common)
   # -inf exactly for a leaf (and so a total) with a non-finite element.
   overflow = total < 0
-  norm = jnp.where(overflow, 0.0, root)
-  group_norms = jnp.where(jnp.isinf(group_roots), 0.0, group_roots)
-  return Norms(norm, group_norms, overflow, per_leaf < 0, per_leaf)
+  return Norms(
+    norm=jnp.where(overflow, 0.0, root),
+    group_norms=jnp.where(jnp.isinf(group_roots), 0.0, group_roots),
+    overflow=overflow,
+    leaf_nonfinite=per_leaf < 0,
+    leaf_sums=per_leaf,
+  )
 
 
 def _group_sums(per_leaf, leaf_groups, num_groups) -> tuple:
   """``(per-group sums, total)`` of the per-leaf vector."""
-  present, zero = set(leaf_groups), jnp.float32(0)
+  present = set(leaf_groups)
+  zero = jnp.float32(0)
   if len(present) == 1:
     total = jnp.sum(per_leaf)
     sums = [total if g in present else zero for g in range(num_groups)]
     return jnp.stack(sums), total
   groups = np.asarray(leaf_groups, np.int32)
-  common = [
+  sums = [
     jnp.sum(jnp.where(groups == g, per_leaf, 0.0)) if g in present else zero
     for g in range(num_groups)
   ]
-  common = jnp.stack(common)
+  common = jnp.stack(sums)
   return common, jnp.sum(common)
 
 
 def _no_norms(num_groups: int) -> Norms:
   """The norms of a tree without leaves."""
   return Norms(
-    jnp.float32(0),
-    jnp.zeros([num_groups], jnp.float32),
-    jnp.bool_(False),
-    jnp.zeros([0], jnp.bool_),
-    jnp.zeros([0], jnp.float32),
+    norm=jnp.float32(0),
+    group_norms=jnp.zeros([num_groups], jnp.float32),
+    overflow=jnp.bool_(False),
+    leaf_nonfinite=jnp.zeros([0], jnp.bool_),
+    leaf_sums=jnp.zeros([0], jnp.float32),
   )
 
 
@@ -265,37 +291,54 @@ def _marked(local: jax.Array, *, cap: bool) -> jax.Array:
   """Local sums with every non-finite one ``-inf``, and with ``cap`` each
   capped at ``CAP`` so that their total stays finite too."""
   local = jnp.where(lax.is_finite(local), local, -jnp.inf)
-  return jnp.minimum(local, jnp.float32(CAP)) if cap else local
+  if cap:
+    local = jnp.minimum(local, jnp.float32(CAP))
+  return local
 
 
 def _roots(total, common) -> tuple:
   """``(norm, group norms)`` from the summed squares: sqrt(|sum|) is +inf,
   not NaN, for a sum that met a non-finite leaf (-inf)."""
-  return _sqrt(jnp.abs(total)), _sqrt(jnp.abs(common))
+  return safe_sqrt(jnp.abs(total)), safe_sqrt(jnp.abs(common))
 
 
 def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
   """:func:`_roots` for finite squares too large for float32's sums: each
   group relative to its own largest magnitude (entered for a finite total)."""
   maxima = [jnp.max(jnp.abs(x), initial=0).astype(jnp.float32) for x in leaves]
-  groups = (leaf_groups, leaf_axes, num_groups)
-  peaks = _grouped(maxima, *groups, jnp.max, lax.pmax)
+  peaks = _grouped(
+    maxima,
+    leaf_groups,
+    leaf_axes,
+    num_groups,
+    combine=jnp.max,
+    collective=lax.pmax,
+  )
   peaks = jnp.where(peaks > 0, peaks, jnp.float32(1))
-  rel = [
-    jnp.sum(jnp.square(x.astype(jnp.float32) / peaks[g]))
-    for x, g in zip(leaves, leaf_groups)
-  ]
-  rel = _grouped(rel, *groups, jnp.sum, lax.psum)
+  relative = []  # each leaf's sum of squares relative to its group's peak
+  for x, g in zip(leaves, leaf_groups):
+    scaled_down = x.astype(jnp.float32) / peaks[g]
+    relative.append(jnp.sum(jnp.square(scaled_down)))
+  relative = _grouped(
+    relative,
+    leaf_groups,
+    leaf_axes,
+    num_groups,
+    combine=jnp.sum,
+    collective=lax.psum,
+  )
   top = jnp.max(peaks)
-  norm = top * jnp.sqrt(jnp.sum(jnp.square(peaks / top) * rel))
-  return norm, peaks * jnp.sqrt(rel)
+  total = jnp.sum(jnp.square(peaks / top) * relative)
+  norm = top * jnp.sqrt(total)
+  return norm, peaks * jnp.sqrt(relative)
 
 
 def _finite_peak(x: jax.Array, axes: tuple) -> jax.Array:
   """The largest finite ``|x|`` over ``axes``, in float32 (of :func:`widen`'s
   ``x``: 0 for a float16 element out of float16's range)."""
   w = widen(x)
-  finite = jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype))
+  zero = jnp.zeros([], w.dtype)
+  finite = jnp.where(lax.is_finite(w), jnp.abs(w), zero)
   return jnp.max(finite, axes, initial=0).astype(jnp.float32)
 
 
@@ -306,15 +349,16 @@ def leaf_range(
   layer axis) across its mesh axes, the largest finite ``|x|`` and the
   fraction of zero elements."""
   layer_axes = layer_axes or (None,) * len(leaves)
-  axes = [summed_axes(x, a) for x, a in zip(leaves, layer_axes)]
-  peaks = [_finite_peak(x, ax) for x, ax in zip(leaves, axes)]
-  zeros = [
-    jnp.sum(x == 0, ax, dtype=jnp.float32) for x, ax in zip(leaves, axes)
-  ]
-  sizes = [
-    jnp.full(p.shape, x.size / max(p.size, 1), jnp.float32)
-    for x, p in zip(leaves, peaks)
-  ]
+  peaks = []
+  zeros = []
+  sizes = []  # per unit, the elements it holds
+  for x, a in zip(leaves, layer_axes):
+    axes = summed_axes(x, a)
+    peak = _finite_peak(x, axes)
+    peaks.append(peak)
+    zeros.append(jnp.sum(x == 0, axes, dtype=jnp.float32))
+    unit_size = x.size / max(peak.size, 1)
+    sizes.append(jnp.full(peak.shape, unit_size, jnp.float32))
   peaks = leaf_vector(peaks, leaf_axes, lax.pmax)
   zeros = leaf_vector(zeros, leaf_axes, lax.psum)
   sizes = leaf_vector(sizes, leaf_axes, lax.psum)

@@ -154,14 +154,17 @@ class Scaler:
       floor_overflows=jnp.zeros([], jnp.int32),
     )
     ring = jnp.zeros([self.history], jnp.float32)
-    return self._with_window(state, ring, jnp.zeros([], jnp.int32))
+    return self._with_window(state, (ring, jnp.zeros([], jnp.int32)))
 
-  def _with_window(self, state: ScalerState, ring, position):
-    """``state``, with the window when ``history > 1`` (a
-    :class:`WindowedScalerState`), else as it is."""
+  def _with_window(self, state: ScalerState, window: tuple):
+    """``state``, with the ``window`` (ring, position) when ``history > 1``
+    (a :class:`WindowedScalerState`), else as it is."""
     if self.history == 1:
       return state
-    return WindowedScalerState(*state, ring, position)
+    ring, position = window
+    return WindowedScalerState(
+      **state._asdict(), grad_max_history=ring, history_position=position
+    )
 
   def update(
     self,
@@ -170,6 +173,10 @@ class Scaler:
     grad_max: Optional[jax.Array] = None,
   ) -> ScalerState:
     """Advances the machine by one step.
+
+    The rule reads :class:`ScalerState`'s five fields; with ``history > 1``
+    the state is a :class:`WindowedScalerState`, whose two more fields (the
+    window) only :meth:`_window` reads and writes.
 
     Args:
       state: the state before the step, whose scale made its gradients.
@@ -206,15 +213,10 @@ class Scaler:
     # it, where this is the isfinite check alone).
     capped = jnp.minimum(grown, jnp.float32(self.max_scale))
     scale_after_clean = jnp.where(grow & jnp.isfinite(grown), capped, scale)
-    ring = getattr(state, "grad_max_history", None)
-    position = getattr(state, "history_position", None)
+    window = state[len(ScalerState._fields) :]  # () without a window
     if self.headroom_bits is not None:
-      if grad_max is None:
-        raise ValueError("a headroom scaler needs the step's grad_max")
-      grad_max = jnp.asarray(grad_max, jnp.float32)
-      if self.history > 1:
-        ring, position, grad_max = self._window(state, overflow, grad_max)
-      scale_after_clean = self._headroom_scale(scale, grad_max, capped)
+      window_max, window = self._measured_max(state, overflow, grad_max)
+      scale_after_clean = self._headroom_scale(scale, window_max, capped)
     refill = grow | self.consecutive_hysteresis
     hysteresis_after_clean = jnp.where(refill, full, left)
 
@@ -235,7 +237,19 @@ class Scaler:
       min_scale_errors=errors,
       floor_overflows=state.floor_overflows + floored,
     )
-    return self._with_window(new, ring, position)
+    return self._with_window(new, window)
+
+  def _measured_max(self, state: ScalerState, overflow, grad_max) -> tuple:
+    """``(largest gradient the headroom rule reads, window after the
+    step)``: the step's ``grad_max``, or with ``history > 1`` the window's
+    largest, ``grad_max`` written in."""
+    if grad_max is None:
+      raise ValueError("a headroom scaler needs the step's grad_max")
+    grad_max = jnp.asarray(grad_max, jnp.float32)
+    if self.history == 1:
+      return grad_max, ()
+    ring, position, window_max = self._window(state, overflow, grad_max)
+    return window_max, (ring, position)
 
   def _window(self, state: ScalerState, overflow, grad_max: jax.Array):
     """``(ring, position, window_max)`` after a step: a clean step writes
@@ -329,9 +343,16 @@ def no_scaler() -> Scaler:
   return Scaler(init_scale=1.0)
 
 
-def _floor(name: str, value: float, init_scale: float, ceiling=False) -> float:
-  """``value``, checked to be a scale at most ``init_scale`` (at least it,
-  for a ``ceiling``)."""
+def scale_bound(
+  name: str, value: float, init_scale: float, *, ceiling: bool = False
+) -> float:
+  """``value``, checked to be a scale on the side of ``init_scale`` it
+  bounds: a floor at most ``init_scale``, a ``ceiling`` at least it.
+
+  Raises:
+    ValueError: ``value`` is not a scale, or lies on the other side of
+      ``init_scale``; the message names ``name``.
+  """
   value = _validate.scale(name, value)
   if value < init_scale if ceiling else value > init_scale:
     how = "be at least" if ceiling else "not exceed"
@@ -385,7 +406,7 @@ def deepspeed_scaler(
     backoff_factor=0.5,
     growth_interval=_validate.count("scale_window", scale_window),
     growth_delay=1,
-    min_scale=_floor("min_scale", min_scale, init_scale),
+    min_scale=scale_bound("min_scale", min_scale, init_scale),
     hysteresis=_validate.count("delayed_shift", delayed_shift),
     consecutive_hysteresis=_validate.flag(
       "consecutive_hysteresis", consecutive_hysteresis
@@ -479,7 +500,7 @@ def megatron_scaler(
     growth_factor=_validate.above_one("growth_factor", growth_factor),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
     growth_interval=_validate.count("growth_interval", growth_interval),
-    min_scale=_floor("min_scale", min_scale, initial_scale),
+    min_scale=scale_bound("min_scale", min_scale, initial_scale),
     hysteresis=_validate.count("hysteresis", hysteresis),
   )
 
@@ -526,7 +547,7 @@ def flax_scaler(
     growth_factor=_validate.above_one("growth_factor", growth_factor),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
     growth_interval=_validate.count("growth_interval", growth_interval) + 1,
-    min_scale=_floor("minimum_scale", minimum_scale, scale),
+    min_scale=scale_bound("minimum_scale", minimum_scale, scale),
   )
 
 
@@ -590,12 +611,12 @@ def headroom_scaler(
     2048.0
   """
   init_scale = _validate.scale("init_scale", init_scale)
-  max_scale = _floor("max_scale", max_scale, init_scale, ceiling=True)
+  max_scale = scale_bound("max_scale", max_scale, init_scale, ceiling=True)
   return Scaler(
     init_scale=init_scale,
     growth_factor=_validate.above_one("max_growth", max_growth),
     backoff_factor=_validate.open_unit("backoff_factor", backoff_factor),
-    min_scale=_floor("min_scale", min_scale, init_scale),
+    min_scale=scale_bound("min_scale", min_scale, init_scale),
     headroom_bits=_validate.in_range("headroom_bits", headroom_bits, 0, 24),
     growth_margin_bits=_validate.in_range(
       "growth_margin_bits", growth_margin_bits, 0, 24

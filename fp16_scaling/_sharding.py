@@ -1,8 +1,11 @@
 """Which mesh axes each gradient leaf is split over, and the collectives
 that combine per-leaf scalars across them: the user's ``partition_specs``
 (a pytree of specs, or a prefix of the gradients' tree) become static
-per-leaf axes, checked against the mesh.
+per-leaf axes, checked against the mesh. Flax's partition names (of an
+``nn.Partitioned`` or an NNX ``Variable``) are read here too.
 """
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +24,17 @@ def leaf_vector(values, leaf_axes, collective, prepare=None) -> jax.Array:
     by_axes.setdefault(axes, []).append(i)
   # A vector value (a stacked leaf's, per layer) gives one entry per element.
   starts = np.cumsum([0] + [np.size(v) for v in values])
-  parts, order = [], []
+  parts = []
+  order = []  # the entries of each part, as positions in the vector
   for axes, idx in by_axes.items():
     part = jnp.concatenate([jnp.reshape(values[i], [-1]) for i in idx])
-    part = prepare(part) if prepare is not None else part
-    parts.append(collective(part, axes) if axes else part)
-    order += [u for i in idx for u in range(starts[i], starts[i + 1])]
+    if prepare is not None:
+      part = prepare(part)
+    if axes:
+      part = collective(part, axes)
+    parts.append(part)
+    for i in idx:
+      order.extend(range(starts[i], starts[i + 1]))
   if len(parts) == 1:
     return parts[0]
   return jnp.concatenate(parts)[np.argsort(order)]
@@ -56,7 +64,7 @@ def varying_axes(t, *, unreduced: bool = False) -> AxisNames:
   return tuple(sorted(axes))
 
 
-def _leaf_specs(partition_specs, tree, what: str) -> list:
+def leaf_specs(partition_specs, tree, what: str) -> list:
   """The ``PartitionSpec`` (or None) of each leaf of ``tree``, in leaf order;
   all None without ``partition_specs``, or for a tree without leaves
   (optax.tree_map_params' placeholder)."""
@@ -80,11 +88,40 @@ def _leaf_specs(partition_specs, tree, what: str) -> list:
     ) from None
 
 
+def _box_names(x) -> Optional[tuple]:
+  """The axis names a Flax ``nn.Partitioned`` (``names``) or an NNX
+  ``Variable`` (``out_sharding`` metadata) gives its array, else None."""
+  if hasattr(x, "unbox") and hasattr(x, "names"):  # linen AxisMetadata
+    names = x.names
+  elif hasattr(x, "get_metadata") and hasattr(x, "get_value"):  # nnx
+    names = x.get_metadata("out_sharding", None)
+  else:
+    return None
+  ok = isinstance(names, (tuple, list)) and all(
+    n is None or isinstance(n, str) for n in names
+  )
+  return tuple(names) if ok else None
+
+
+def partition_names(tree, n: int) -> list:
+  """Per leaf of ``tree``, its box's axis names, or None; all None when
+  the boxes are not one per leaf."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: _box_names(x) is not None)
+  if len(leaves) != n:
+    return [None] * n
+  return [_box_names(x) for x in leaves]
+
+
 def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
   """One of ``values`` (one per leaf of ``prefix``, a prefix of ``tree`` as in
   ``optax.masked``) per leaf of ``tree``."""
-  it, out = iter(values), []
-  repeat = lambda _, sub: out.extend([next(it)] * len(jax.tree.leaves(sub)))
+  given = iter(values)
+  out = []
+
+  def repeat(_, subtree):
+    value = next(given)
+    out.extend([value] * len(jax.tree.leaves(subtree)))
+
   jax.tree.map(repeat, prefix, tree, is_leaf=is_leaf)
   return tuple(out)
 
@@ -92,12 +129,13 @@ def broadcast_prefix(values, prefix, tree, is_leaf=None) -> tuple:
 def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
   """Static per-leaf mesh axes to sum each leaf's squares over: the manual
   (``shard_map``'s) axes its spec names, checked against the mesh."""
-  specs = _leaf_specs(partition_specs, tree, what)
+  specs = leaf_specs(partition_specs, tree, what)
   mesh = jax.sharding.get_abstract_mesh()
   mesh_axes = tuple(mesh.axis_names)
   manual = frozenset(mesh.manual_axes) if mesh_axes else frozenset()
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
   axes = []
-  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(tree), specs):
+  for (path, x), spec in zip(with_paths, specs):
     leaf = jax.tree_util.keystr(path)
     varying = varying_axes(jax.typeof(x), unreduced=True)
     if partition_specs is None and varying:

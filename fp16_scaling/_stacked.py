@@ -56,7 +56,9 @@ class Layout:
   """
 
   def __init__(self, key, axes=(), layers=0, names=()):
-    self.key, self.axes, self.layers = key, tuple(axes), int(layers)
+    self.key = key
+    self.axes = tuple(axes)
+    self.layers = int(layers)
     self.names = tuple(names)
 
   def __eq__(self, other):
@@ -68,8 +70,9 @@ class Layout:
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
     counts = np.array([1 if a is None else self.layers for a in self.axes])
-    starts = (np.cumsum(counts) - counts)[[a is not None for a in self.axes]]
-    return (starts[:, None] + np.arange(self.layers)).astype(np.int32)
+    starts = np.cumsum(counts) - counts  # each leaf's first unit
+    stacked = [a is not None for a in self.axes]
+    return (starts[stacked][:, None] + np.arange(self.layers)).astype(np.int32)
 
 
 def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
@@ -79,7 +82,8 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
-  key, under = check(stacked_axes, what), isinstance(stacked_axes, StackedUnder)
+  key = check(stacked_axes, what)
+  under = isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
   except ValueError as e:
@@ -93,8 +97,8 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
     raise ValueError(f"{what}: {_WHAT}: {e}") from None
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [jax.tree_util.keystr(p) for p, _ in with_paths]
-  specs = _sharding._leaf_specs(partition_specs, tree, what)
-  boxes = _partition_names(tree, len(names))
+  specs = _sharding.leaf_specs(partition_specs, tree, what)
+  boxes = _sharding.partition_names(tree, len(names))
   layer_names = {"layers", *(stacked_axes.names if under else ())}
   axes, found = [], {}
   for name, (_, x), a, spec, box in zip(
@@ -111,7 +115,9 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
       f"{what}: stacked_axes: every stacked leaf must have the same number "
       f"of layers on its layer axis; {sizes}"
     )
-  return Layout(key, axes, next(iter(found.values()), 0), names)
+  return Layout(
+    key=key, axes=axes, layers=next(iter(found.values()), 0), names=names
+  )
 
 
 def _leaf_axis(name, ndim, a, spec, what) -> int:
@@ -134,30 +140,6 @@ def _leaf_axis(name, ndim, a, spec, what) -> int:
   return a
 
 
-def _box_names(x) -> Optional[tuple]:
-  """The axis names a Flax ``nn.Partitioned`` (``names``) or an NNX
-  ``Variable`` (``out_sharding`` metadata) gives its array, else None."""
-  if hasattr(x, "unbox") and hasattr(x, "names"):  # linen AxisMetadata
-    names = x.names
-  elif hasattr(x, "get_metadata") and hasattr(x, "get_value"):  # nnx
-    names = x.get_metadata("out_sharding", None)
-  else:
-    return None
-  ok = isinstance(names, (tuple, list)) and all(
-    n is None or isinstance(n, str) for n in names
-  )
-  return tuple(names) if ok else None
-
-
-def _partition_names(tree, n: int) -> list:
-  """Per leaf of ``tree``, its box's axis names, or None; all None when
-  the boxes are not one per leaf."""
-  leaves = jax.tree.leaves(tree, is_leaf=lambda x: _box_names(x) is not None)
-  if len(leaves) != n:
-    return [None] * n
-  return [_box_names(x) for x in leaves]
-
-
 def _check_named_axis(name, a: int, names, layer_names, what) -> None:
   """Raises when leaf ``name``'s partition names put the layers elsewhere
   than its layer axis ``a`` (as ``nn.scan``'s ``metadata_params`` and
@@ -166,12 +148,13 @@ def _check_named_axis(name, a: int, names, layer_names, what) -> None:
     return
   at = [i for i, n in enumerate(names) if n in layer_names]
   if len(at) == 1 and at[0] != a:
+    named = at[0]
     raise ValueError(
       f"{what}: stacked_axes gives leaf {name} the layer axis {a}, but its "
-      f"partition names {names} put {names[at[0]]!r} on axis {at[0]}: the "
+      f"partition names {names} put {names[named]!r} on axis {named}: the "
       "layer axis is taken from the wrong dimension (an inf in one layer "
-      f"would be reported in another). Pass axis={at[0]} (e.g. "
-      f"fs.stacked_under(..., axis={at[0]}))"
+      f"would be reported in another). Pass axis={named} (e.g. "
+      f"fs.stacked_under(..., axis={named}))"
     )
 
 
@@ -180,12 +163,16 @@ def unit_names(layout: Optional[Layout], names, sizes) -> tuple:
   with ``[l]`` appended, of its size over L."""
   if layout is None:
     return tuple(names), tuple(sizes)
-  paths, out = [], []
-  for name, n, a in zip(names, sizes, layout.axes):
-    layers = 1 if a is None else layout.layers
-    paths += [name] if a is None else [f"{name}[{k}]" for k in range(layers)]
-    out += [n // layers] * layers
-  return tuple(paths), tuple(out)
+  paths = []
+  unit_sizes = []
+  for name, size, a in zip(names, sizes, layout.axes):
+    if a is None:
+      paths.append(name)
+      unit_sizes.append(size)
+    else:
+      paths += [f"{name}[{k}]" for k in range(layout.layers)]
+      unit_sizes += [size // layout.layers] * layout.layers
+  return tuple(paths), tuple(unit_sizes)
 
 
 def summed_axes(x, axis: Optional[int]) -> tuple:
@@ -236,7 +223,8 @@ class StackedUnder:
       ValueError: no leaf of ``params`` is under a key named one of
         ``names``; the message lists the keys the params have.
     """
-    wanted, found = set(self.names), set()
+    wanted = set(self.names)
+    found = set()  # every key name on the params' paths
 
     def axis_of(path, _):
       keys = {_key_name(k) for k in path} - {None}
@@ -244,7 +232,8 @@ class StackedUnder:
       return self.axis if keys & wanted else None
 
     axes = jax.tree_util.tree_map_with_path(axis_of, params)
-    if all(a is None for a in jax.tree.leaves(axes, is_leaf=_is_none)):
+    per_leaf = jax.tree.leaves(axes, is_leaf=_is_none)
+    if all(a is None for a in per_leaf):
       raise ValueError(self._no_match(sorted(found)))
     return axes
 
@@ -317,15 +306,17 @@ def count_nonfinite(flags, layout: Layout) -> tuple:
   stacked leaf."""
   layer_units = layout.layer_units()
   stacked = flags[..., layer_units]  # [..., stacked leaves, L]
-  rest = np.setdiff1d(np.arange(flags.shape[-1]), layer_units.ravel())
-  leaves = stacked.any(-1).sum(-1) + flags[..., rest].sum(-1)
-  return leaves.astype(np.int32), stacked.any(-2).sum(-1).astype(np.int32)
+  unstacked = np.setdiff1d(np.arange(flags.shape[-1]), layer_units)
+  leaves = stacked.any(-1).sum(-1) + flags[..., unstacked].sum(-1)
+  layers = stacked.any(-2).sum(-1)
+  return leaves.astype(np.int32), layers.astype(np.int32)
 
 
 def per_leaf(values, layout: Layout) -> dict:
   """``{path: values[..., L]}`` per stacked leaf, of a per-unit vector."""
   names = [n for n, a in zip(layout.names, layout.axes) if a is not None]
-  return dict(zip(names, (values[..., r] for r in layout.layer_units())))
+  rows = [values[..., units] for units in layout.layer_units()]
+  return dict(zip(names, rows))
 
 
 def by_layer(counts, flags, layout: Layout) -> tuple:
@@ -333,5 +324,6 @@ def by_layer(counts, flags, layout: Layout) -> tuple:
   the last step)`` from the per-unit counts and flags (host numpy)."""
   rows = layout.layer_units()
   most = np.asarray(counts)[rows].max(0, initial=0)
-  last = np.flatnonzero(np.asarray(flags, bool)[rows].any(0))
-  return {k: int(n) for k, n in enumerate(most) if n}, tuple(last.tolist())
+  flagged = np.asarray(flags, bool)[rows].any(0)
+  most_by_layer = {k: int(n) for k, n in enumerate(most) if n}
+  return most_by_layer, tuple(np.flatnonzero(flagged).tolist())

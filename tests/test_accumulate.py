@@ -35,15 +35,19 @@ def _guarded(scaler=None, inner=None):
 
 def _true_grads(t):
   key = jax.random.PRNGKey(100 + t)
-  draw = lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape)
-  return jax.tree.map(draw, _params())
+  return jax.tree.map(
+    lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape),
+    _params(),
+  )
 
 
 def _microbatch(t, scale, bad):
   """float16 gradients of ``loss * scale``; ``bad`` puts an inf in one."""
-  half = lambda g: (g * scale).astype(jnp.float16)
-  grads = jax.tree.map(half, _true_grads(t))
-  grads["out"] = grads["out"].at[1].multiply(jnp.where(bad, jnp.inf, 1.0))
+  grads = jax.tree.map(
+    lambda g: (g * scale).astype(jnp.float16), _true_grads(t)
+  )
+  factor = jnp.where(bad, jnp.inf, 1.0)
+  grads["out"] = grads["out"].at[1].multiply(factor)
   return grads
 
 
@@ -81,24 +85,33 @@ _make_microbatch = jax.jit(_microbatch)
 def test_one_bad_microbatch_skips_its_window_exactly():
   w = 1  # the window with the bad microbatch (call 6 of 0..11)
   records = _run(_default_tx(), {w * K + 2}, 3 * K)
-  end = lambda i: records[i * K + K - 1]
+
+  def end(i):
+    """The record of window ``i``'s last call."""
+    return records[i * K + K - 1]
+
   # Window w: parameters and the inner optimizer state bit for bit as after
   # window w - 1, at every call of the window.
   for t in range(w * K, (w + 1) * K):
     assert _bits(records[t][1]) == _bits(end(w - 1)[1])
-  adam = lambda s: s.inner_state[2]
-  assert _bits(adam(end(w)[2])) == _bits(adam(end(w - 1)[2]))
+  adam_after = end(w)[2].inner_state[2]
+  adam_before = end(w - 1)[2].inner_state[2]
+  assert _bits(adam_after) == _bits(adam_before)
   # The scale backed off exactly once, at the window's end, and not inside.
   scales = [float(r[3]["loss_scale"]) for r in records]
-  assert scales[: (w + 1) * K - 1] == [2.0**10] * ((w + 1) * K - 1)
-  assert scales[(w + 1) * K - 1 :] == [2.0**9] * (K + 1)
+  backed_off_at = (w + 1) * K - 1  # the call that ends window w
+  assert scales[:backed_off_at] == [2.0**10] * backed_off_at
+  assert scales[backed_off_at:] == [2.0**9] * (K + 1)
   m = end(w)[3]
-  assert bool(m["overflow"]) and bool(m["window_ended"])
-  assert int(m["skipped_steps"]) == 1 and int(m["applied_steps"]) == 1
+  assert bool(m["overflow"])
+  assert bool(m["window_ended"])
+  assert int(m["skipped_steps"]) == 1
+  assert int(m["applied_steps"]) == 1
   # Window w + 1 trains: the parameters move.
   assert _bits(end(w + 1)[1]) != _bits(end(w)[1])
   m = end(w + 1)[3]
-  assert not bool(m["overflow"]) and int(m["applied_steps"]) == 2
+  assert not bool(m["overflow"])
+  assert int(m["applied_steps"]) == 2
   assert np.isfinite(float(m["grad_norm"]))
   for leaf in jax.tree.leaves(end(w + 1)[2].acc_grads):
     np.testing.assert_array_equal(leaf, 0.0)
@@ -116,15 +129,16 @@ def test_window_step_is_the_guarded_chain_on_the_float32_mean():
   for w in range(3):
     acc = None
     for t in range(w * K, (w + 1) * K):
-      div = lambda g: np.asarray(g, np.float32) / np.float32(K)
-      part = jax.tree.map(div, records[t][0])
+      part = jax.tree.map(
+        lambda g: np.asarray(g, np.float32) / np.float32(K), records[t][0]
+      )
       with np.errstate(invalid="ignore"):
         acc = part if acc is None else jax.tree.map(np.add, acc, part)
     updates, state = update(acc, state, params)
     params = optax.apply_updates(params, updates)
-    end = records[(w + 1) * K - 1]
-    assert _bits(params) == _bits(end[1])
-    assert float(fs.current_scale(state)) == float(end[3]["loss_scale"])
+    window_end = records[(w + 1) * K - 1]
+    assert _bits(params) == _bits(window_end[1])
+    assert float(fs.current_scale(state)) == float(window_end[3]["loss_scale"])
 
 
 def test_metrics_between_windows_are_not_news():
@@ -168,9 +182,9 @@ def test_thousand_windows_with_a_fifth_of_microbatches_bad_never_stall():
 
     return jax.lax.scan(step, (params, state), (jnp.arange(n), bad))
 
-  out = run(params, tx.init(params), jnp.asarray(bad))
-  out = jax.tree.map(np.asarray, out)
-  (params, state), (ended, overflow, after, before) = out
+  (params, state), (ended, overflow, after, before) = jax.tree.map(
+    np.asarray, run(params, tx.init(params), jnp.asarray(bad))
+  )
   window_bad = bad.reshape(windows, k).any(axis=1)
   np.testing.assert_array_equal(ended, np.tile([0, 0, 0, 1], windows))
   np.testing.assert_array_equal(overflow[ended], window_bad)
@@ -193,20 +207,25 @@ def test_drop_microbatch_averages_the_clean_ones():
   # Window 0: microbatch 2 bad, dropped. Window 1: all bad, skipped.
   bad = {2, 4, 5, 6, 7}
   records = _run(tx, bad, 2 * K)
-  f32 = lambda g: np.asarray(g, np.float32)
-  clean = [jax.tree.map(f32, records[t][0]) for t in (0, 1, 3)]
-  mean = jax.tree.map(lambda *g: (g[0] + g[1] + g[2]) / 3 / 2.0**10, *clean)
-  squares = [np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(mean)]
-  norm = np.sqrt(sum(squares))
+  clean = [
+    jax.tree.map(lambda g: np.asarray(g, np.float32), records[t][0])
+    for t in (0, 1, 3)
+  ]
+  mean = jax.tree.map(lambda a, b, c: (a + b + c) / 3 / 2.0**10, *clean)
+  norm = np.sqrt(
+    sum(np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(mean))
+  )
   coef = min(1.0, 2.0 / (norm + 1e-6))
   m = records[K - 1][3]
-  assert not bool(m["overflow"]) and int(m["dropped_microbatches"]) == 1
+  assert not bool(m["overflow"])
+  assert int(m["dropped_microbatches"]) == 1
   assert int(m["applied_steps"]) == 1
   # float32 sums of the 18 squares and of each element's 3 terms, in any
   # order, against numpy's float64: within (18 + 3) float32 roundings.
   n = sum(x.size for x in jax.tree.leaves(mean))
-  tol = (n + 3) * 2.0**-24
-  np.testing.assert_allclose(float(m["grad_norm"]), norm, rtol=tol)
+  np.testing.assert_allclose(
+    float(m["grad_norm"]), norm, rtol=(n + 3) * 2.0**-24
+  )
   for p0, p1, g in zip(
     jax.tree.leaves(_params()),
     jax.tree.leaves(records[K - 1][1]),
@@ -215,8 +234,10 @@ def test_drop_microbatch_averages_the_clean_ones():
     np.testing.assert_allclose(p1, p0 - coef * g, rtol=1e-5, atol=1e-6)
   assert float(m["loss_scale"]) == 2.0**10  # a dropped microbatch: no back-off
   m = records[-1][3]
-  assert bool(m["overflow"]) and int(m["dropped_microbatches"]) == 5
-  assert int(m["skipped_steps"]) == 1 and float(m["loss_scale"]) == 2.0**9
+  assert bool(m["overflow"])
+  assert int(m["dropped_microbatches"]) == 5
+  assert int(m["skipped_steps"]) == 1
+  assert float(m["loss_scale"]) == 2.0**9
   assert _bits(records[-1][1]) == _bits(records[K - 1][1])
 
 
@@ -225,8 +246,9 @@ def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
   tx = fs.accumulate_gradients(inner, lambda w: jnp.where(w < 1, 2, 3))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
-  grads = {"w": jnp.full(2, 6.0)}
-  step = jax.jit(lambda s: tx.update(grads, s, params, value=0.5))
+  step = jax.jit(
+    lambda s: tx.update({"w": jnp.full(2, 6.0)}, s, params, value=0.5)
+  )
   ends = []
   for _ in range(8):
     updates, state = step(state)
@@ -240,9 +262,10 @@ def test_extra_args_reach_the_inner_chain_and_schedules_vary_k():
 
 @pytest.mark.parametrize("k", [0, -1])
 def test_every_k_schedule_below_one(k):
-  for schedule in (k, lambda w: k):
-    with pytest.raises(ValueError, match="every_k_schedule"):
-      fs.accumulate_gradients(_guarded(), schedule)
+  with pytest.raises(ValueError, match="every_k_schedule"):
+    fs.accumulate_gradients(_guarded(), k)
+  with pytest.raises(ValueError, match="every_k_schedule"):
+    fs.accumulate_gradients(_guarded(), lambda w: k)
 
 
 @pytest.mark.parametrize("k", [True, 2.5, "4"])
@@ -286,7 +309,8 @@ def test_float32_microbatches_keep_the_norm_rescue():
   for _ in range(2):
     _, state = step({"w": jnp.full(4, 1e30, jnp.float32)}, state, params)
   m = fs.scale_metrics(state)
-  assert not bool(m["overflow"]) and int(m["applied_steps"]) == 1
+  assert not bool(m["overflow"])
+  assert int(m["applied_steps"]) == 1
   np.testing.assert_allclose(float(m["grad_norm"]), 2e30, rtol=1e-6)
 
 
@@ -323,7 +347,8 @@ def test_a_nonfinite_loss_on_any_microbatch_is_a_forward_overflow(bad_at):
     grads = {"w": jnp.full(2, jnp.nan if bad else 1.0, jnp.float16)}
     state = update(grads, state, jnp.float32(jnp.nan if bad else 0.5))
   report = fs.overflow_report(state)
-  assert report.step_overflowed and report.kind == "forward"
+  assert report.step_overflowed
+  assert report.kind == "forward"
   # The next window, clean with finite losses, is clean: the flag was reset.
   for _ in range(K):
     state = update({"w": jnp.ones(2, jnp.float16)}, state, jnp.float32(0.5))
@@ -357,7 +382,8 @@ def test_value_on_only_some_microbatches_reads_only_those():
     state = with_value(ones, state, jnp.float32(0.5))
   state = without(ones, state)  # the window's last microbatch
   report = fs.overflow_report(state)
-  assert report.step_overflowed and report.kind == "unknown"
+  assert report.step_overflowed
+  assert report.kind == "unknown"
 
 
 @pytest.mark.parametrize("policy", ["skip_step", "drop_microbatch"])
@@ -374,5 +400,6 @@ def test_the_inner_chain_is_passed_the_windows_mean_loss(policy):
     updates, state = update(grads, state, jnp.float32(loss))
   kept = [x for t, x in enumerate(losses) if policy == "skip_step" or t != 1]
   # The window's mean gradient is 1.0, so the updates are the value passed.
-  want = [sum(kept) / len(kept)] * 2
-  np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
+  np.testing.assert_allclose(
+    updates["w"], [sum(kept) / len(kept)] * 2, rtol=1e-6
+  )

@@ -20,14 +20,20 @@ FORMATS = {
   "float16": (65504.0, 2.0**-14, 2.0**-24),
   "bfloat16": ((2 - 2.0**-7) * 2.0**127, 2.0**-126, 2.0**-133),
 }
+MANTISSA_BITS = {"float16": 10, "bfloat16": 7}
+
+
+def _top_step(fmt):
+  """The spacing of ``fmt``'s values just below its largest."""
+  big = FORMATS[fmt][0]
+  return 2.0 ** (np.floor(np.log2(big)) - MANTISSA_BITS[fmt])
 
 
 def _reference(x, fmt):
   """(to_inf, to_subnormal, to_zero) of a float32 array, in float64 from
   the thresholds alone: no cast."""
   big, normal, sub = FORMATS[fmt]
-  mantissa_bits = {"float16": 10, "bfloat16": 7}[fmt]
-  step = 2.0 ** (np.floor(np.log2(big)) - mantissa_bits)
+  step = _top_step(fmt)
   a = np.abs(x.astype(np.float64))
   finite = np.isfinite(a)
   to_inf = finite & (a >= big + step / 2)
@@ -41,15 +47,20 @@ def _sample(fmt, n=20_000, seed=0):
   float32 neighbours."""
   big, normal, sub = FORMATS[fmt]
   rng = np.random.default_rng(seed)
-  lo, hi = np.log2(sub) - 3, min(np.log2(big) + 2, 127.9)
+  lo = np.log2(sub) - 3
+  hi = min(np.log2(big) + 2, 127.9)
   mags = 2.0 ** rng.uniform(lo, hi, n)
-  mantissa_bits = {"float16": 10, "bfloat16": 7}[fmt]
-  step = 2.0 ** (np.floor(np.log2(big)) - mantissa_bits)
+  step = _top_step(fmt)
   edges = np.array(
     [big, big + step / 2, normal, normal - sub / 2, sub, sub / 2, 0.0, 1.0]
   ).astype(np.float32)
-  up = np.nextafter(edges, np.float32(np.inf))
-  near = np.concatenate([up, edges, np.nextafter(edges, np.float32(0))])
+  near = np.concatenate(
+    [
+      np.nextafter(edges, np.float32(np.inf)),
+      edges,
+      np.nextafter(edges, np.float32(0)),
+    ]
+  )
   signs = rng.choice([-1.0, 1.0], n)
   x = np.concatenate([(signs * mags).astype(np.float32), near, -near])
   return np.concatenate([x, [np.inf, np.nan]]).astype(np.float32)
@@ -69,7 +80,7 @@ def test_counts_match_thresholds_derived_from_the_format(fmt):
 
 
 @pytest.mark.parametrize(
-  "fmt", "float8_e4m3fn float8_e5m2 float8_e4m3fnuz".split()
+  "fmt", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
 )
 def test_float8_counts_match_numpys_cast(fmt):
   # ml_dtypes' cast, elementwise: e4m3fn and e4m3fnuz have no inf, so a
@@ -77,8 +88,9 @@ def test_float8_counts_match_numpys_cast(fmt):
   t = getattr(ml_dtypes, fmt)
   info = ml_dtypes.finfo(t)
   rng = np.random.default_rng(1)
-  signs = rng.choice([-1, 1], 5000)
-  x = (signs * 2.0 ** rng.uniform(-25, 18, 5000)).astype(np.float32)
+  x = (rng.choice([-1, 1], 5000) * 2.0 ** rng.uniform(-25, 18, 5000)).astype(
+    np.float32
+  )
   with np.errstate(over="ignore", invalid="ignore"):
     y = np.abs(x.astype(t).astype(np.float64))
   want = (
@@ -101,23 +113,28 @@ def test_a_bfloat16_checkpoint_with_one_value_past_65504_is_named():
   ckpt = {
     "embed": rng.normal(0, 1, (64, 8)),
     "layers": [
-      {"w": rng.normal(0, 0.02, (8, 8)), "b": np.zeros(8)} for _ in range(2)
+      {"w": rng.normal(0, 0.02, (8, 8)), "b": np.zeros(8)},
+      {"w": rng.normal(0, 0.02, (8, 8)), "b": np.zeros(8)},
     ],
     "step": np.int32(1000),  # not cast, not listed
   }
   ckpt["layers"][1]["w"][3, 4] = 7.0e4  # bfloat16 holds it; float16 cannot
-  cast = lambda a: a if a.dtype.kind == "i" else a.astype(jnp.bfloat16)
-  ckpt = jax.tree.map(cast, ckpt)
+  ckpt = jax.tree.map(
+    lambda a: a if a.dtype.kind == "i" else a.astype(jnp.bfloat16), ckpt
+  )
   report = fs.cast_report(ckpt, jnp.float16)
   assert report.overflowing == ("['layers'][1]['w']",)
   leaf = report.leaves["['layers'][1]['w']"]
-  assert leaf.to_inf == 1 and leaf.max_abs == float(jnp.bfloat16(7e4))
-  assert "['step']" not in report.leaves and len(report.leaves) == 5
+  assert leaf.to_inf == 1
+  assert leaf.max_abs == float(jnp.bfloat16(7e4))
+  assert "['step']" not in report.leaves
+  assert len(report.leaves) == 5
   lines = str(report).splitlines()
   assert "1 values past the range in 1 of 5 leaves" in lines[0]
   # Named first in the per-leaf table, with its count; then the advice.
   assert lines[1].startswith("Per leaf, overflowing first")
-  assert lines[2].split()[0] == "1" and lines[2].endswith("['layers'][1]['w']")
+  assert lines[2].split()[0] == "1"
+  assert lines[2].endswith("['layers'][1]['w']")
   assert lines[-1].startswith("What to do: values past 65504 overflow")
   # The same checkpoint in bfloat16 itself (or float32) overflows nothing.
   assert fs.cast_report(ckpt, "bfloat16").overflowing == ()
@@ -133,7 +150,8 @@ def test_the_report_lists_top_leaves_overflowing_first():
   assert rows[5] == "  ... and 9 more leaves"
   # A clean cast gives no advice.
   clean = str(fs.cast_report({"w": np.ones(2)}, "float16")).splitlines()
-  assert len(clean) == 3 and not clean[-1].startswith("What to do")
+  assert len(clean) == 3
+  assert not clean[-1].startswith("What to do")
 
 
 def test_bad_arguments_name_the_parameter():
@@ -144,5 +162,6 @@ def test_bad_arguments_name_the_parameter():
   with pytest.raises(ValueError, match="top must be an integer in"):
     fs.cast_report({"w": np.ones(2)}, "float16", top=0)
   with pytest.raises(TypeError, match="cast_report runs on the host"):
-    traced = jax.jit(lambda p: fs.cast_report(p, "float16").max_finite)
-    traced({"w": jnp.ones(2)})
+    jax.jit(lambda p: fs.cast_report(p, "float16").max_finite)(
+      {"w": jnp.ones(2)}
+    )

@@ -24,8 +24,9 @@ PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
 @jax.jit
 def step(params, state, key, overflow):
   """One guarded step on random gradients (an inf in ``w`` on overflow)."""
-  keys = {"w": key, "b": key}
-  grads = jax.tree.map(lambda p, k: jax.random.normal(k, p.shape), params, keys)
+  grads = jax.tree.map(
+    lambda p, k: jax.random.normal(k, p.shape), params, {"w": key, "b": key}
+  )
   grads["w"] = grads["w"].at[0, 0].set(jnp.where(overflow, jnp.inf, 0.5))
   scaled = jax.tree.map(lambda g: g * fs.current_scale(state), grads)
   updates, state = TX.update(scaled, state, params)
@@ -134,8 +135,9 @@ def untyped(tmp_path_factory):
   state = run(PARAMS, TX.init(PARAMS), BEFORE[:2], 0)[1]
   from_orbax = orbax_round_trip(tmp_path / "s", {"opt_state": state})
   from_orbax = from_orbax["opt_state"]
-  raw = flax.serialization.to_bytes(state)
-  from_msgpack = flax.serialization.msgpack_restore(raw)
+  from_msgpack = flax.serialization.msgpack_restore(
+    flax.serialization.to_bytes(state)
+  )
   return state, from_orbax, from_msgpack
 
 
@@ -187,8 +189,9 @@ def test_host_helpers_on_a_batched_state():
   d = fs.scaler_state_dict(state)
   assert d["loss_scale"] == [256.0, 128.0, 256.0]
   assert d["growth_tracker"] == [1, -1, 1]
-  fresh = jax.vmap(TX.init)(batched_state()[0])
-  back = fs.load_scaler_state_dict(fresh, d, SCALER)
+  back = fs.load_scaler_state_dict(
+    jax.vmap(TX.init)(batched_state()[0]), d, SCALER
+  )
   loaded = fs.scaler_state_dict(back)
   for k in d:
     np.testing.assert_array_equal(loaded[k], d[k])
@@ -225,8 +228,9 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   metrics = fs.scale_metrics(opt.opt_state)
   assert all(isinstance(v, jax.Array) for v in metrics.values())
   assert not any(isinstance(v, nnx.Variable) for v in metrics.values())
-  inf = lambda p: jnp.full(p.shape, jnp.inf)
-  grads = jax.tree.map(inf, nnx.state(model, nnx.Param))
+  grads = jax.tree.map(
+    lambda p: jnp.full(p.shape, jnp.inf), nnx.state(model, nnx.Param)
+  )
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
   opt.update(model, grads)  # an overflow: skipped
   assert_bitwise(before, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
@@ -234,8 +238,10 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   assert fs.scaler_state_dict(opt.opt_state)["skipped_steps"] == 1
   # Writing goes back into Variables of the same kind.
   opt.opt_state = fs.set_loss_scale(opt.opt_state, 32.0)
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  kinds = {type(x) for x in jax.tree.leaves(opt.opt_state, is_leaf=is_variable)}
+  leaves = jax.tree.leaves(
+    opt.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
+  kinds = {type(x) for x in leaves}
   assert all(issubclass(k, nnx.Variable) for k in kinds)
   assert float(fs.current_scale(opt.opt_state)) == 32.0
   opt.update(model, jax.tree.map(jnp.ones_like, grads))

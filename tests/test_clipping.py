@@ -12,17 +12,24 @@ import fp16_scaling as fs
 
 def _grads(seed=0, scale=1.0):
   rng = np.random.default_rng(seed)
-  draw = lambda *shape: jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
-  experts = {"w1": draw(4, 8, 3)}
-  return {"experts": experts, "shared": {"w": draw(8, 3), "b": draw(16)}}
+  return {
+    "experts": {
+      "w1": jnp.asarray(rng.normal(size=(4, 8, 3)) * scale, jnp.float32)
+    },
+    "shared": {
+      "w": jnp.asarray(rng.normal(size=(8, 3)) * scale, jnp.float32),
+      "b": jnp.asarray(rng.normal(size=(16,)) * scale, jnp.float32),
+    },
+  }
 
 
 EXPERT_MASK = {"experts": {"w1": True}, "shared": {"w": False, "b": False}}
 
 
 def _np_norm(leaves):
-  squares = (np.sum(np.asarray(x, np.float64) ** 2) for x in leaves)
-  return float(np.sqrt(sum(squares)))
+  return float(
+    np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in leaves))
+  )
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])
@@ -41,7 +48,10 @@ def test_clip_formula_matches_torch(max_norm):
 
 MASKS = {
   "full": EXPERT_MASK,
-  "full callable": lambda g: jax.tree.map(lambda x: x, EXPERT_MASK),
+  "full callable": lambda g: {
+    "experts": {"w1": True},
+    "shared": {"w": False, "b": False},
+  },
   # A prefix of the tree, as optax.masked takes: one bool per subtree.
   "prefix": {"experts": True, "shared": False},
   "prefix callable": lambda g: {"experts": True, "shared": False},
@@ -54,8 +64,9 @@ def masked_updates():
   below, all traced into one jit (a jit each compiled the same clip four
   times over)."""
   grads = _grads(1, scale=3.0)
-  clip = lambda mask: fs.clip_by_unscaled_norm(1.0, expert_mask=mask)
-  txs = {k: clip(m) for k, m in MASKS.items()}
+  txs = {
+    k: fs.clip_by_unscaled_norm(1.0, expert_mask=m) for k, m in MASKS.items()
+  }
 
   @jax.jit
   def update_all(grads, states):
@@ -101,11 +112,13 @@ def test_inside_the_chain_norms_are_of_unscaled_gradients():
   m = fs.scale_metrics(state)
   total = _np_norm(jax.tree.leaves(true))
   assert float(m["grad_norm"]) == pytest.approx(total, rel=1e-6)
-  expert = pytest.approx(_np_norm([true["experts"]["w1"]]), rel=1e-6)
-  assert float(m["expert_grad_norm"]) == expert
+  assert float(m["expert_grad_norm"]) == pytest.approx(
+    _np_norm([true["experts"]["w1"]]), rel=1e-6
+  )
   for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(true)):
-    want = np.asarray(g) * 0.1 / (total + 1e-6)
-    np.testing.assert_allclose(u, want, rtol=1e-6)
+    np.testing.assert_allclose(
+      u, np.asarray(g) * 0.1 / (total + 1e-6), rtol=1e-6
+    )
 
 
 def test_bad_arguments():
@@ -122,8 +135,13 @@ def test_bad_arguments():
     tx.init(_grads())
   # Deeper than the gradients: a bool where the gradients have a leaf holds
   # a subtree.
-  deeper = {"experts": {"w1": {"a": True}}, "shared": {"w": False, "b": False}}
-  tx = fs.clip_by_unscaled_norm(1.0, expert_mask=deeper)
+  tx = fs.clip_by_unscaled_norm(
+    1.0,
+    expert_mask={
+      "experts": {"w1": {"a": True}},
+      "shared": {"w": False, "b": False},
+    },
+  )
   with pytest.raises(ValueError, match="expert_mask"):
     tx.init(_grads())
   with pytest.raises(TypeError, match="floating point"):
@@ -141,18 +159,23 @@ def test_stacked_expert_norms_past_the_float32_rescue_are_each_groups_own():
     "expert": jnp.array([3.0, 4.0]) * big,
     "shared": jnp.array([1.0, 2.0]) * big,
   }
-  mask = {"blocks": False, "expert": True, "shared": False}
   tx = fs.chain(
     fs.fp16_loss_scale(fs.no_scaler(), stacked_axes=fs.stacked_under("blocks")),
-    fs.clip_by_unscaled_norm(1e30, expert_mask=mask),
+    fs.clip_by_unscaled_norm(
+      1e30, expert_mask={"blocks": False, "expert": True, "shared": False}
+    ),
   )
   _, state = jax.jit(tx.update)(grads, tx.init(grads))
   m = fs.scale_metrics(state)
-  leaves = (grads["blocks"]["W"], grads["expert"], grads["shared"])
-  W, e, s = (np.asarray(x, np.float64) for x in leaves)
-  want_expert = np.linalg.norm(e)
-  want_shared = np.sqrt(np.sum(W**2) + np.sum(s**2))
+  g = {
+    "W": np.asarray(grads["blocks"]["W"], np.float64),
+    "e": np.asarray(grads["expert"], np.float64),
+    "s": np.asarray(grads["shared"], np.float64),
+  }
+  want_expert = np.linalg.norm(g["e"])
+  want_shared = np.sqrt(np.sum(g["W"] ** 2) + np.sum(g["s"] ** 2))
   np.testing.assert_allclose(m["expert_grad_norm"], want_expert, rtol=2**-20)
   np.testing.assert_allclose(m["shared_grad_norm"], want_shared, rtol=2**-20)
-  want = np.hypot(want_expert, want_shared)
-  np.testing.assert_allclose(m["grad_norm"], want, rtol=2**-20)
+  np.testing.assert_allclose(
+    m["grad_norm"], np.hypot(want_expert, want_shared), rtol=2**-20
+  )

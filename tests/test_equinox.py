@@ -21,8 +21,9 @@ TX = guarded(
 
 
 def loss(model, x, y):
-  half = lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a
-  m16 = jax.tree.map(half, model)
+  m16 = jax.tree.map(
+    lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model
+  )
   pred = jax.vmap(m16)(x.astype(jnp.float16))
   return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
@@ -32,8 +33,9 @@ def through_fs(model, state, x, y):
 
 
 def by_hand(model, state, x, y):
-  scaled = lambda m, x, y: loss(m, x, y) * fs.current_scale(state)
-  value, grads = eqx.filter_value_and_grad(scaled)(model, x, y)
+  value, grads = eqx.filter_value_and_grad(
+    lambda m, x, y: loss(m, x, y) * fs.current_scale(state)
+  )(model, x, y)
   return value / fs.current_scale(state), grads
 
 
@@ -73,15 +75,21 @@ def test_non_array_leaves_pass_through_as_in_filter_value_and_grad():
   # rest reach fun as they are and get None, as eqx.filter_value_and_grad
   # gives them.
   state = TX.init({"w": jnp.ones(2)})
-  tree = {"w": jnp.array([0.5, -1.0]), "act": jax.nn.relu, "n": 3}
-  tree.update(idx=jnp.arange(2), none=None)
+  tree = {
+    "w": jnp.array([0.5, -1.0]),
+    "act": jax.nn.relu,
+    "n": 3,
+    "idx": jnp.arange(2),
+    "none": None,
+  }
 
   def f(t):
     return jnp.sum(t["act"](t["w"]) * t["n"]) + jnp.sum(t["idx"])
 
   value, grads = fs.value_and_grad(f, state)(tree)
-  scaled = lambda t: f(t) * fs.current_scale(state)
-  ref_value, ref_grads = eqx.filter_value_and_grad(scaled)(tree)
+  ref_value, ref_grads = eqx.filter_value_and_grad(
+    lambda t: f(t) * fs.current_scale(state)
+  )(tree)
   assert float(value) * 2.0**12 == float(ref_value)
   assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
   assert (grads["act"], grads["n"], grads["idx"]) == (None, None, None)
@@ -99,7 +107,10 @@ def test_a_modules_float_field_is_left_as_equinox_leaves_it():
 
   model = Scaled(jnp.ones((2, 2)), 0.5)
   state = TX.init(eqx.filter(model, eqx.is_inexact_array))
-  loss = lambda m: jnp.sum(m(jnp.array([1.0, 2.0])))
+
+  def loss(m):
+    return jnp.sum(m(jnp.array([1.0, 2.0])))
+
   _, grads = fs.value_and_grad(loss, state)(model)
   ref = eqx.filter_grad(lambda m: loss(m) * fs.current_scale(state))(model)
   assert grads.alpha is None and ref.alpha is None

@@ -37,8 +37,10 @@ def run(tmp_path_factory):
   args += " --max-chars 200000"
   args += " --init-scale 65536"  # no skipped steps: runs stay comparable
   results = main(args.split() + ["--plot", str(plot)])
-  name = lambda r: f"{r['config'].precision} {r['config'].scaler}"
-  runs = {name(r): r for r in results["accum-128"]}
+  runs = {
+    f"{r['config'].precision} {r['config'].scaler}": r
+    for r in results["accum-128"]
+  }
   return runs, plot
 
 
@@ -56,7 +58,8 @@ def test_runs_share_model_data_and_steps(run):
   # masters) is identical in every run.
   np.testing.assert_allclose(first, first[0], rtol=1e-6)
   for r in runs.values():
-    assert len(r["loss"]) == 40 and r["eval_steps"].tolist() == [0, 20, 40]
+    assert len(r["loss"]) == 40
+    assert r["eval_steps"].tolist() == [0, 20, 40]
     assert r["skipped_steps"] == int(r["overflow"].sum())
     assert (r["config"].accumulate, r["config"].micro) == (512, 1)
 
@@ -85,6 +88,11 @@ def test_scaled_fp16_tracks_fp32_and_unscaled_trains_worse(run):
   assert runs["fp16 none"]["val_loss"][-1] > ref[-1] + 0.2
 
 
+def _flat(tree) -> np.ndarray:
+  """Every leaf of ``tree``, raveled into one vector."""
+  return np.concatenate([np.ravel(p) for p in jax.tree.leaves(tree)])
+
+
 def test_benchmark_compares_the_same_step():
   """benchmarks/train_step_cost.py times fp16_scaling against plain optax on
   the same model and batch; one step of each from the same parameters moves
@@ -98,16 +106,16 @@ def test_benchmark_compares_the_same_step():
   tiny = dict(lm.SIZES["tiny"], layers=LAYERS, batch=1)
   cfg = lm.Config(**tiny, init_scale=2.0**16)  # no overflow
   rng = np.random.default_rng(0)
-  x = rng.integers(0, lm.VOCAB, (cfg.batch, cfg.seq_len)).astype(np.int32)
-  y = rng.integers(0, lm.VOCAB, (cfg.batch, cfg.seq_len)).astype(np.int32)
+  shape = (cfg.batch, cfg.seq_len)
+  x = rng.integers(0, lm.VOCAB, shape).astype(np.int32)
+  y = rng.integers(0, lm.VOCAB, shape).astype(np.int32)
   after = {}
-  flat = lambda t: np.concatenate([np.ravel(p) for p in jax.tree.leaves(t)])
   for name in ("scaled_step", "plain_step"):
     tx, step = bench[name](cfg)
     params = lm.init_params(cfg)
     params, _, metrics = step(params, tx.init(params), x, y)
-    after[name] = flat(params)
-  before = flat(lm.init_params(cfg))
+    after[name] = _flat(params)
+  before = _flat(lm.init_params(cfg))
   moved = np.abs(after["plain_step"] - before)
   assert np.median(moved) > 0.5 * cfg.lr  # the plain step did update
   same = np.isclose(after["scaled_step"], after["plain_step"], atol=1e-6)
@@ -137,16 +145,20 @@ def test_accumulation_sums_microbatch_gradients_of_the_divided_loss():
   model = lm["make_model"](full)
 
   # One compile, one microbatch at a time.
-  loss_fn = lambda p, x, y: lm["loss_fn"](model, p, x, y)
-  value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
-  losses, grads = zip(*(value_and_grad(params, x[i], y[i]) for i in range(k)))
+  value_and_grad = jax.jit(
+    jax.value_and_grad(lambda p, x, y: lm["loss_fn"](model, p, x, y))
+  )
+  per_microbatch = [value_and_grad(params, x[i], y[i]) for i in range(k)]
+  losses, grads = zip(*per_microbatch)
   want = jax.tree.map(lambda *g: sum(g) / k, *grads)
-  loss, got, _ = jax.jit(lm["make_grad_fn"](full))(params, x, y, 1.0)
+  accumulated = jax.jit(lm["make_grad_fn"](full))
+  loss, got, _ = accumulated(params, x, y, 1.0)
   np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-5)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-8)
 
-  _, got_one, _ = jax.jit(lm["make_grad_fn"](one))(params, x[0], y[0], 1.0)
+  one_microbatch = jax.jit(lm["make_grad_fn"](one))
+  _, got_one, _ = one_microbatch(params, x[0], y[0], 1.0)
   for g, w in zip(jax.tree.leaves(got_one), jax.tree.leaves(grads[0])):
     np.testing.assert_allclose(g, w / k, rtol=1e-6, atol=1e-12)
 
@@ -163,21 +175,27 @@ def test_scan_stacks_the_same_blocks_and_names_the_overflowing_layer():
   lm = _lm()
   p = argparse.ArgumentParser()
   lm["add_config_args"](p)
-  args = "--size tiny --layers 2 --scan --init-scale 256"
-  cfg = lm["config_from_args"](p.parse_args(args.split()))
-  flat = lm["Config"](**{**dict(lm["SIZES"]["tiny"]), "layers": 2})
+  cfg = lm["config_from_args"](
+    p.parse_args("--size tiny --layers 2 --scan --init-scale 256".split())
+  )
+  flat = lm["Config"](**dict(lm["SIZES"]["tiny"], layers=2))
   assert cfg.scan and not flat.scan
   # The unrolled model's blocks, stacked, are the scanned model's params.
   unrolled = lm["init_params"](flat)
   stacked = {k: v for k, v in unrolled.items() if not k.startswith("Block_")}
   blocks = [unrolled[f"Block_{i}"] for i in range(2)]
-  stack = jax.tree.map(lambda *b: jnp.stack(b), *blocks)
-  stacked["blocks"] = {"Block_0": stack}
+  stacked["blocks"] = {
+    "Block_0": jax.tree.map(lambda *b: jnp.stack(b), *blocks)
+  }
   params = lm["init_params"](cfg)
   assert jax.tree.structure(stacked) == jax.tree.structure(params)
   x = jnp.arange(2 * cfg.seq_len).reshape(2, -1) % 100
   y = (x + 1) % 100
-  loss = lambda c, p: lm["loss_fn"](lm["make_model"](c, jnp.float32), p, x, y)
+
+  def loss(config, params):
+    model = lm["make_model"](config, jnp.float32)
+    return lm["loss_fn"](model, params, x, y)
+
   np.testing.assert_allclose(
     loss(cfg, stacked), loss(flat, unrolled), rtol=1e-5
   )

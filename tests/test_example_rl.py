@@ -33,12 +33,18 @@ def quick():
   # LLVM's lowest optimisation level: the seven compiles take less time
   # (32 s of CPU for the run, not 48), and every value is still rounded as
   # stored (the example's own flag).
-  flags = os.environ.get("XLA_FLAGS", "")
-  flags += " --xla_backend_optimization_level=0"
+  flags = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  )
   env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=flags)
-  cmd = [sys.executable, str(ROOT / "examples" / "rl_precision.py"), "--quick"]
-  run = dict(capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-  out = subprocess.run(cmd, **run)
+  out = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / "rl_precision.py"), "--quick"],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
 
@@ -81,8 +87,9 @@ def test_quick_table_has_the_docs_columns(quick):
 
 def test_the_cast_audit_and_the_forward_overflow(quick):
   stdout = quick
-  lines = stdout.splitlines()
-  audits = [line for line in lines if line.startswith("Cast to float16")]
+  audits = [
+    line for line in stdout.splitlines() if line.startswith("Cast to float16")
+  ]
   # The bfloat16 checkpoint casts cleanly; the copy with one weight at 7e4
   # has one value past 65504, in the leaf it was put in, listed first.
   assert len(audits) == 2

@@ -44,11 +44,13 @@ BACKOFF = (0.5, 0.25, 0.75, 0.3)  # nor is 0.3
 
 def _config(rng):
   scale = 2.0 ** int(rng.integers(-20, 120)) * float(rng.choice([1, 3, 5]))
-  growth, backoff = float(rng.choice(GROWTH)), float(rng.choice(BACKOFF))
-  cfg = dict(growth_factor=growth, backoff_factor=backoff)
-  cfg.update(growth_interval=int(rng.integers(1, 30)), scale=scale)
-  cfg["minimum_scale"] = float(rng.choice([TINY, 2.0**-40, min(1.0, scale)]))
-  return cfg
+  return dict(
+    growth_factor=float(rng.choice(GROWTH)),
+    backoff_factor=float(rng.choice(BACKOFF)),
+    growth_interval=int(rng.integers(1, 30)),
+    scale=scale,
+    minimum_scale=float(rng.choice([TINY, 2.0**-40, min(1.0, scale)])),
+  )
 
 
 def _gradients(rng):
@@ -60,15 +62,21 @@ def _gradients(rng):
   bad = rng.random(shape[:2]) < rate
   n = int(bad.sum())
   seq, step = np.nonzero(bad)
-  values = rng.choice([np.nan, np.inf, -np.inf], size=n)
-  grads[seq, step, rng.integers(SIZE, size=n)] = values
+  grads[seq, step, rng.integers(SIZE, size=n)] = rng.choice(
+    [np.nan, np.inf, -np.inf], size=n
+  )
   return grads
 
 
 def _top_sequence():
   # Tiny gradients, no overflow, short interval: the scale must reach the top.
-  cfg = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=1)
-  cfg.update(scale=2.0**100, minimum_scale=TINY)
+  cfg = dict(
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=1,
+    scale=2.0**100,
+    minimum_scale=TINY,
+  )
   return cfg, np.full((1, STEPS, SIZE), 1e-6, np.float32)
 
 
@@ -83,8 +91,14 @@ def _run_all(cfgs, grads, run):
   p = jnp.zeros(SIZE, jnp.float32)
 
   def run_all(grads):
-    each = lambda cfg, g: jax.vmap(lambda g: run(cfg, p, g))(g)
-    return [each(cfg, g) for cfg, g in zip(cfgs, grads)]
+    out = []
+    for cfg, g in zip(cfgs, grads):
+
+      def run_one(g, cfg=cfg):
+        return run(cfg, p, g)
+
+      out.append(jax.vmap(run_one)(g))
+    return out
 
   return jax.jit(run_all)(grads)
 
@@ -122,10 +136,13 @@ def _ours_run(cfgs, grads):
 
 def _flax_state(cfg):
   # The scale as a float32 array, as Flax holds it after its first step.
-  settings = {k: v for k, v in cfg.items() if k != "scale"}
-  scale = jnp.float32(cfg["scale"])
   return dynamic_scale.DynamicScale(
-    fin_steps=jnp.int32(0), scale=scale, **settings
+    growth_factor=cfg["growth_factor"],
+    backoff_factor=cfg["backoff_factor"],
+    growth_interval=cfg["growth_interval"],
+    fin_steps=jnp.int32(0),
+    scale=jnp.float32(cfg["scale"]),
+    minimum_scale=cfg["minimum_scale"],
   )
 
 

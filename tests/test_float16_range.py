@@ -28,8 +28,11 @@ _PARAMS = jnp.ones(3)
 
 
 def _tx(scaler=None):
-  clip = fs.clip_by_unscaled_norm(1e9)
-  return helpers.guarded(scaler or fs.static_scaler(1.0), clip, optax.sgd(1.0))
+  return helpers.guarded(
+    scaler or fs.static_scaler(1.0),
+    fs.clip_by_unscaled_norm(1e9),
+    optax.sgd(1.0),
+  )
 
 
 def _made_in_the_step(make):
@@ -38,7 +41,8 @@ def _made_in_the_step(make):
 
   @jax.jit
   def step(x, state):
-    return tx.update(make(x), state, _PARAMS)
+    updates, state = tx.update(make(x), state, _PARAMS)
+    return updates, state
 
   return lambda x: step(x, tx.init(_PARAMS))
 
@@ -86,8 +90,9 @@ def test_a_wide_gradient_above_float16_max_is_not_an_overflow(dtype):
     0 if helpers.on_cpu() else 2 * helpers.SQRT_ULPS * 2.0**-24
   )
   np.testing.assert_allclose(float(m["grad_norm"]), expected, rtol=rtol)
-  want = -np.asarray(grads, np.float32)
-  np.testing.assert_array_equal(np.asarray(updates), want)
+  np.testing.assert_array_equal(
+    np.asarray(updates), -np.asarray(grads, np.float32)
+  )
 
 
 def test_float16_max_is_finite_and_the_next_rounding_step_is_not():
@@ -123,12 +128,17 @@ def _overflow_index(tx, params, grads):
 
   state = tx.init(params)
   marked = jax.tree.map(lambda _: False, (params, state))
-  is_ls = lambda x: isinstance(x, fs.LossScaleState)
-  mark = lambda x: x._replace(overflow=True) if is_ls(x) else x
-  marked = jax.tree.map(mark, marked, is_leaf=is_ls)
+  ls = fs.LossScaleState
+  marked = jax.tree.map(
+    lambda x: x._replace(overflow=True) if isinstance(x, ls) else x,
+    marked,
+    is_leaf=lambda x: isinstance(x, ls),
+  )
   index = jax.tree.leaves(marked).index(True)
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  return index, jitted.lower(params, state, grads).compile().as_text()
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  )
+  return index, compiled.as_text()
 
 
 def _threshold_compares(text, lines):
@@ -150,17 +160,21 @@ def _threshold_compares(text, lines):
     except ValueError:  # an array constant
       return False
 
-  names = lambda line: re.findall(r"%([\w.\-]+)", line)
-  compares = [line for line in lines if " compare(" in line]
-  return [line for line in compares if any(map(is_threshold, names(line)))]
+  return [
+    line
+    for line in lines
+    if " compare(" in line
+    and any(is_threshold(name) for name in re.findall(r"%([\w.\-]+)", line))
+  ]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32, jnp.bfloat16])
 def test_the_detection_op_survives_optimisation_for_float16_only(dtype):
   params = [jnp.zeros(64), jnp.zeros((8, 8))]
   grads = [jnp.ones(64, dtype), jnp.ones((8, 8), dtype)]
-  tx = _tx(fs.deepspeed_scaler(init_scale=2.0**8))
-  index, text = _overflow_index(tx, params, grads)
+  index, text = _overflow_index(
+    _tx(fs.deepspeed_scaler(init_scale=2.0**8)), params, grads
+  )
   feeding = _threshold_compares(text, ops_feeding_output(text, index))
   everywhere = _threshold_compares(text, text.splitlines())
   if dtype == jnp.float16:
@@ -175,7 +189,8 @@ def test_accumulation_sees_a_cast_overflow_in_any_microbatch():
 
   @jax.jit
   def step(x, state):
-    return tx.update(x.astype(jnp.float16), state, _PARAMS)
+    updates, state = tx.update(x.astype(jnp.float16), state, _PARAMS)
+    return updates, state
 
   state = tx.init(_PARAMS)
   _, state = step(jnp.array([1.0, 8e5, 2.0]), state)  # the bad microbatch

@@ -32,9 +32,14 @@ def test_half_inputs_widen_and_the_rest_pass_unchanged():
     return a + b["w"] + c
 
   key = jax.random.key(0)
-  c = np.ones(2, np.float16)  # numpy's float16 too
-  args = (jnp.ones(2, F16), {"w": jnp.ones(2, BF16)})
-  out = fs.float32(fn)(*args, c=c, n=jnp.arange(2), key=key, s=0.5)
+  out = fs.float32(fn)(
+    jnp.ones(2, F16),
+    {"w": jnp.ones(2, BF16)},
+    c=np.ones(2, np.float16),  # numpy's float16 too
+    n=jnp.arange(2),
+    key=key,
+    s=0.5,
+  )
   assert out.dtype == F32
   assert (seen["a"], seen["b"], seen["c"]) == (F32, F32, F32)
   assert seen["n"] == jnp.int32 and seen["key"] is key and seen["s"] == 0.5
@@ -86,8 +91,7 @@ def test_gradients_flow_through_the_casts_in_the_inputs_dtype():
   # d/dx sum(log_softmax(x)) = 1 - n * softmax(x); in float32 inside, the
   # cotangent cast back to float16 at the input.
   x = jnp.asarray([0.5, 1.0, 3.0], F16)
-  f = lambda a: jnp.sum(fs.float32(jax.nn.log_softmax)(a))
-  g = jax.grad(f)(x)
+  g = jax.grad(lambda a: jnp.sum(fs.float32(jax.nn.log_softmax)(a)))(x)
   assert g.dtype == F16
   x64 = np.asarray(x, np.float64)
   p = np.exp(x64 - x64.max()) / np.exp(x64 - x64.max()).sum()
@@ -121,7 +125,10 @@ def test_a_norm_of_float16_values_of_300_overflows_unless_wrapped():
 )
 def test_the_cpu_svd_refuses_float16_and_runs_wrapped():
   x = jnp.eye(3, dtype=F16)
-  nuc = lambda a: jnp.linalg.norm(a, "nuc")
+
+  def nuc(a):
+    return jnp.linalg.norm(a, "nuc")
+
   with pytest.raises(Exception, match="float16"):
     jax.jit(nuc)(x)
   # The nuclear norm of the identity is its size; float32 SVD rounding.
@@ -132,6 +139,11 @@ def test_the_cpu_svd_refuses_float16_and_runs_wrapped():
 # The page's table, row by row, on the jaxpr.
 
 
+def _prims(cell):
+  """The backquoted primitive names of a table cell."""
+  return re.findall(r"`(\w+)`", cell)
+
+
 def _ops_rows():
   """``[(torch op cell, JAX code, float16 prims, float32 prims, out, wrap)]``
   of the page's op table (the rows whose JAX cell is code)."""
@@ -139,8 +151,9 @@ def _ops_rows():
   for first, cells in helpers.table_rows(PAGE.read_text()).items():
     if len(cells) == 5 and cells[0].startswith("`"):
       code, half, wide, out, wrap = cells
-      prims = lambda c: re.findall(r"`(\w+)`", c)
-      rows.append((first, code.strip("`"), prims(half), prims(wide), out, wrap))
+      rows.append(
+        (first, code.strip("`"), _prims(half), _prims(wide), out, wrap)
+      )
   return rows
 
 
@@ -163,13 +176,15 @@ def _namespace():
   def linen(module, x):
     return module.apply(module.init(jax.random.key(0), x), x)
 
-  modules = dict(jax=jax, jnp=jnp, lax=lax, optax=optax, nn=nn, nnx=nnx)
-  return dict(modules, linen=linen)
+  return dict(
+    jax=jax, jnp=jnp, lax=lax, optax=optax, nn=nn, nnx=nnx, linen=linen
+  )
 
 
 def _inputs():
   rng = np.random.default_rng(0)
-  x, y = (jnp.asarray(rng.uniform(0.1, 0.9, (2, 4, 4, 8)), F16) for _ in "xy")
+  x = jnp.asarray(rng.uniform(0.1, 0.9, size=(2, 4, 4, 8)), F16)
+  y = jnp.asarray(rng.uniform(0.1, 0.9, size=(2, 4, 4, 8)), F16)
   labels = jnp.asarray(rng.integers(0, 8, size=(2, 4, 4)), jnp.int32)
   return x, y, labels
 
@@ -302,7 +317,10 @@ def test_page_code_runs():
 
   def read(module):  # a new function per module: make_jaxpr caches by it
     graphdef, state = nnx.split(module)
-    run = lambda st, x: nnx.merge(graphdef, st)(x, deterministic=False)
+
+    def run(st, x):
+      return nnx.merge(graphdef, st)(x, deterministic=False)
+
     return jax.make_jaxpr(run)(state, ns["tokens"])
 
   jaxpr = read(ns["mha"])
@@ -312,9 +330,14 @@ def test_page_code_runs():
   dots = _operands_of(eqns, "dot_general")
   assert dots.count({F32}) == 2 and dots.count({F16}) == 4, dots
   # Without the wrapper's dtype=None the softmax is float16 again.
-  kw = dict(num_heads=4, in_features=16, dtype=F16, dropout_rate=0.1)
-  attention = fs.float32(nnx.dot_product_attention, keep_dtype=True)
-  kw.update(attention_fn=attention, decode=False, rngs=nnx.Rngs(0))
-  plain = nnx.MultiHeadAttention(**kw)
+  plain = nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=16,
+    dtype=F16,
+    dropout_rate=0.1,
+    attention_fn=fs.float32(nnx.dot_product_attention, keep_dtype=True),
+    decode=False,
+    rngs=nnx.Rngs(0),
+  )
   eqns = _eqns(read(plain).jaxpr, [])
   assert _operands_of(eqns, "exp") == [{F16}]

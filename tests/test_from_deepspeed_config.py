@@ -23,18 +23,21 @@ def test_hysteresis_only_matters_under_zero():
 def test_values_deepspeed_accepts_but_float32_cannot_hold():
   with pytest.raises(ValueError, match="initial_scale_power"):
     fs.from_deepspeed_config(
-      {"fp16": dict(enabled=True, initial_scale_power=200)}
+      {"fp16": {"enabled": True, "initial_scale_power": 200}}
     )
   with pytest.raises(ValueError, match="min_loss_scale"):
-    fp16 = {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 8}
-    fs.from_deepspeed_config({"fp16": fp16})
+    fs.from_deepspeed_config(
+      {"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 8}}
+    )
   with pytest.raises(ValueError, match="unknown"):
     fs.from_deepspeed_config({"fp16": {"enabled": True, "windw": 3}})
 
 
 def test_optimizer_builds_the_guarded_chain():
-  config = {"fp16": {"enabled": True}, "gradient_clipping": 0.5}
-  recipe = fs.from_deepspeed_config(config)
+
+  recipe = fs.from_deepspeed_config(
+    {"fp16": {"enabled": True}, "gradient_clipping": 0.5}
+  )
   tx = recipe.optimizer(optax.sgd(1.0))
   params = {"w": jnp.ones(4)}
   state = tx.init(params)
@@ -45,9 +48,14 @@ def test_optimizer_builds_the_guarded_chain():
 
 
 def test_accumulation_builds_the_accumulating_chain():
-  config = {"fp16": {"enabled": True, "loss_scale": 4}, "gradient_clipping": 0}
-  config.update(train_batch_size=8, train_micro_batch_size_per_gpu=4)
-  recipe = fs.from_deepspeed_config(config)
+  recipe = fs.from_deepspeed_config(
+    {
+      "fp16": {"enabled": True, "loss_scale": 4},
+      "gradient_clipping": 0,
+      "train_batch_size": 8,
+      "train_micro_batch_size_per_gpu": 4,
+    }
+  )
   assert recipe.gradient_accumulation_steps == 2
   tx = recipe.optimizer(optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
@@ -67,8 +75,9 @@ def test_world_size_enters_the_batch_check():
   ours = fs.from_deepspeed_config(config, world_size=4)
   assert ours.gradient_accumulation_steps == 2
   with pytest.raises(ValueError, match="32 != 4 \\* 8 \\* 2"):
-    given = dict(config, gradient_accumulation_steps=8)
-    fs.from_deepspeed_config(given, world_size=2)
+    fs.from_deepspeed_config(
+      dict(config, gradient_accumulation_steps=8), world_size=2
+    )
   with pytest.raises(ValueError, match="world_size"):
     fs.from_deepspeed_config(config, world_size=0)
 
@@ -82,18 +91,23 @@ def test_without_batch_sizes_the_steps_are_taken_as_given():
 
 
 def test_auto_values_must_be_resolved_first():
-  config = {"fp16": {"enabled": "auto", "loss_scale": 0}}
-  config.update(train_batch_size="auto", gradient_accumulation_steps=2)
+  config = {
+    "fp16": {"enabled": "auto", "loss_scale": 0},
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": 2,
+  }
   with pytest.raises(ValueError, match="fp16.enabled, train_batch_size"):
     fs.from_deepspeed_config(config)
 
 
 def test_one_warning_names_the_fields_not_modelled():
-  config = {"fp16": {"enabled": True}}
-  config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-  config["scheduler"] = {"type": "WarmupLR"}
-  config["zero_optimization"] = {"stage": 1, "reduce_bucket_size": 5e8}
-  config["train_micro_batch_size_per_gpu"] = 4
+  config = {
+    "fp16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "scheduler": {"type": "WarmupLR"},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+    "train_micro_batch_size_per_gpu": 4,
+  }
   with pytest.warns(UserWarning) as record:
     fs.from_deepspeed_config(config)
   assert len(record) == 1

@@ -26,7 +26,9 @@ def reference(init_scale, grad_maxes, overflows, history):
   headroom, margin_bits, growth, backoff = 4.0, 2.0, 2.0, 0.5
   lo, hi = 1.0, 2.0**24
   f32 = np.float32
-  scale, window, out = f32(init_scale), [], []
+  scale = f32(init_scale)
+  window = []  # the last ``history`` clean steps' maxima
+  out = []
   for g, overflow in zip(grad_maxes, overflows):
     if overflow:
       scale = max(scale * f32(backoff), f32(lo))
@@ -46,7 +48,8 @@ def reference(init_scale, grad_maxes, overflows, history):
 
 def scales(scaler, grad_maxes, overflows):
   update = jax.jit(scaler.update)
-  state, out = scaler.init(), []
+  state = scaler.init()
+  out = []
   for g, o in zip(grad_maxes, overflows):
     state = update(state, jnp.bool_(o), jnp.float32(g))
     out.append(state.loss_scale)
@@ -75,7 +78,8 @@ def test_the_rule_equals_the_numpy_reference_bit_for_bit(history):
 def test_history_1_is_the_old_state_and_the_default_has_a_window():
   # history=1 keeps no window: the state is the five counters, as before.
   state = fs.headroom_scaler(history=1).init()
-  assert type(state) is fs.ScalerState and len(jax.tree.leaves(state)) == 5
+  assert type(state) is fs.ScalerState
+  assert len(jax.tree.leaves(state)) == 5
   default = fs.headroom_scaler().init()
   assert type(default) is fs.WindowedScalerState
   assert default[:5] == tuple(default)[:5]
@@ -91,8 +95,13 @@ def test_other_presets_state_is_unchanged():
   for scaler in (fs.deepspeed_scaler(), fs.torch_scaler(), fs.no_scaler()):
     state = scaler.init()
     assert type(state) is fs.ScalerState
-    fields = "loss_scale growth_tracker hysteresis_left min_scale_errors"
-    assert state._fields == (*fields.split(), "floor_overflows")
+    assert state._fields == (
+      "loss_scale",
+      "growth_tracker",
+      "hysteresis_left",
+      "min_scale_errors",
+      "floor_overflows",
+    )
 
 
 # Initial scale 2**10, headroom 4 bits, no growth margin. The target of a
@@ -108,11 +117,11 @@ def test_target_rises_when_the_old_maximum_leaves_the_window():
   g = [4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
   o = [False, False, True, False, False, False, False]
   got, state = scales(fs.headroom_scaler(**HAND, history=3), g, o)
-  want = [2.0**9, 2.0**9, 2.0**8, 2.0**9, 2.0**10, 2.0**11, 2.0**11]
-  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, 2.0 ** np.array([9, 9, 8, 9, 10, 11, 11]))
   got1, _ = scales(fs.headroom_scaler(**HAND, history=1), g, o)
-  want1 = [2.0**9, 2.0**10, 2.0**9, 2.0**10, 2.0**11, 2.0**11, 2.0**11]
-  np.testing.assert_array_equal(got1, want1)
+  np.testing.assert_array_equal(
+    got1, 2.0 ** np.array([9, 10, 9, 10, 11, 11, 11])
+  )
   # Six clean steps wrote slots 0, 1, 2, 0, 1, 2: the ring holds three 1s.
   np.testing.assert_array_equal(state.grad_max_history, [1.0, 1.0, 1.0])
   assert int(state.history_position) == 0
@@ -123,7 +132,7 @@ def test_falls_at_once_on_a_new_maximum():
   # and it holds the scale there for the window's length.
   g = [1.0, 1.0, 1.0, 1.0, 16.0, 1.0, 1.0, 1.0, 1.0]
   got, _ = scales(fs.headroom_scaler(**HAND, history=4), g, [False] * 9)
-  np.testing.assert_array_equal(got, [2.0**11] * 4 + [2.0**7] * 4 + [2.0**8])
+  np.testing.assert_array_equal(got, 2.0 ** np.array([11] * 4 + [7] * 4 + [8]))
 
 
 def test_backs_off_on_overflow_and_keeps_the_window():
@@ -139,8 +148,10 @@ def test_a_corrupt_window_is_read_within_range():
   # A checkpoint's NaN, inf or negative entries count as no step; its
   # position wraps into the ring: the scale stays a finite power of two.
   scaler = fs.headroom_scaler(**HAND, history=4)
-  ring = dict(grad_max_history=jnp.array([jnp.nan, jnp.inf, -8.0, 0.0]))
-  state = scaler.init()._replace(**ring, history_position=jnp.int32(9))
+  state = scaler.init()._replace(
+    grad_max_history=jnp.array([jnp.nan, jnp.inf, -8.0, 0.0]),
+    history_position=jnp.int32(9),
+  )
   after = scaler.update(state, jnp.bool_(False), jnp.float32(8.0))
   # max of (8 written at slot 9 mod 4 = 1, |-8|): target 2**(11-3) = 2**8.
   assert float(after.loss_scale) == 2.0**8
@@ -160,7 +171,8 @@ def step(params, state, key, overflow):
   k1, k2 = jax.random.split(key)
   size = 10.0 ** jax.random.uniform(k2, (), minval=-3.0, maxval=-1.0)
   grads = jax.tree.map(lambda p: size * jax.random.normal(k1, p.shape), params)
-  grads["w"] = grads["w"].at[0, 0].set(jnp.where(overflow, jnp.inf, 0.0))
+  poison = jnp.where(overflow, jnp.inf, 0.0)
+  grads["w"] = grads["w"].at[0, 0].set(poison)
   scale = fs.current_scale(state)
   scaled = jax.tree.map(lambda g: (g * scale).astype(jnp.float16), grads)
   updates, state = TX.update(scaled, state, params)
@@ -178,7 +190,8 @@ def test_saved_and_restored_mid_run_continues_bit_for_bit(tmp_path):
   params, state = run(PARAMS, TX.init(PARAMS), 0, 11)
   # Steps 3 and 10 overflowed: 9 clean steps have gone round the ring of 8.
   mid = fs.scaler_state_dict(state)
-  assert len(mid["grad_max_history"]) == 8 and mid["history_position"] == 1
+  assert len(mid["grad_max_history"]) == 8
+  assert mid["history_position"] == 1
   straight = run(params, state, 11, 12)
   # orbax, with a target; flax msgpack with a target; the own dict as JSON.
   live = {"params": params, "opt_state": state}
@@ -189,11 +202,14 @@ def test_saved_and_restored_mid_run_continues_bit_for_bit(tmp_path):
   # The own dict holds the whole loss-scale state: loaded into the live
   # state with its loss-scale part reset (AdamW's moments are not in it).
   saved = json.loads(json.dumps(fs.scaler_state_dict(state, SCALER)))
-  fresh = fs.scaler_state_dict(TX.init(PARAMS))
-  blank = fs.load_scaler_state_dict(state, fresh, SCALER)
+  blank = fs.load_scaler_state_dict(
+    state, fs.scaler_state_dict(TX.init(PARAMS)), SCALER
+  )
   assert fs.scaler_state_dict(blank)["grad_max_history"] == [0.0] * 8
-  loaded = fs.load_scaler_state_dict(blank, saved, SCALER)
-  from_dict = {"params": params, "opt_state": loaded}
+  from_dict = {
+    "params": params,
+    "opt_state": fs.load_scaler_state_dict(blank, saved, SCALER),
+  }
   for restored in (from_orbax, from_msgpack, from_dict):
     assert_same_bits(restored, live)
     resumed = run(restored["params"], restored["opt_state"], 11, 12)
@@ -217,7 +233,8 @@ def test_a_state_saved_without_a_window_loads_into_one():
   d["loss_scale"] = 2.0**9
   back = fs.load_scaler_state_dict(TX.init(PARAMS), d, SCALER)
   ls = fs.scaler_state_dict(back)
-  assert ls["loss_scale"] == 2.0**9 and ls["grad_max_history"] == [0.0] * 8
+  assert ls["loss_scale"] == 2.0**9
+  assert ls["grad_max_history"] == [0.0] * 8
   # With its config, a window of another length is refused by name.
   d8 = fs.scaler_state_dict(TX.init(PARAMS), SCALER)
   with pytest.raises(ValueError, match="history"):

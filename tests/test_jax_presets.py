@@ -30,8 +30,9 @@ def test_jmp_rule_by_hand():
   assert got == [16, 64, 64, 16, 16, 4, 2, 2, 2, 8]
   top = fs.jmp_scaler(loss_scale=2.0**126, period=1, factor=4)
   assert _trajectory(top, [0, 0]) == [2.0**126] * 2  # 2**128 is inf: kept
-  megatron = dict(initial_scale=2.0**15, growth_interval=2000, hysteresis=1)
-  assert fs.jmp_scaler() == fs.megatron_scaler(**megatron)
+  assert fs.jmp_scaler() == fs.megatron_scaler(
+    initial_scale=2.0**15, growth_interval=2000, hysteresis=1
+  )
 
 
 def test_keras_rule_by_hand():
@@ -44,9 +45,11 @@ def test_keras_rule_by_hand():
 
 
 def test_jmp_scaler_takes_jmps_array_arguments():
-  arrays = dict(counter=np.zeros([], np.int32))
-  arrays["min_loss_scale"] = np.ones([], np.float32)
-  scaler = fs.jmp_scaler(loss_scale=jnp.asarray(2.0**15), **arrays)
+  scaler = fs.jmp_scaler(
+    loss_scale=jnp.asarray(2.0**15),
+    counter=np.zeros([], np.int32),
+    min_loss_scale=np.ones([], np.float32),
+  )
   assert scaler == fs.jmp_scaler()
 
 
@@ -128,8 +131,9 @@ def test_jmp_state_through_the_public_functions():
     fs.load_scaler_state_dict(state, {**leaves, "counter": 4}, scaler)
   # A floor that a jitted jmp scale lost (jmp#44) is named on load.
   with pytest.raises(ValueError, match="on min_scale"):
-    floored = dict(loss_scale=2.0**10, period=4, factor=8, min_loss_scale=2**-3)
-    floored = fs.jmp_scaler(**floored)
+    floored = fs.jmp_scaler(
+      loss_scale=2.0**10, period=4, factor=8, min_loss_scale=2.0**-3
+    )
     fs.load_scaler_state_dict(_state(floored), d, floored)
   with pytest.raises(ValueError, match="jmp DynamicLossScale cannot continue"):
     fs.to_peer_state_dict(state, "jmp", fs.deepspeed_scaler())
@@ -142,12 +146,17 @@ def test_keras_state_through_the_public_functions():
   scaler = SCALERS["keras"]
   state = _state(scaler)
   d = fs.to_peer_state_dict(state, "keras", scaler)
-  assert d == dict(dynamic_scale=1024.0, step_counter=0, dynamic_growth_steps=4)
+  assert d == {
+    "dynamic_scale": 1024.0,
+    "step_counter": 0,
+    "dynamic_growth_steps": 4,
+  }
   variables = {"iteration": 7, "dynamic_scale": 64.0, "step_counter": 2}
   back = fs.load_scaler_state_dict(state, variables, scaler)
   assert float(fs.current_scale(back)) == 64.0
-  keras = fs.keras_scaler(initial_scale=1024.0, dynamic_growth_steps=4)
-  assert fs.scaler_from_state_dict(d) == keras
+  assert fs.scaler_from_state_dict(d) == fs.keras_scaler(
+    initial_scale=1024.0, dynamic_growth_steps=4
+  )
   with pytest.raises(ValueError, match="no dynamic_growth_steps"):
     fs.scaler_from_state_dict(variables)
   assert fs.scaler_from_state_dict(variables, dynamic_growth_steps=4)

@@ -31,21 +31,25 @@ UNTYPED = "opt_state holds a loss-scale state that lost its types"
 
 
 def _tx(scaler=None):
-  clip = fs.clip_by_unscaled_norm(1.0)
-  return helpers.guarded(scaler or fs.static_scaler(8.0), clip, optax.sgd(0.1))
+  return helpers.guarded(
+    scaler or fs.static_scaler(8.0),
+    fs.clip_by_unscaled_norm(1.0),
+    optax.sgd(0.1),
+  )
 
 
 def _state(scaler=None):
   return _tx(scaler).init(PARAMS)
 
 
-def _is_var(x):
+def _is_variable(x):
   return isinstance(x, nnx.Variable)
 
 
 def _same(a, b):
   """Whether ``a`` holds the very leaves of ``b`` (Variables as leaves)."""
-  la, lb = (jax.tree.leaves(t, is_leaf=_is_var) for t in (a, b))
+  la = jax.tree.leaves(a, is_leaf=_is_variable)
+  lb = jax.tree.leaves(b, is_leaf=_is_variable)
   return len(la) == len(lb) > 0 and all(x is y for x, y in zip(la, lb))
 
 
@@ -69,8 +73,9 @@ def test_no_state_says_to_add_fp16_loss_scale():
     with pytest.raises(ValueError) as err:
       _lookup.loss_scale_state(state)
     assert str(err.value) == NONE_FOUND.format(what)
-  mine = "^no fp16_loss_scale state found in my "
-  with pytest.raises(ValueError, match=mine):
+  with pytest.raises(
+    ValueError, match="^no fp16_loss_scale state found in my "
+  ):
     _lookup.loss_scale_state((), what="my state")
 
 
@@ -105,8 +110,9 @@ def test_a_state_that_lost_its_types_says_how_to_restore():
     assert "checkpointer.restore(path, target=tx.init(params))" in text
     assert "flax.serialization.from_state_dict(tx.init(params), " in text
   # The three keys the message keys on are LossScaleState's own fields.
-  keys = {"scaler", "prev_loss_scale", "skipped_steps"}
-  assert keys <= set(fs.LossScaleState._fields)
+  assert {"scaler", "prev_loss_scale", "skipped_steps"} <= set(
+    fs.LossScaleState._fields
+  )
   # Any two of them are not a loss-scale state: the plain message.
   for drop in ("scaler", "prev_loss_scale", "skipped_steps"):
     partial = {k: v for k, v in hand_made[0].items() if k != drop}
@@ -128,8 +134,9 @@ def test_clip_and_accumulation_states():
   assert int(found.microbatches) == 0 and not bool(found.window_ended)
   with pytest.raises(ValueError) as err:
     _lookup.accumulation_state([acc, acc])
-  two = "opt_state holds 2 accumulate_gradients states ([0]"
-  assert str(err.value).startswith(two)
+  assert str(err.value).startswith(
+    "opt_state holds 2 accumulate_gradients states ([0]"
+  )
   assert str(err.value).endswith("expected at most one")
 
 
@@ -139,7 +146,13 @@ def _nnx_state():
 
 
 def _variables(tree):
-  return [x for x in jax.tree.leaves(tree, is_leaf=_is_var) if _is_var(x)]
+  return [
+    x
+    for x in jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    if isinstance(x, nnx.Variable)
+  ]
 
 
 def test_nnx_variables_come_back_unwrapped():
@@ -173,8 +186,10 @@ def test_only_flax_variables_are_unwrapped():
 def test_replace_writes_into_variables_of_the_same_kind():
   wrapped = _nnx_state()
   old = _lookup.loss_scale_state(wrapped)
-  scaler = old.scaler._replace(loss_scale=jnp.float32(32.0))
-  new = old._replace(scaler=scaler, skipped_steps=jnp.int32(5))
+  new = old._replace(
+    scaler=old.scaler._replace(loss_scale=jnp.float32(32.0)),
+    skipped_steps=jnp.int32(5),
+  )
   out = _lookup.replace_loss_scale_state(wrapped, new)
   kinds = {type(v) for v in _variables(wrapped[0])}
   assert {type(v) for v in _variables(out[0])} == kinds

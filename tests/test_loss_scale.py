@@ -62,14 +62,17 @@ def test_static_scale_reports_true_norm():
   jax.tree.map(np.testing.assert_array_equal, updates, TRUE_GRADS)
 
 
-_MEGATRON = dict(initial_scale=128.0, min_scale=1.0, growth_interval=2)
 DYNAMIC = {
   "deepspeed": fs.deepspeed_scaler(
     init_scale=128.0, scale_window=2, min_scale=1.0
   ),
   "torch": fs.torch_scaler(init_scale=128.0, growth_interval=2),
-  "megatron": fs.megatron_scaler(**_MEGATRON, hysteresis=1),
-  "megatron_h2": fs.megatron_scaler(**_MEGATRON),
+  "megatron": fs.megatron_scaler(
+    initial_scale=128.0, min_scale=1.0, growth_interval=2, hysteresis=1
+  ),
+  "megatron_h2": fs.megatron_scaler(
+    initial_scale=128.0, min_scale=1.0, growth_interval=2
+  ),
   "flax": fs.flax_scaler(growth_interval=2, scale=128.0),
 }
 
@@ -173,8 +176,9 @@ def test_float16_params_warn_that_there_are_no_float32_masters():
     optax.chain(optax.identity(), _guarded(fs.torch_scaler())),
   ]
   for tx in wrapped:
-    match = "params are float16.*param_dtype"
-    with pytest.warns(UserWarning, match=match) as w:
+    with pytest.warns(
+      UserWarning, match="params are float16.*param_dtype"
+    ) as w:
       tx.init(params)
     assert [x.filename for x in w] == [__file__]
   with warnings.catch_warnings():

@@ -28,7 +28,8 @@ def _loss(params, batch):
   """Mean squared error of a float16 linear model, reduced in float32."""
   x, y = batch
   w = params["w"].astype(jnp.float16)
-  pred = x.astype(jnp.float16) @ w + params["b"].astype(jnp.float16)
+  b = params["b"].astype(jnp.float16)
+  pred = x.astype(jnp.float16) @ w + b
   return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
 
@@ -43,7 +44,8 @@ def _params(dtype=jnp.float32):
 def _batch(seed=1):
   kx, ky = jax.random.split(jax.random.PRNGKey(seed))
   x = jax.random.normal(kx, (K * SIZE, D))
-  return x, jax.random.normal(ky, (K * SIZE, 1))
+  y = jax.random.normal(ky, (K * SIZE, 1))
+  return x, y
 
 
 def _tx(inner=None, max_norm=10.0):
@@ -74,7 +76,8 @@ def _in_step(tx):
 def test_one_bad_microbatch_skips_the_whole_step_exactly():
   tx = _tx()
   step = _in_step(tx)
-  params, state = _params(), tx.init(_params())
+  params = _params()
+  state = tx.init(params)
   params, state, _, _ = step(params, state, _batch(1))  # a clean step first
   x, y = _batch(2)
   x = x.at[5, 3].set(jnp.inf)  # row 5: microbatch 1 of 4 (column-major)
@@ -84,8 +87,10 @@ def test_one_bad_microbatch_skips_the_whole_step_exactly():
   for u in jax.tree.leaves(updates):  # -0.0: adding it keeps every bit
     np.testing.assert_array_equal(u, 0.0)
     assert np.all(np.signbit(u))
-  before, after = fs.scale_metrics(state), fs.scale_metrics(new_state)
-  assert bool(after["overflow"]) and not bool(before["overflow"])
+  before = fs.scale_metrics(state)
+  after = fs.scale_metrics(new_state)
+  assert bool(after["overflow"])
+  assert not bool(before["overflow"])
   assert float(after["loss_scale"]) == INIT_SCALE / 2  # backed off once
   assert int(after["skipped_steps"]) == int(before["skipped_steps"]) + 1
   # The next clean step trains.
@@ -102,7 +107,8 @@ def test_clean_step_gradients_are_accumulate_gradients_window_mean():
   it apart."""
   batch = _batch(4)
   tx = _tx(optax.sgd(1.0), max_norm=1e9)  # no clip: updates = -mean / S
-  params, state = _params(), tx.init(_params())
+  params = _params()
+  state = tx.init(params)
   _, _, updates, (loss, grads) = _in_step(tx)(params, state, batch)
 
   acc = fs.accumulate_gradients(_tx(optax.sgd(1.0), max_norm=1e9), K)
@@ -113,7 +119,9 @@ def test_clean_step_gradients_are_accumulate_gradients_window_mean():
     out, acc_state = acc.update(g, acc_state, params)
     return out, acc_state, (value, g)
 
-  acc_state, per_mb, losses = acc.init(params), [], []
+  acc_state = acc.init(params)
+  per_mb = []  # each microbatch's gradients
+  losses = []
   for i in range(K):
     mb = jax.tree.map(lambda a, i=i: a[i::K], batch)
     acc_updates, acc_state, (value, g) = micro(params, acc_state, mb)
@@ -132,8 +140,9 @@ def test_clean_step_gradients_are_accumulate_gradients_window_mean():
     abs_sum = sum(np.abs(np.asarray(_at(m, path))) for m in per_mb) / K
     bound = 6 * 2.0**-24 * abs_sum
     window_mean = -np.asarray(_at(acc_updates, path)) * scale
+    in_step_mean = np.asarray(_at(updates, path)) * -scale
     assert np.all(np.abs(np.asarray(g) - window_mean) <= bound), path
-    assert np.all(np.abs(np.asarray(_at(updates, path)) * -scale - g) <= bound)
+    assert np.all(np.abs(in_step_mean - g) <= bound)
 
 
 def _at(tree, path):
@@ -148,11 +157,15 @@ def test_gradients_are_accumulated_in_the_parameters_dtype(dtype):
   """float32 parameters, float16 compute: the loop carries and returns
   float32 gradients (a float16 sum would round every add); float16
   parameters would accumulate in float16."""
-  params, state = _params(dtype), _tx().init(_params())  # only its scale
-  fn = lambda params, state, batch: _microbatched(state)(params, batch)
+  params = _params(dtype)
+  state = _tx().init(_params())  # only its scale
+
+  def fn(params, state, batch):
+    return _microbatched(state)(params, batch)
+
   _, grads = jax.eval_shape(fn, params, state, _batch())
   assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(dtype)}
   eqns = jax.make_jaxpr(fn)(params, state, _batch()).jaxpr.eqns
   (loop,) = [e for e in eqns if e.primitive.name in ("while", "scan")]
-  carried = {v.aval.dtype for v in loop.outvars if v.aval.shape == (D, 1)}
-  assert carried == {jnp.dtype(dtype)}
+  carried = [v.aval for v in loop.outvars if v.aval.shape == (D, 1)]
+  assert {aval.dtype for aval in carried} == {jnp.dtype(dtype)}

@@ -73,7 +73,9 @@ def test_the_first_step_that_scales_its_loss_raises():
 
   @jax.jit
   def step(params, state):
-    loss = lambda p: jnp.sum(p["w"] ** 2) * fs.current_scale(state)
+    def loss(p):
+      return jnp.sum(p["w"] ** 2) * fs.current_scale(state)
+
     grads = jax.grad(loss)(params)
     return tx.update(grads, state, params)
 

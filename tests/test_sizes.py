@@ -1,20 +1,30 @@
-"""The project's size limits. The package is counted in lines of code:
-blank lines, comments and docstrings left out, the rule of the project's
-line counter, per module and per function body. benchmarks/ is counted
-by the same rule: size is lines of code, so that no limit is met by
-trimming a docstring or a comment.
+"""The project's size limits, counted in statements, and a density cap.
 
-Limits: the package at most 3,700 lines of code, no module over 300, no
-function body over 60; benchmarks/ at most 2,200 lines of code. The
-package's limit was 3,000 while it held the loss scaling alone (2,972
-lines, then 2,993 with fs.chain); the precision policy, float32 ops,
-select_on_overflow, the jmp and Keras presets and formats, and the checks
-that name a misuse's fix (about 770 lines, most in modules of their own)
-raised it to 4,000, and folding the code each of them had copied brought
-the package from 3,792 lines to 3,675 and the limit to 3,700."""
+A statement is an ``ast.stmt`` node, imports and docstrings aside: what the
+code does, however it is laid out. The limits: the package at most 2,150
+statements (2,066 when the rule was set), no module over 160, no function
+over 35 (a function's statements are those of its body, nested functions
+included); benchmarks/ at most 1,950 (1,551 when the rule was set, and
+room for the step_cost and gpu_check rows then being added).
+
+Density is AST nodes (every node of the module's tree) per code line, a
+code line being a line that holds a token other than a comment, outside
+docstrings. No package module is over 10 nodes per code line and no test
+file over 12.5; a module of fewer than 30 code lines is exempt (too few
+lines to average), and so are the data tables named in ``TABLES``. The
+test files still over 12.5 when the rule was set are in ``OVER_DENSITY``,
+each expected to fail until it is rewritten.
+
+History: the limits were in lines of code (at last 3,700 for the package,
+300 a module, 60 a function body). Lines measure layout, not logic: they
+were met by folding, and the folding added statements (a named lambda, a
+kwargs dict built in pieces) while it cut lines. Statements count the logic;
+the density cap keeps the logic from being packed onto fewer lines.
+"""
 
 import ast
 import io
+import pathlib
 import tokenize
 
 from helpers import ROOT
@@ -22,6 +32,26 @@ import pytest
 
 PACKAGE = ROOT / "fp16_scaling"
 BENCHMARKS = ROOT / "benchmarks"
+TESTS = ROOT / "tests"
+PACKAGE_DENSITY = 10.0
+TEST_DENSITY = 12.5
+# Modules with fewer code lines than this are not held to a density.
+DENSITY_FROM = 30
+# Data tables: top-level assignments, by file and name, whose lines and
+# nodes a test file's density leaves out, each with why it is a table.
+TABLES = {}
+# Test files over 12.5 when the rule was set and not yet rewritten, each
+# with the figure it had and why it waits; each is expected to fail until it
+# is rewritten (strict: a file brought under the cap must leave this list).
+_OTHER_BRANCH = "being edited on another branch when the rule was set"
+OVER_DENSITY = {
+  "tests/test_shared_scale.py": f"14.1, {_OTHER_BRANCH}",
+  "tests/test_grad_policy.py": f"13.7, {_OTHER_BRANCH}",
+  "tests/test_diagnostics.py": f"13.3, {_OTHER_BRANCH}",
+  "tests/test_value_and_grad.py": f"13.0, {_OTHER_BRANCH}",
+  "tests/test_norm.py": f"12.7, {_OTHER_BRANCH}",
+  "tests/peers/test_docs_porting_keras.py": f"12.8, {_OTHER_BRANCH}",
+}
 _SKIP = {
   tokenize.COMMENT,
   tokenize.NL,
@@ -30,20 +60,32 @@ _SKIP = {
   tokenize.DEDENT,
   tokenize.ENDMARKER,
 }
+_SCOPES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def docstrings(tree: ast.AST) -> list:
+  """The docstring statements of ``tree``: of the module, a class or a
+  function."""
+  out = []
+  for node in ast.walk(tree):
+    if not isinstance(node, _SCOPES) or not node.body:
+      continue
+    first = node.body[0]
+    is_string = isinstance(first, ast.Expr) and isinstance(
+      first.value, ast.Constant
+    )
+    if is_string and isinstance(first.value.value, str):
+      out.append(first)
+  return out
 
 
 def code_lines(source: str) -> set:
   """The line numbers of ``source`` that hold code: a token other than a
-  comment, a newline or an indent, outside any docstring (of the module, a
-  class or a function)."""
+  comment, a newline or an indent, outside any docstring."""
   docs = set()
-  for node in ast.walk(ast.parse(source)):
-    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    body = getattr(node, "body", None) if isinstance(node, kinds) else None
-    if body and isinstance(body[0], ast.Expr):
-      value = body[0].value
-      if isinstance(value, ast.Constant) and isinstance(value.value, str):
-        docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+  for doc in docstrings(ast.parse(source)):
+    docs.update(range(doc.lineno, doc.end_lineno + 1))
   lines = set()
   for tok in tokenize.generate_tokens(io.StringIO(source).readline):
     if tok.type not in _SKIP:
@@ -51,56 +93,131 @@ def code_lines(source: str) -> set:
   return lines - docs
 
 
-def function_bodies(source: str) -> dict:
-  """``{name (line): code lines of its body}`` for every function,
-  nested ones included (a body counts the functions nested in it)."""
-  code, out = code_lines(source), {}
+def statements(tree: ast.AST) -> int:
+  """The statements in ``tree`` (itself included), imports and docstrings
+  aside."""
+  docs = {id(doc) for doc in docstrings(tree)}
+  count = 0
+  for node in ast.walk(tree):
+    is_import = isinstance(node, (ast.Import, ast.ImportFrom))
+    if isinstance(node, ast.stmt) and not is_import and id(node) not in docs:
+      count += 1
+  return count
+
+
+def function_statements(source: str) -> dict:
+  """``{name (line): statements of its body}`` for every function, nested
+  ones included (a body counts the functions nested in it)."""
+  out = {}
   for node in ast.walk(ast.parse(source)):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-      first, last = node.body[0].lineno, node.end_lineno
-      out[f"{node.name} ({node.lineno})"] = sum(
-        first <= n <= last for n in code
-      )
+    if isinstance(node, _FUNCTIONS):
+      out[f"{node.name} ({node.lineno})"] = statements(node) - 1
   return out
+
+
+def density(source: str, tables=()) -> float:
+  """AST nodes per code line of ``source``, leaving out the top-level
+  assignments to the names in ``tables``; 0.0 under ``DENSITY_FROM`` code
+  lines."""
+  tree = ast.parse(source)
+  lines = code_lines(source)
+  nodes = sum(1 for _ in ast.walk(tree))
+  for node in tree.body:
+    targets = getattr(node, "targets", [getattr(node, "target", None)])
+    names = {getattr(t, "id", None) for t in targets}
+    if names & set(tables):
+      nodes -= sum(1 for _ in ast.walk(node))
+      lines -= set(range(node.lineno, node.end_lineno + 1))
+  if len(lines) < DENSITY_FROM:
+    return 0.0
+  return nodes / len(lines)
 
 
 def _modules():
   return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_the_counter_leaves_out_blanks_comments_and_docstrings():
+def _test_files():
+  return sorted(TESTS.rglob("*.py"))
+
+
+def _relative(path: pathlib.Path) -> str:
+  return path.relative_to(ROOT).as_posix()
+
+
+def _test_file_cases():
+  cases = []
+  for path in _test_files():
+    reason = OVER_DENSITY.get(_relative(path))
+    marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+    cases.append(pytest.param(path, marks=marks, id=_relative(path)))
+  return cases
+
+
+def test_the_counter_counts_statements_nodes_and_code_lines():
   source = '''"""Module
 docstring."""
+import os
 
 # a comment
 def f(x):  # trailing
   """Doc."""
   y = (x +
        1)
-  return y
+  if y:
+    return y
+  return -y
 '''
-  assert sorted(code_lines(source)) == [5, 7, 8, 9]
-  assert function_bodies(source) == {"f (5)": 3}
+  # The def, y =, the if, and the two returns; not the import or the
+  # docstrings.
+  assert statements(ast.parse(source)) == 5
+  assert function_statements(source) == {"f (6)": 4}
+  assert sorted(code_lines(source)) == [3, 6, 8, 9, 10, 11, 12]
+  # Module, its docstring's Expr and Constant, Import, alias, FunctionDef,
+  # arguments, arg, f's docstring's Expr and Constant; y = (x + 1): Assign,
+  # Name y, Store, BinOp, Name x, Load, Add, Constant 1; the if: If, Name y,
+  # Load, Return, Name y, Load; return -y: Return, UnaryOp, USub, Name y,
+  # Load. 29 nodes on 7 code lines, a density of 0.0 under 30 code lines.
+  assert sum(1 for _ in ast.walk(ast.parse(source))) == 29
+  assert density(source) == 0.0
+  long = source + "z = 0\n" * 30
+  assert density(long) == (29 + 30 * 4) / 37
+  # A table's assignment leaves its lines and nodes out.
+  table = "TABLE = [\n" + "  (1, 2),\n" * 3 + "]\n"
+  assert density(long + table, tables={"TABLE"}) == density(long)
 
 
-def test_the_package_holds_at_most_3700_lines_of_code():
-  total = sum(len(code_lines(p.read_text())) for p in _modules())
-  assert total <= 3700, total
+def test_the_package_holds_at_most_2150_statements():
+  total = sum(statements(ast.parse(p.read_text())) for p in _modules())
+  assert total <= 2150, total
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
-def test_no_module_over_300_lines_of_code(path):
-  assert len(code_lines(path.read_text())) <= 300
+def test_no_module_over_160_statements(path):
+  assert statements(ast.parse(path.read_text())) <= 160
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
-def test_no_function_body_over_60_lines_of_code(path):
-  long = {k: n for k, n in function_bodies(path.read_text()).items() if n > 60}
+def test_no_function_over_35_statements(path):
+  sizes = function_statements(path.read_text())
+  long = {name: n for name, n in sizes.items() if n > 35}
   assert not long, long
 
 
-def test_benchmarks_hold_at_most_2200_lines_of_code():
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
+def test_no_package_module_over_10_nodes_per_code_line(path):
+  assert density(path.read_text()) <= PACKAGE_DENSITY
+
+
+@pytest.mark.parametrize("path", _test_file_cases())
+def test_no_test_file_over_12_5_nodes_per_code_line(path):
+  tables = TABLES.get(_relative(path), {})
+  assert density(path.read_text(), tables) <= TEST_DENSITY
+
+
+def test_benchmarks_hold_at_most_1950_statements():
   sizes = {
-    p.name: len(code_lines(p.read_text())) for p in BENCHMARKS.glob("*.py")
+    p.name: statements(ast.parse(p.read_text()))
+    for p in BENCHMARKS.glob("*.py")
   }
-  assert sum(sizes.values()) <= 2200, sizes
+  assert sum(sizes.values()) <= 1950, sizes

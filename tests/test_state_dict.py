@@ -354,8 +354,14 @@ def test_set_loss_scale_inside_jit():
 
 
 def test_from_deepspeed_config_stage0_hysteresis():
-  fp16 = dict(enabled=True, hysteresis=2, initial_scale_power=4)
-  config = {"fp16": {**fp16, "consecutive_hysteresis": True}}
+  config = {
+    "fp16": {
+      "enabled": True,
+      "hysteresis": 2,
+      "initial_scale_power": 4,
+      "consecutive_hysteresis": True,
+    }
+  }
   old = fs.from_deepspeed_config(config).scaler
   new = fs.from_deepspeed_config(config, stage0_hysteresis=True).scaler
   assert (old.hysteresis, old.consecutive_hysteresis) == (1, False)

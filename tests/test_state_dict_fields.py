@@ -103,8 +103,11 @@ def test_a_new_field_round_trips_with_no_edit(grad_range):
   saved = plus(ls, count=5, total=2.5, per_leaf=[3, 4])
   d = json.loads(json.dumps(_state_dict._own_dict(saved)))
   assert (d["new_count"], d["new_total"], d["new_per_leaf"]) == (5, 2.5, [3, 4])
-  new = {"new_count", "new_total", "new_per_leaf"}
-  assert set(d) == implied_keys(grad_range) - {"format", "config"} | new
+  assert set(d) == implied_keys(grad_range) - {"format", "config"} | {
+    "new_count",
+    "new_total",
+    "new_per_leaf",
+  }
 
   target = plus(ls, count=0, total=0.0, per_leaf=[0, 0])
   fields = _state_dict._own_fields(target)

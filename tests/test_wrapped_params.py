@@ -107,9 +107,13 @@ def test_gradients_of_another_tree_are_refused_naming_argnums():
   optax.apply_updates fails on them. Lookahead's fast weights (above) and
   matching trees pass."""
   tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(SCALE)), optax.sgd(0.1))
-  params, batch = {"w": jnp.ones(2)}, {"x": jnp.ones(3), "y": jnp.ones(3)}
+  params = {"w": jnp.ones(2)}
+  batch = {"x": jnp.ones(3), "y": jnp.ones(3)}
   state = tx.init(params)
-  loss = lambda p, b: jnp.sum(p["w"]) * jnp.sum(b["x"] * b["y"])
+
+  def loss(p, b):
+    return jnp.sum(p["w"]) * jnp.sum(b["x"] * b["y"])
+
   both = fs.value_and_grad(loss, state, argnums=(0, 1))(params, batch)[1]
   of_batch = fs.value_and_grad(loss, state, argnums=1)(params, batch)[1]
   fix = r"argnums=\(0, 1\), or of the batch.*argnums=0"

@@ -204,7 +204,12 @@ def from_deepspeed_config(
     _validate.positive("gradient_clipping", clipping) if clipping > 0 else None
   )
   if not _validate.boolean("fp16.enabled", fp16.get("enabled", False)):
-    return DeepSpeedFP16(no_scaler(), max_norm, stage, accumulation)
+    return DeepSpeedFP16(
+      scaler=no_scaler(),
+      max_norm=max_norm,
+      zero_stage=stage,
+      gradient_accumulation_steps=accumulation,
+    )
   loss_scale = _validate.number("fp16.loss_scale", fp16.get("loss_scale", 0))
   if loss_scale < 0:
     raise ValueError(
@@ -214,7 +219,12 @@ def from_deepspeed_config(
     scaler = static_scaler(loss_scale)
   else:
     scaler = _dynamic_scaler(fp16, stage, stage0_hysteresis)
-  return DeepSpeedFP16(scaler, max_norm, stage, accumulation)
+  return DeepSpeedFP16(
+    scaler=scaler,
+    max_norm=max_norm,
+    zero_stage=stage,
+    gradient_accumulation_steps=accumulation,
+  )
 
 
 def _read(config: Union[Mapping[str, Any], str, os.PathLike]) -> Mapping:

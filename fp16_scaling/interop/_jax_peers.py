@@ -13,10 +13,10 @@ from fp16_scaling._jax_presets import keras_scaler
 from fp16_scaling._scaler import Scaler
 from fp16_scaling.interop._peers import Counters
 from fp16_scaling.interop._peers import Peer
-from fp16_scaling.interop._peers import _int
-from fp16_scaling.interop._peers import _read
-from fp16_scaling.interop._peers import _scale
-from fp16_scaling.interop._peers import _tracker
+from fp16_scaling.interop._peers import read_entry
+from fp16_scaling.interop._peers import read_int
+from fp16_scaling.interop._peers import read_scale
+from fp16_scaling.interop._peers import read_tracker
 
 # What counting clean steps with no hysteresis needs, as jmp and Keras do.
 _COUNTING = (
@@ -34,11 +34,11 @@ _COUNTING = (
 def _jmp_implies(d: Mapping) -> dict:
   out = {"growth_delay": 0, "hysteresis": 1}
   if "period" in d:
-    out["growth_interval"] = _int(d, "period", low=1)
+    out["growth_interval"] = read_int(d, "period", low=1)
   if "min_loss_scale" in d:
-    out["min_scale"] = _scale(d, "min_loss_scale")
+    out["min_scale"] = read_scale(d, "min_loss_scale")
   if "factor" in d:
-    factor = _read(d, "factor", _validate.positive)
+    factor = read_entry(d, "factor", _validate.positive)
     out.update(growth_factor=factor, backoff_factor=1.0 / factor)
   return out
 
@@ -63,13 +63,13 @@ def _jmp_from_own(c: Counters, scaler: Scaler) -> dict:
 
 
 def _jmp_preset(d: Mapping, overrides: dict) -> Scaler:
-  kw = {"loss_scale": _scale(d, "loss_scale")}
+  kw = {"loss_scale": read_scale(d, "loss_scale")}
   if "period" in d:
-    kw["period"] = _int(d, "period", low=1)
+    kw["period"] = read_int(d, "period", low=1)
   if "factor" in d:
-    kw["factor"] = _read(d, "factor", _validate.positive)
+    kw["factor"] = read_entry(d, "factor", _validate.positive)
   if "min_loss_scale" in d:
-    kw["min_loss_scale"] = _scale(d, "min_loss_scale")
+    kw["min_loss_scale"] = read_scale(d, "min_loss_scale")
   return jmp_scaler(**{**kw, **overrides})
 
 
@@ -79,7 +79,7 @@ JMP = Peer(
   keys=frozenset({"loss_scale", "counter"}),
   implies=_jmp_implies,
   to_own=lambda d, scaler: Counters(
-    _scale(d, "loss_scale"), _tracker(d, "counter", scaler), 0
+    read_scale(d, "loss_scale"), read_tracker(d, "counter", scaler), 0
   ),
   from_own=_jmp_from_own,
   needs=_COUNTING,
@@ -95,7 +95,7 @@ JMP = Peer(
 
 def _keras_scale(d: Mapping) -> float:
   try:
-    return _scale(d, "dynamic_scale")
+    return read_scale(d, "dynamic_scale")
   except ValueError as e:
     raise ValueError(
       f"{e}. Keras's scale has no floor and no ceiling: halved below "
@@ -112,14 +112,14 @@ def _keras_implies(d: Mapping) -> dict:
     "hysteresis": 1,
   }
   if "dynamic_growth_steps" in d:
-    out["growth_interval"] = _int(d, "dynamic_growth_steps", low=1)
+    out["growth_interval"] = read_int(d, "dynamic_growth_steps", low=1)
   return out
 
 
 def _keras_preset(d: Mapping, overrides: dict) -> Scaler:
   kw = {"initial_scale": _keras_scale(d)}
   if "dynamic_growth_steps" in d:
-    kw["dynamic_growth_steps"] = _int(d, "dynamic_growth_steps", low=1)
+    kw["dynamic_growth_steps"] = read_int(d, "dynamic_growth_steps", low=1)
   kw.update(overrides)
   if "dynamic_growth_steps" not in kw:
     raise ValueError(
@@ -139,7 +139,7 @@ KERAS = Peer(
   keys=frozenset({"dynamic_scale", "step_counter"}),
   implies=_keras_implies,
   to_own=lambda d, scaler: Counters(
-    _keras_scale(d), _tracker(d, "step_counter", scaler), 0
+    _keras_scale(d), read_tracker(d, "step_counter", scaler), 0
   ),
   from_own=lambda c, scaler: {
     "dynamic_scale": c.loss_scale,

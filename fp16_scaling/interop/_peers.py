@@ -14,7 +14,7 @@ from fp16_scaling._scaler import static_scaler
 from fp16_scaling._scaler import torch_scaler
 
 
-def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
+def read_entry(d: Mapping, key: str, check: Callable = _validate.number, **kw):
   """``d[key]`` (a number, or an array or tensor of one) through a
   :mod:`_validate` check (``kw`` its range), named ``state_dict[key]``."""
   name = f"state_dict[{key!r}]"
@@ -22,21 +22,21 @@ def _read(d: Mapping, key: str, check: Callable = _validate.number, **kw):
   return _validate.from_data(check, name, value, **kw)
 
 
-def _scale(d: Mapping, key: str) -> float:
+def read_scale(d: Mapping, key: str) -> float:
   """``d[key]``, checked to be a loss scale."""
-  return _read(d, key, _validate.scale)
+  return read_entry(d, key, _validate.scale)
 
 
-def _int(d: Mapping, key: str, **kw) -> int:
+def read_int(d: Mapping, key: str, **kw) -> int:
   """``d[key]``, an integer (``kw``: ``low``, ``high``, ``why``)."""
-  return _read(d, key, _validate.integer, **kw)
+  return read_entry(d, key, _validate.integer, **kw)
 
 
-def _tracker(d: Mapping, key: str, scaler: Scaler) -> int:
+def read_tracker(d: Mapping, key: str, scaler: Scaler) -> int:
   """A growth tracker, in the range ``scaler`` counts it in."""
   low, high = -scaler.growth_delay, scaler.growth_interval - 1
   why = f" for growth_interval {scaler.growth_interval}"
-  return _int(d, key, low=low, high=high, why=why)
+  return read_int(d, key, low=low, high=high, why=why)
 
 
 def config(scaler: Scaler) -> dict:
@@ -137,7 +137,9 @@ _TORCH_CONFIG = {
 
 
 def _torch_config(d: Mapping) -> dict:
-  return {key: _read(d, key, check) for key, check in _TORCH_CONFIG.items()}
+  return {
+    key: read_entry(d, key, check) for key, check in _TORCH_CONFIG.items()
+  }
 
 
 def _torch_from_own(c: Counters, scaler: Scaler) -> dict:
@@ -154,7 +156,7 @@ TORCH = Peer(
   keys=frozenset({"scale", "_growth_tracker", *_TORCH_CONFIG}),
   implies=lambda d: {**_torch_config(d), "growth_delay": 0, "hysteresis": 1},
   to_own=lambda d, scaler: Counters(
-    _scale(d, "scale"), _tracker(d, "_growth_tracker", scaler), 0
+    read_scale(d, "scale"), read_tracker(d, "_growth_tracker", scaler), 0
   ),
   from_own=_torch_from_own,
   needs=(
@@ -162,7 +164,7 @@ TORCH = Peer(
     ("hysteresis", 1, "torch has no hysteresis"),
   ),
   preset=lambda d, overrides: torch_scaler(
-    **{"init_scale": _scale(d, "scale"), **_torch_config(d), **overrides}
+    **{"init_scale": read_scale(d, "scale"), **_torch_config(d), **overrides}
   ),
 )
 
@@ -171,9 +173,9 @@ TORCH = Peer(
 # below 1 while it backs off, as hysteresis_left == 0 does here.
 def _megatron_to_own(d: Mapping, scaler: Scaler) -> Counters:
   why = " (the scaler's hysteresis)"
-  tracker = _int(d, "hysteresis_tracker", high=scaler.hysteresis, why=why)
-  growth = _tracker(d, "growth_tracker", scaler)
-  return Counters(_scale(d, "scale"), growth, max(tracker - 1, 0))
+  tracker = read_int(d, "hysteresis_tracker", high=scaler.hysteresis, why=why)
+  growth = read_tracker(d, "growth_tracker", scaler)
+  return Counters(read_scale(d, "scale"), growth, max(tracker - 1, 0))
 
 
 def _megatron_from_own(c: Counters, scaler: Scaler) -> dict:
@@ -225,37 +227,41 @@ _DS_ZERO = (
 
 
 def _ds_zero(d: Mapping) -> dict:
-  return {key: _read(d, key, check) for key, _, check in _DS_ZERO if key in d}
+  return {
+    key: read_entry(d, key, check) for key, _, check in _DS_ZERO if key in d
+  }
 
 
 def _ds_implies(d: Mapping) -> dict:
-  factor = _read(d, "scale_factor", _validate.positive)
+  factor = read_entry(d, "scale_factor", _validate.positive)
   return {
     "growth_factor": factor,
     "backoff_factor": 1.0 / factor,
-    "growth_interval": _int(d, "scale_window"),
+    "growth_interval": read_int(d, "scale_window"),
     "growth_delay": 1,
   }
 
 
 def _ds_loss_scaler_implies(d: Mapping) -> dict:
-  zero = {f: _read(d, key, check) for key, f, check in _DS_ZERO if key in d}
+  zero = {
+    f: read_entry(d, key, check) for key, f, check in _DS_ZERO if key in d
+  }
   return {**_ds_implies(d), **zero}
 
 
 def _ds_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  cur_iter = _int(d, "cur_iter")
+  cur_iter = read_int(d, "cur_iter")
   why = " (below state_dict['cur_iter'])"
-  last = _int(d, "last_overflow_iter", high=cur_iter - 1, why=why)
+  last = read_int(d, "last_overflow_iter", high=cur_iter - 1, why=why)
   since = cur_iter - last - 1
   # A 0.19.8 FP16_Optimizer keeps no hysteresis; DeepSpeed after 0.19.8
   # loads such a checkpoint with its hysteresis full, and so does this.
   cur = scaler.hysteresis
   if "cur_hysteresis" in d:
     why = " for the scaler's hysteresis"
-    cur = _int(d, "cur_hysteresis", low=1, high=scaler.hysteresis, why=why)
+    cur = read_int(d, "cur_hysteresis", low=1, high=scaler.hysteresis, why=why)
   tracker = -1 if since == 0 else (since - 1) % scaler.growth_interval
-  return Counters(_scale(d, "cur_scale"), tracker, cur - 1)
+  return Counters(read_scale(d, "cur_scale"), tracker, cur - 1)
 
 
 def _ds_from_own(c: Counters, scaler: Scaler) -> dict:
@@ -282,14 +288,14 @@ _DS_NEEDS = (
 def _ds_preset(d: Mapping, overrides: dict, zero: dict) -> Scaler:
   """``deepspeed_scaler`` from the optimizer's entries, then ``zero`` (what
   a ZeRO loss_scaler adds), then ``overrides``."""
-  if _read(d, "scale_factor") != 2.0:
+  if read_entry(d, "scale_factor") != 2.0:
     raise ValueError(
       "DeepSpeed's DynamicLossScaler scales by 2; state_dict['scale_factor']"
       f" is {d['scale_factor']!r}"
     )
   kw = {
-    "init_scale": _scale(d, "cur_scale"),
-    "scale_window": _int(d, "scale_window"),
+    "init_scale": read_scale(d, "cur_scale"),
+    "scale_window": read_int(d, "scale_window"),
     "raise_error_at_min_scale": False,  # the fp16 optimizers never raise
     **zero,
     **overrides,
@@ -339,7 +345,7 @@ def _ds_static(d: Mapping) -> bool:
 
 
 def _ds_static_to_own(d: Mapping, scaler: Scaler) -> Counters:
-  loss_scale = _scale(d, "cur_scale")
+  loss_scale = read_scale(d, "cur_scale")
   if scaler.dynamic:
     raise ValueError(
       "DeepSpeed state disagrees with the scaler on dynamic: the state holds "
@@ -364,7 +370,7 @@ DS_STATIC = Peer(
     "cur_iter": 0,
   },
   needs=(),
-  preset=lambda d, overrides: static_scaler(_scale(d, "cur_scale")),
+  preset=lambda d, overrides: static_scaler(read_scale(d, "cur_scale")),
   when=_ds_static,
 )
 

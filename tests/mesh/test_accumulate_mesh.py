@@ -17,30 +17,46 @@ SPECS = {"shard": P("data"), "rep": P()}
 def test_every_device_drops_the_same_microbatch():
   mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
   params = {"shard": jnp.zeros(8), "rep": jnp.zeros(3)}
-  scale = fs.fp16_loss_scale(fs.static_scaler(1.0), partition_specs=SPECS)
-  drop = dict(on_microbatch_overflow="drop_microbatch")
-  tx = fs.accumulate_gradients(fs.chain(scale, optax.sgd(1.0)), 2, **drop)
+  tx = fs.accumulate_gradients(
+    fs.chain(
+      fs.fp16_loss_scale(fs.static_scaler(1.0), partition_specs=SPECS),
+      optax.sgd(1.0),
+    ),
+    2,
+    on_microbatch_overflow="drop_microbatch",
+  )
   state = tx.init(params)
   # Leaves of the parameters' length are split like them; the rest is
   # replicated.
-  spec = lambda x: P("data") if x.shape == (8,) else P()
-  state_specs = jax.tree.map(spec, state)
+  state_specs = jax.tree.map(
+    lambda x: P("data") if x.shape == (8,) else P(), state
+  )
 
   def local(grads, state, params):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  specs = dict(in_specs=(SPECS, state_specs, SPECS))
-  specs["out_specs"] = (SPECS, state_specs)
-  step = jax.jit(jax.shard_map(local, mesh=mesh, **specs))
-  place = lambda tree, specs: jax.tree.map(
-    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  step = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(SPECS, state_specs, SPECS),
+      out_specs=(SPECS, state_specs),
+    )
   )
+
+  def place(tree, specs):
+    return jax.tree.map(
+      lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+    )
+
   clean = {"shard": jnp.ones(8), "rep": jnp.ones(3)}
   # float32 like clean, not weak-typed: the step compiles once for both.
   f32 = jnp.float32
-  bad = {"shard": jnp.full(8, 3.0, f32).at[7].set(jnp.inf)}
-  bad["rep"] = jnp.full(3, 3.0, f32)
+  bad = {
+    "shard": jnp.full(8, 3.0, f32).at[7].set(jnp.inf),
+    "rep": jnp.full(3, 3.0, f32),
+  }
   with jax.set_mesh(mesh):
     params = place(params, SPECS)
     state = place(state, state_specs)

@@ -44,8 +44,10 @@ def test_moe_step_matches_single_device(example):
   def single_device_grads(params, x, y, scale):
     def loss(p):
       logits = full_model.apply({"params": p}, x).astype(jnp.float32)
-      logp = jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1)
-      return -jnp.mean(logp) * scale
+      nll = -jnp.mean(
+        jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1)
+      )
+      return nll * scale
 
     return jax.grad(loss)(params)
 
@@ -61,8 +63,9 @@ def test_moe_step_matches_single_device(example):
   for i in range(STEPS):
     x, y = xs[i * BATCH : (i + 1) * BATCH], ys[i * BATCH : (i + 1) * BATCH]
     scale = float(fs.current_scale(state))
-    one = jax.device_put(jax.device_get(params), jax.devices()[0])
-    ref = single_device_grads(one, x, y, scale)
+    ref = single_device_grads(
+      jax.device_put(jax.device_get(params), jax.devices()[0]), x, y, scale
+    )
     flat = jax.tree_util.tree_leaves_with_path(ref)
     g64 = [np.asarray(g, np.float64) for _, g in flat]
     expert = [ex["is_expert"](path) for path, _ in flat]
@@ -85,10 +88,13 @@ def test_moe_step_matches_single_device(example):
       "shared_grad_norm": np.sqrt(sum(s for s, e in zip(sq, expert) if not e)),
     }
     for k, v in want.items():
-      msg = f"step {i} {k}"
-      np.testing.assert_allclose(m[k], v / scale, rtol=1e-2, err_msg=msg)
+      np.testing.assert_allclose(
+        m[k], v / scale, rtol=1e-2, err_msg=f"step {i} {k}"
+      )
     clean_checked += 1
-  # The run overflows first, then trains.
-  assert overflows[0] and clean_checked >= 2
-  # w_in and w_out are experts, the rest shared.
-  assert sum(expert) == 2 and len(expert) > 2
+  assert (
+    overflows[0] and clean_checked >= 2
+  )  # the run overflows first, then trains
+  assert (
+    sum(expert) == 2 and len(expert) > 2
+  )  # w_in and w_out are experts, the rest shared

@@ -77,10 +77,17 @@ DATA_EXPERT_MODEL = Layout(
   name="data2_expert2_model2",
   mesh_shape=(2, 2, 2),
   axis_names=("data", "expert", "model"),
-  shapes={"bias": (16,), **DATA_EXPERT.shapes},
+  shapes={
+    "shared": {"embed": (8, 16), "head": (16, 4)},
+    "bias": (16,),
+    "zero": (16,),
+    "expert": {"w_in": (4, 16, 8), "w_out": (4, 8, 16)},
+  },
   specs={
-    # tensor parallel
-    "shared": {"embed": P(None, "model"), "head": P("model", None)},
+    "shared": {
+      "embed": P(None, "model"),
+      "head": P("model", None),
+    },  # tensor parallel
     "bias": P(),
     "zero": P(("data", "model")),
     "expert": {
@@ -176,11 +183,13 @@ def grads_at(layout, step, state):
 
 def make_tx(layout, partition_specs="layout"):
   specs = layout.specs if partition_specs == "layout" else partition_specs
-  mask = expert_mask(layout)
-  clip = fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask, eps=0.0)
   return guarded(
     fs.torch_scaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
-    clip,
+    fs.clip_by_unscaled_norm(
+      MAX_NORM,
+      expert_mask=expert_mask(layout),
+      eps=0.0,
+    ),
     optax.adam(LR),
     partition_specs=specs,
   )
@@ -266,16 +275,21 @@ def reference_run(layout):
     overflow = not all(np.isfinite(x).all() for x in leaves)
     sq = [float(np.sum(x * x)) for x in leaves]
     is_expert = jax.tree.leaves(mask)
-    norm = lambda keep: np.sqrt(
-      sum(s for s, e in zip(sq, is_expert) if keep(e))
-    )
-    rec = {"prev_loss_scale": scale, "overflow": overflow}
-    rec["grad_norm"] = np.sqrt(sum(sq)) / scale
-    rec["expert_grad_norm"] = norm(lambda e: e) / scale
-    rec["shared_grad_norm"] = norm(lambda e: not e) / scale
+    rec = {
+      "prev_loss_scale": scale,
+      "overflow": overflow,
+      "grad_norm": np.sqrt(sum(sq)) / scale,
+      "expert_grad_norm": np.sqrt(sum(s for s, e in zip(sq, is_expert) if e))
+      / scale,
+      "shared_grad_norm": np.sqrt(
+        sum(s for s, e in zip(sq, is_expert) if not e)
+      )
+      / scale,
+    }
     if not overflow:
-      unscale = lambda x: x.astype(np.float32) / np.float32(scale)
-      unscaled = jax.tree.map(unscale, grads)
+      unscaled = jax.tree.map(
+        lambda x: x.astype(np.float32) / np.float32(scale), grads
+      )
       updates, opt_state = update(unscaled, opt_state, params)
       params = jax.tree.map(np.asarray, optax.apply_updates(params, updates))
     # torch.amp.GradScaler's rule.
@@ -338,14 +352,20 @@ def shard_map_run(layout, check_vma):
     mine = jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in KEYS])[None]
     return params, state, mine
 
-  io = dict(in_specs=(layout.specs, st_specs, layout.specs))
-  io.update(out_specs=(layout.specs, st_specs, P(layout.axis_names)))
-  io["check_vma"] = check_vma
-  sharded_step = jax.jit(jax.shard_map(local_step, mesh=mesh, **io))
+  sharded_step = jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(layout.specs, st_specs, layout.specs),
+      out_specs=(layout.specs, st_specs, P(layout.axis_names)),
+      check_vma=check_vma,
+    )
+  )
   with jax.set_mesh(mesh):
     history = []
     for t in range(STEPS):
-      grads = place(grads_at(layout, t, state), specs, mesh)
+      global_grads = grads_at(layout, t, state)
+      grads = place(global_grads, specs, mesh)
       if t == INJECT_STEP:  # the inf is held by exactly one device
         shards = _get(grads, layout.inject[0]).addressable_shards
         finite = [np.isfinite(np.asarray(s.data)).all() for s in shards]
@@ -377,19 +397,28 @@ def test_reference_covers_the_cases(layout, reference):
   """
   overflows = [r["overflow"] for r in reference]
   assert overflows[0] and sum(overflows) >= 3
-  at = lambda t: scaled_grads(layout, t, reference[t]["prev_loss_scale"])
-  clean_at_inject = at(INJECT_STEP)
+  clean_at_inject = scaled_grads(
+    layout, INJECT_STEP, reference[INJECT_STEP]["prev_loss_scale"]
+  )
   _get(clean_at_inject, layout.inject[0])[layout.inject[1]] = 0
-  finite = [np.isfinite(x).all() for x in jax.tree.leaves(clean_at_inject)]
-  assert overflows[INJECT_STEP] and all(finite)
+  assert overflows[INJECT_STEP] and all(
+    np.isfinite(x).all() for x in jax.tree.leaves(clean_at_inject)
+  )
   assert not overflows[RESCUE_STEP]
-  f32 = _get(at(RESCUE_STEP), layout.f32_leaf)
+  f32 = _get(
+    scaled_grads(
+      layout, RESCUE_STEP, reference[RESCUE_STEP]["prev_loss_scale"]
+    ),
+    layout.f32_leaf,
+  )
   with np.errstate(over="ignore"):
     assert np.isinf(np.sum(f32 * f32, dtype=np.float32))
-  # A growth.
-  assert any(r["loss_scale"] > r["prev_loss_scale"] for r in reference)
-  # Clipping is active.
-  assert any(r["grad_norm"] > MAX_NORM for r in reference if not r["overflow"])
+  assert any(
+    r["loss_scale"] > r["prev_loss_scale"] for r in reference
+  )  # a growth
+  assert any(
+    r["grad_norm"] > MAX_NORM for r in reference if not r["overflow"]
+  )  # clipping is active
 
 
 def check_against_reference(history, reference):
@@ -485,9 +514,12 @@ def test_jit_update_keeps_state_shardings(layout):
   tx = make_tx(layout)
   mesh = make_mesh(layout, AxisType.Auto)
   specs, st_specs, params, state = placed(tx, layout, mesh)
-  shardings = lambda sp: jax.tree.map(
-    lambda s: NamedSharding(mesh, s), sp, is_leaf=lambda s: isinstance(s, P)
-  )
+
+  def shardings(sp):
+    return jax.tree.map(
+      lambda s: NamedSharding(mesh, s), sp, is_leaf=lambda s: isinstance(s, P)
+    )
+
   with jax.set_mesh(mesh):
     step = jax.jit(
       step_fn(tx),
@@ -525,11 +557,13 @@ def _shard_map_update(layout, tx, check_vma=True, grads_hook=None):
   mesh = make_mesh(layout)
   specs, st_specs, params, state = placed(tx, layout, mesh, make_tx(layout))
   hook = grads_hook or (lambda g: g)
-  io = dict(
-    in_specs=(layout.specs, st_specs, layout.specs), check_vma=check_vma
+  fn = jax.shard_map(
+    lambda grads, *rest: step_fn(tx)(hook(grads), *rest),
+    mesh=mesh,
+    in_specs=(layout.specs, st_specs, layout.specs),
+    out_specs=(layout.specs, st_specs),
+    check_vma=check_vma,
   )
-  local = lambda grads, *rest: step_fn(tx)(hook(grads), *rest)
-  fn = jax.shard_map(local, mesh=mesh, out_specs=(layout.specs, st_specs), **io)
   with jax.set_mesh(mesh):
     grads = place(scaled_grads(layout, 1, 1.0), specs, mesh)
     return jax.eval_shape(fn, grads, state, params)
@@ -538,22 +572,33 @@ def _shard_map_update(layout, tx, check_vma=True, grads_hook=None):
 def test_specs_with_wrong_structure_are_refused():
   layout = DATA_EXPERT
   wrong = {"shared": P(), "expert": P("expert")}  # no entry for "zero"
-  scale = fs.chain(fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=wrong))
-  clip = fs.clip_by_unscaled_norm(1.0, partition_specs=wrong)
-  for name, tx in [("fp16_loss_scale", scale), ("clip_by_unscaled_norm", clip)]:
-    match = f"{name}: partition_specs must have the structure"
-    with pytest.raises(ValueError, match=match):
+  for name, tx in [
+    (
+      "fp16_loss_scale",
+      fs.chain(fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=wrong)),
+    ),
+    (
+      "clip_by_unscaled_norm",
+      fs.clip_by_unscaled_norm(1.0, partition_specs=wrong),
+    ),
+  ]:
+    with pytest.raises(
+      ValueError, match=f"{name}: partition_specs must have the structure"
+    ):
       tx.init(init_params(layout))
   # At update, a state built with other specs is refused before anything is
   # read with them (the step checks the specs once, in the measurement, with
   # the state's own, which init checked).
-  other = "fp16_loss_scale: this state was built with other part"
-  with pytest.raises(ValueError, match=other):
+  with pytest.raises(
+    ValueError, match="fp16_loss_scale: this state was built with other part"
+  ):
     _shard_map_update(layout, make_tx(layout, wrong))
-  not_specs = {"shared": "data", "zero": P(), "expert": P()}
-  match = "partition_specs must hold a jax.sharding.PartitionSpec"
-  with pytest.raises(TypeError, match=match):
-    make_tx(layout, not_specs).init(init_params(layout))
+  with pytest.raises(
+    TypeError, match="partition_specs must hold a jax.sharding.PartitionSpec"
+  ):
+    make_tx(layout, {"shared": "data", "zero": P(), "expert": P()}).init(
+      init_params(layout)
+    )
 
 
 def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
@@ -571,12 +616,17 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
   # its own) reads its specs under shard_map, and names the missing axis.
   clip = fs.clip_by_unscaled_norm(1.0, partition_specs=typo)
   mesh = make_mesh(layout)
-  io = dict(in_specs=(layout.specs,), out_specs=layout.specs)
-  fn = jax.shard_map(lambda g: clip.update(g, clip.init(g))[0], mesh=mesh, **io)
+  fn = jax.shard_map(
+    lambda g: clip.update(g, clip.init(g))[0],
+    mesh=mesh,
+    in_specs=(layout.specs,),
+    out_specs=layout.specs,
+  )
   with jax.set_mesh(mesh):
     grads = place(scaled_grads(layout, 1, 1.0), full_specs(layout), mesh)
-    match = "clip_by_unscaled_norm: partition_specs .* 'experts'"
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(
+      ValueError, match="clip_by_unscaled_norm: partition_specs .* 'experts'"
+    ):
       jax.eval_shape(fn, grads)
 
 
@@ -588,8 +638,12 @@ def test_leaf_varying_over_an_axis_its_spec_replicates_is_refused():
 
   def per_device(grads):
     i = jax.lax.axis_index("data").astype(jnp.float16)
-    times = lambda g: g * (i + 1).astype(g.dtype)
-    return {**grads, "shared": jax.tree.map(times, grads["shared"])}
+    return {
+      **grads,
+      "shared": jax.tree.map(
+        lambda g: g * (i + 1).astype(g.dtype), grads["shared"]
+      ),
+    }
 
   with pytest.raises(
     ValueError,
@@ -606,20 +660,31 @@ def test_device_varying_gradients_without_partition_specs_are_named(varying):
   naming the leaf, the axis and partition_specs (it used to be JAX's,
   about lax.cond branches or out_specs)."""
   mesh = make_mesh(DATA_EXPERT)
-  tx = guarded(
-    fs.torch_scaler(), fs.clip_by_unscaled_norm(MAX_NORM), optax.adam(LR)
+  tx = fs.chain(
+    fs.fp16_loss_scale(fs.torch_scaler()),
+    fs.clip_by_unscaled_norm(MAX_NORM),
+    optax.adam(LR),
   )
-  params = {k: np.ones((8, 4), np.float32) for k in ("f16", "f32")}
+  params = {
+    "f16": np.ones((8, 4), np.float32),
+    "f32": np.ones((8, 4), np.float32),
+  }
   specs = {k: P("data") if k in varying else P() for k in params}
-  # Adam's moments like the params
-  st_specs = state_specs(tx, None, params, specs)
-  io = dict(in_specs=(specs, st_specs, specs), out_specs=(specs, st_specs))
-  fn = jax.shard_map(step_fn(tx), mesh=mesh, **io)
+  st_specs = state_specs(tx, None, params, specs)  # Adam's moments like params
+  fn = jax.shard_map(
+    step_fn(tx),
+    mesh=mesh,
+    in_specs=(specs, st_specs, specs),
+    out_specs=(specs, st_specs),
+  )
   grads = {"f16": jnp.ones((8, 4), jnp.float16), "f32": jnp.ones((8, 4))}
   first = varying[0]  # in tree order
   with jax.set_mesh(mesh):
-    trees = [(grads, specs), (tx.init(params), st_specs), (params, specs)]
-    args = [place(tree, s, mesh) for tree, s in trees]
+    args = (
+      place(grads, specs, mesh),
+      place(tx.init(params), st_specs, mesh),
+      place(params, specs, mesh),
+    )
     with pytest.raises(
       ValueError,
       match=rf"^fp16_loss_scale: under shard_map, gradient leaf \['{first}'\] "
@@ -637,6 +702,7 @@ def test_same_optimizer_without_a_mesh():
   layout = DATA_EXPERT
   tx = make_tx(layout)
   params = init_params(layout)
-  grads = scaled_grads(layout, 1, INIT_SCALE / 2)
-  _, state = jax.jit(step_fn(tx))(grads, tx.init(params), params)
+  _, state = jax.jit(step_fn(tx))(
+    scaled_grads(layout, 1, INIT_SCALE / 2), tx.init(params), params
+  )
   assert not bool(state[0].overflow)

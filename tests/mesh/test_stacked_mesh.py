@@ -22,9 +22,15 @@ def run(axis):
   shape[-1] = D
   params = {"W": jnp.ones(shape), "b": jnp.ones((L, D))}
   specs = {"W": P(None, None, "model"), "b": P(None, "model")}
-  stacked = dict(partition_specs=specs, stacked_axes={"W": axis, "b": 0})
-  scale = fs.fp16_loss_scale(fs.static_scaler(2.0), **stacked, grad_range=True)
-  tx = fs.chain(scale, optax.sgd(0.1))
+  tx = fs.chain(
+    fs.fp16_loss_scale(
+      fs.static_scaler(2.0),
+      partition_specs=specs,
+      stacked_axes={"W": axis, "b": 0},
+      grad_range=True,
+    ),
+    optax.sgd(0.1),
+  )
   state = tx.init(params)
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0, jnp.float16), params)
   # Column 3 lives on device 1 of 8 (two columns each).
@@ -38,9 +44,18 @@ def run(axis):
     _, s = tx.update(g, s)
     return s, fs.scale_metrics(s)["nonfinite_layers"][None]
 
-  io = dict(in_specs=(specs, st_specs), out_specs=(st_specs, P("model")))
-  step = jax.jit(jax.shard_map(local, mesh=mesh, **io))
-  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  step = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(specs, st_specs),
+      out_specs=(st_specs, P("model")),
+    )
+  )
+
+  def put(x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
   with jax.set_mesh(mesh):
     grads = jax.tree.map(put, grads, specs)
     return step(grads, jax.tree.map(put, state, st_specs))
@@ -60,8 +75,13 @@ def test_shard_map_names_layer_5_on_every_device(axis):
 
 
 def test_a_sharded_layer_axis_is_refused_by_name():
-  split = dict(partition_specs={"W": P("model")}, stacked_axes={"W": 0})
-  tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(2.0), **split))
+  tx = fs.chain(
+    fs.fp16_loss_scale(
+      fs.static_scaler(2.0),
+      partition_specs={"W": P("model")},
+      stacked_axes={"W": 0},
+    )
+  )
   with pytest.raises(ValueError, match=r"\['W'\]'s layer axis 0 is split"):
     with jax.set_mesh(jax.make_mesh((8,), ("model",))):
       tx.init({"W": jnp.ones((L, D))})

@@ -21,8 +21,9 @@ def results(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
   port = helpers.free_port()
   worker = [sys.executable, os.path.join(HERE, "worker.py"), port]
-  args = lambda i: worker + [i, tmp / f"out{i}.json", tmp]
-  cmds = [[str(a) for a in args(i)] for i in range(2)]
+  cmds = [
+    [str(a) for a in worker + [i, tmp / f"out{i}.json", tmp]] for i in range(2)
+  ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   for i, (code, log) in enumerate(helpers.launch(cmds, env)):
     assert code == 0, f"process {i} failed:\n{log[-4000:]}"

@@ -92,10 +92,15 @@ def main():
   # the norm is summed across the mesh.
   tx_sm = make_tx(SPECS)
   state_specs = jax.tree.map(lambda _: P(), tx_sm.init(params0))
-  io = dict(in_specs=(SPECS, state_specs, SPECS))
-  io["out_specs"] = (SPECS, state_specs)
   inner = functools.partial(jit_step_inner, tx_sm)
-  sm_step = jax.jit(jax.shard_map(inner, mesh=mesh, **io))
+  sm_step = jax.jit(
+    jax.shard_map(
+      inner,
+      mesh=mesh,
+      in_specs=(SPECS, state_specs, SPECS),
+      out_specs=(SPECS, state_specs),
+    )
+  )
 
   def run(step, txn, first, last, params=None, state=None):
     with jax.set_mesh(mesh):
@@ -117,8 +122,7 @@ def main():
         rec = record(state)
         after = jax.tree.leaves(jax.tree.map(local, params))
         pairs = zip(jax.tree.leaves(before), after)
-        eq = lambda x, y: all(np.array_equal(a, b) for a, b in zip(x, y))
-        rec["params_unchanged"] = all(eq(x, y) for x, y in pairs)
+        rec["params_unchanged"] = all(_blocks_equal(x, y) for x, y in pairs)
         squares = [np.sum(v.astype(np.float64) ** 2) for v in g.values()]
         rec["numpy_norm"] = float(np.sqrt(sum(squares)))
         records.append(rec)
@@ -149,6 +153,11 @@ def main():
   with open(out, "w") as f:
     json.dump(result, f)
   jax.distributed.shutdown()
+
+
+def _blocks_equal(x, y):
+  """Whether two lists of a leaf's device blocks are equal, block by block."""
+  return all(np.array_equal(a, b) for a, b in zip(x, y))
 
 
 def jit_step_inner(tx, params, state, grads):

@@ -47,22 +47,40 @@ def _inputs(rec, max_norm, norm_rtol, float16_sums):
   micro = rec.grads if windowed else [rec.grads]
   k = len(micro)
   # Where either side's clip may bind (below, both multiply by 1).
-  c, r = 1.0, 8 * U
-  if rec.norm * (1 + norm_rtol) + 1e-6 >= max_norm:
-    c, r = (
-      min(1.0, max_norm / (rec.norm + 1e-6)),
-      r + norm_rtol + 1e-6 / rec.norm,
-    )
-  per_sum = k * (2.0**-11 if float16_sums else U) if k > 1 else 0.0
+  c = 1.0  # the clip's multiplier
+  r = 8 * U  # the relative bound on the clipped unscaled gradient
+  may_bind = rec.norm * (1 + norm_rtol) + 1e-6 >= max_norm
+  if may_bind:
+    c = min(1.0, max_norm / (rec.norm + 1e-6))
+    r = r + norm_rtol + 1e-6 / rec.norm
+  per_sum = 0.0  # a window's sum in another order, relative to sum |h|
+  if k > 1:
+    one_add = 2.0**-11 if float16_sums else U  # DeepSpeed adds in float16
+    per_sum = k * one_add
   out = []
   for i in range(len(micro[0])):
-    hs = [np.asarray(mb[i], np.float64) / rec.scale_before for mb in micro]
+    # Each microbatch's unscaled gradient of parameter i.
+    grads = [np.asarray(mb[i], np.float64) for mb in micro]
+    hs = [x / rec.scale_before for x in grads]
     g = sum(hs) / k * c
-    acc = per_sum * sum(np.abs(h) for h in hs) / k * c
+    abs_sum = sum(np.abs(h) for h in hs)
+    acc = per_sum * abs_sum / k * c
     if float16_sums and k > 1:  # h / k rounded to a float16 subnormal
       acc = acc + 2.0**-25 / rec.scale_before * c
-    out.append((g, r * np.abs(g) + acc))
+    dg = r * np.abs(g) + acc
+    out.append((g, dg))
   return out
+
+
+def _zeros(params):
+  """float64 zeros shaped as each of ``params``."""
+  return [np.zeros(np.shape(p)) for p in params]
+
+
+def _filtered(x, decay, value):
+  """One step of an exponential moving average: ``decay x + (1 - decay)
+  value``, as Adam's moments filter their inputs."""
+  return decay * x + (1 - decay) * value
 
 
 def adam_param_bounds(
@@ -86,8 +104,15 @@ def adam_param_bounds(
   ``oracles_accumulate``)."""
   b1, b2 = betas
   n = len(params0)
-  z = [np.zeros(np.shape(p)) for p in params0]
-  m, m_abs, v, dm, dv2, e_m, e_v, d = ([x.copy() for x in z] for _ in range(8))
+  z = _zeros(params0)
+  m = _zeros(params0)  # Adam's first moment, of our side's inputs
+  m_abs = _zeros(params0)  # the same filter of |g|: m's roundings' scale
+  v = _zeros(params0)  # the second moment
+  dm = _zeros(params0)  # m's filter of dg: the other side's m is within it
+  dv2 = _zeros(params0)  # v's filter of dg**2: sqrt(v) moves within its root
+  e_m = _zeros(params0)  # one side's own roundings of m, carried on
+  e_v = _zeros(params0)  # and of v
+  d = _zeros(params0)  # the bound on the parameters
   before = [np.abs(np.asarray(p, np.float64)) for p in params0]
   out = [[] for _ in params0]
   k = 0
@@ -97,14 +122,16 @@ def adam_param_bounds(
         out[i].append(z[i] if follow_peer else d[i].copy())
       continue
     k += 1
-    bc1, bc2 = 1 - b1 ** (k + count_offset), 1 - b2 ** (k + count_offset)
+    count = k + count_offset  # the step count Adam's bias corrections see
+    bc1 = 1 - b1**count
+    bc2 = 1 - b2**count
     inputs = _inputs(rec, max_norm, norm_rtol, float16_sums)
     for i, (g, dg) in enumerate(inputs):
-      m[i] = b1 * m[i] + (1 - b1) * g
-      m_abs[i] = b1 * m_abs[i] + (1 - b1) * np.abs(g)
-      v[i] = b2 * v[i] + (1 - b2) * g**2
-      dm[i] = b1 * dm[i] + (1 - b1) * dg
-      dv2[i] = b2 * dv2[i] + (1 - b2) * dg**2
+      m[i] = _filtered(m[i], b1, g)
+      m_abs[i] = _filtered(m_abs[i], b1, np.abs(g))
+      v[i] = _filtered(v[i], b2, g**2)
+      dm[i] = _filtered(dm[i], b1, dg)
+      dv2[i] = _filtered(dv2[i], b2, dg**2)
       e_m[i] = b1 * e_m[i] + 3 * U * m_abs[i]
       e_v[i] = b2 * e_v[i] + 4 * U * v[i]
       root = np.sqrt(v[i] / bc2)
@@ -117,11 +144,15 @@ def adam_param_bounds(
       dmh = dm[i] / bc1 + 2 * e_m[i] / bc1
       dvh = np.sqrt(dv2[i] / bc2) + 2 * own_v
       low = np.maximum(den - dvh, eps)
-      du = (dmh + np.abs(u) * dvh) / low + 8 * U * np.abs(u)
+      abs_u = np.abs(u)
+      from_moments = (dmh + abs_u * dvh) / low
+      du = from_moments + 8 * U * abs_u
       p = np.abs(np.asarray(rec.params[i], np.float64))
-      step = lr * du + 2 * U * (p + lr * np.abs(u))
+      own_step = 2 * U * (p + lr * abs_u)  # p - lr u rounds twice
+      step = lr * du + own_step
       if weight_decay:
-        step += 2 * U * (before[i] + lr * weight_decay * before[i])
+        decay = 2 * U * (before[i] + lr * weight_decay * before[i])
+        step += decay
       d[i] = step if follow_peer else d[i] + step
       out[i].append(d[i].copy())
       before[i] = p
@@ -136,8 +167,11 @@ def sgd_momentum_param_bounds(
   filter of ``dg``, and by its own 2 roundings a step, carried by the
   filter; the step rounds ``lr b`` and the sum. Free-running: the bounds add
   up."""
-  z = [np.zeros(np.shape(p)) for p in params0]
-  b, b_abs, db, e_b, d = ([x.copy() for x in z] for _ in range(5))
+  b = _zeros(params0)  # the momentum buffer, of our side's inputs
+  b_abs = _zeros(params0)  # the same filter of |g|: its roundings' scale
+  db = _zeros(params0)  # its filter of dg
+  e_b = _zeros(params0)  # one side's own roundings of it, carried on
+  d = _zeros(params0)  # the bound on the parameters
   out = [[] for _ in params0]
   for rec in records:
     if rec.skipped:
@@ -151,6 +185,8 @@ def sgd_momentum_param_bounds(
       db[i] = momentum * db[i] + dg
       e_b[i] = momentum * e_b[i] + 2 * U * b_abs[i]
       p = np.abs(np.asarray(rec.params[i], np.float64))
-      d[i] = d[i] + lr * (db[i] + 2 * e_b[i]) + 2 * U * (p + lr * np.abs(b[i]))
+      from_inputs = lr * (db[i] + 2 * e_b[i])
+      own = 2 * U * (p + lr * np.abs(b[i]))  # the step's two roundings
+      d[i] = d[i] + from_inputs + own
       out[i].append(d[i].copy())
   return [np.stack(o) for o in out]

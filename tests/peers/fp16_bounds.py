@@ -41,12 +41,28 @@ F32 = 2.0**-23  # two float32 half-ulps, relative: one in each framework
 def _net_abs(params, xa, mask):
   """The positive surrogate of the page's MLP at ``|params|``, ``|x|``."""
   h = (xa @ params["hidden"]["kernel"]) * mask
-  return h @ params["out"]["kernel"][:, 0]
+  w2 = params["out"]["kernel"][:, 0]
+  return h @ w2
 
 
 def _pred(params, x):
+  """The page's MLP."""
   h = jax.nn.relu(x @ params["hidden"]["kernel"])
-  return h @ params["out"]["kernel"][:, 0]
+  w2 = params["out"]["kernel"][:, 0]
+  return h @ w2
+
+
+def _relu_mask(params, x):
+  """1.0 where the hidden layer's ReLU passes, else 0.0."""
+  return (x @ params["hidden"]["kernel"] > 0).astype(jnp.float32)
+
+
+def _combo_abs(coeffs, absp, xa, masks):
+  """``sum_j |coeffs[j]| * surrogate_j(|x|)``: the loss's combination of
+  the nets, at absolute values."""
+  return sum(
+    abs(a) * _net_abs(q, xa, m) for a, q, m in zip(coeffs, absp, masks)
+  )
 
 
 def _parts(nets, losses):
@@ -57,14 +73,14 @@ def _parts(nets, losses):
   out = []
   for coeffs, x, y in losses:
     x = jnp.asarray(x, jnp.float32)
-    masks = [(x @ p["hidden"]["kernel"] > 0).astype(jnp.float32) for p in nets]
+    xa = jnp.abs(x)
+    masks = [_relu_mask(p, x) for p in nets]
     combo = sum(a * _pred(p, x) for a, p in zip(coeffs, nets))
-    combo_abs = sum(
-      abs(a) * _net_abs(q, jnp.abs(x), m)
-      for a, q, m in zip(coeffs, absp, masks)
-    )
-    c = 2.0 / x.shape[0] * (jnp.abs(combo - y) + combo_abs)
-    out.append((coeffs, jnp.abs(x), masks, c))
+    combo_abs = _combo_abs(coeffs, absp, xa, masks)
+    n = x.shape[0]
+    residual = jnp.abs(combo - y) + combo_abs  # with the roundings' share
+    c = 2.0 / n * residual
+    out.append((coeffs, xa, masks, c))
   return absp, out
 
 
@@ -74,12 +90,11 @@ def _surrogate(absp, parts, quadratic):
   bounds the loss's |Hessian| elementwise)."""
   total = 0.0
   for coeffs, xa, masks, c in parts:
-    combo = sum(
-      abs(a) * _net_abs(q, xa, m) for a, q, m in zip(coeffs, absp, masks)
-    )
+    combo = _combo_abs(coeffs, absp, xa, masks)
     total += jnp.sum(c * combo)
     if quadratic:
-      total += jnp.sum(combo**2) / xa.shape[0]
+      n = xa.shape[0]
+      total += jnp.sum(combo**2) / n
   return total
 
 
@@ -87,7 +102,11 @@ def abs_grad(nets, losses):
   """The absolute gradient: one tree per net, every element at least the sum
   of the absolute values of the terms of the true gradient's element."""
   absp, parts = _parts(nets, losses)
-  return jax.grad(lambda q: _surrogate(q, parts, False))(absp)
+
+  def surrogate(q):
+    return _surrogate(q, parts, False)
+
+  return jax.grad(surrogate)(absp)
 
 
 def abs_hessian(nets, losses):
@@ -95,14 +114,26 @@ def abs_hessian(nets, losses):
   nets' parameters, flattened in ``jax.flatten_util.ravel_pytree`` order."""
   absp, parts = _parts(nets, losses)
   flat, unravel = jax.flatten_util.ravel_pytree(absp)
-  return np.asarray(
-    jax.hessian(lambda f: _surrogate(unravel(f), parts, True))(flat),
-    np.float64,
-  )
+
+  def surrogate(f):
+    return _surrogate(unravel(f), parts, True)
+
+  return np.asarray(jax.hessian(surrogate)(flat), np.float64)
 
 
 def flat(tree):
   return np.asarray(jax.flatten_util.ravel_pytree(tree)[0], np.float64)
+
+
+def update_roundings(params):
+  """The two runs' own float32 roundings of an update, flat: ``F32 * |p|``
+  of the parameters after it."""
+  return F32 * np.abs(flat(params))
+
+
+def gap(a, b):
+  """``|a - b|`` of two parameter trees, elementwise, flat."""
+  return np.abs(flat(a) - flat(b))
 
 
 def mlp_bounds(params, x, y, rounds, scale):
@@ -110,12 +141,19 @@ def mlp_bounds(params, x, y, rounds, scale):
   scale ``scale``), the |Hessian| bound, and the float32 gradient, flat, of
   the page's mse at ``params`` on ``(x, y)``."""
   losses = [((1.0,), x, y)]
-  eps = rounds * 2.0**-10 * flat(abs_grad([params], losses))
+  abs_grads = abs_grad([params], losses)
+  eps = rounds * 2.0**-10 * flat(abs_grads)
   # A subnormal float16 result's rounding is absolute: at most 2**-25 in
   # the scaled gradient; 8 rows of |x| carry it into dW.
-  eps += rounds * 8 * float(np.abs(x).max()) * 2.0**-25 / scale
-  g = jax.grad(lambda p: jnp.mean((_pred(p, x) - y) ** 2))(params)
-  return eps, abs_hessian([params], losses), flat(g)
+  largest = float(np.abs(x).max())
+  eps += rounds * 8 * largest * 2.0**-25 / scale
+
+  def mse(p):
+    return jnp.mean((_pred(p, x) - y) ** 2)
+
+  g = jax.grad(mse)(params)
+  hess = abs_hessian([params], losses)
+  return eps, hess, flat(g)
 
 
 def adam_ratio_bound(t, b1=0.9, b2=0.999):
@@ -125,7 +163,8 @@ def adam_ratio_bound(t, b1=0.9, b2=0.999):
   s = np.arange(t)
   w = (1 - b1) * b1**s / (1 - b1**t)
   w2 = (1 - b2) * b2**s / (1 - b2**t)
-  return float(np.sqrt(np.sum(w**2 / w2)))
+  terms = w**2 / w2
+  return float(np.sqrt(np.sum(terms)))
 
 
 def adam_step_bounds(steps, lr, b1=0.9, b2=0.999):
@@ -145,14 +184,19 @@ def adam_step_bounds(steps, lr, b1=0.9, b2=0.999):
   out = []
   for k, (d, eps, hess, p, g) in enumerate(steps, 1):
     if v is None:
-      v, big_e = np.zeros_like(p), np.zeros_like(p)
-    big_e = np.maximum(big_e, eps + hess @ d)
+      v = np.zeros_like(p)
+      big_e = np.zeros_like(p)
+    e = eps + hess @ d  # this step's gradients, one run's against the other's
+    big_e = np.maximum(big_e, e)
     v = b2 * v + (1 - b2) * g**2
-    low = np.sqrt(v / (1 - b2**k)) - 2 * big_e  # both runs' sqrt(v_hat)
+    v_hat = v / (1 - b2**k)
+    low = np.sqrt(v_hat) - 2 * big_e  # both runs' sqrt(v_hat)
     ratio = adam_ratio_bound(k, b1, b2)
     du = np.full_like(p, 2 * ratio)
     ok = low > 0
-    du[ok] = np.minimum(du[ok], (1 + ratio) * big_e[ok] / low[ok])
+    from_inputs = (1 + ratio) * big_e[ok] / low[ok]
+    du[ok] = np.minimum(du[ok], from_inputs)
     # The two Adams' own float32 arithmetic: a few roundings of u.
-    out.append(d + lr * (du + 2.0**-20 * ratio) + F32 * np.abs(p))
+    own = 2.0**-20 * ratio
+    out.append(d + lr * (du + own) + F32 * np.abs(p))
   return out

@@ -136,9 +136,14 @@ def ds_loss_scaler_step(cfg, cls=None):
 def _grad_scaler(
   torch, init_scale, growth_factor, backoff_factor, growth_interval
 ):
-  """A CPU ``torch.amp.GradScaler`` (its arguments in its order)."""
-  args = init_scale, growth_factor, backoff_factor, growth_interval
-  return torch.amp.GradScaler("cpu", *args)
+  """A CPU ``torch.amp.GradScaler``."""
+  return torch.amp.GradScaler(
+    "cpu",
+    init_scale=init_scale,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+  )
 
 
 def _scale_a_loss(torch, scaler):

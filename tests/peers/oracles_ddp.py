@@ -8,6 +8,11 @@ import numpy as np
 import oracles  # its torch drivers import no JAX
 
 
+def _weights(layer):
+  """A torch ``Linear``'s weights, transposed to the JAX side's layout."""
+  return layer.weight.detach().numpy().T.copy()
+
+
 def _worker(rank, world, port, folder):
   """One DDP rank: the typical torch.amp recipe on its rows of each batch;
   rank 0 saves the scale and the weights after every step."""
@@ -24,9 +29,11 @@ def _worker(rank, world, port, folder):
     "cpu", init_scale=float(data["init_scale"]), growth_interval=2
   )
   rows = len(data["x"][0]) // world
-  out = dict(scale=[], hidden=[], out=[])
+  mine = slice(rank * rows, (rank + 1) * rows)  # this rank's rows
+  out = {"scale": [], "hidden": [], "out": []}
   for x, y in zip(data["x"], data["y"]):
-    x, y = (torch.tensor(a[rank * rows : (rank + 1) * rows]) for a in (x, y))
+    x = torch.tensor(x[mine])
+    y = torch.tensor(y[mine])
     opt.zero_grad()
     with torch.autocast("cpu", dtype=torch.float16):
       loss = torch.nn.functional.mse_loss(ddp(x)[:, 0], y)
@@ -34,8 +41,8 @@ def _worker(rank, world, port, folder):
     scaler.step(opt)
     scaler.update()
     out["scale"].append(scaler.get_scale())
-    out["hidden"].append(net[0].weight.detach().numpy().T.copy())
-    out["out"].append(net[2].weight.detach().numpy().T.copy())
+    out["hidden"].append(_weights(net[0]))
+    out["out"].append(_weights(net[2]))
   if rank == 0:
     np.savez(os.path.join(folder, "torch.npz"), **out)
   dist.destroy_process_group()

@@ -259,9 +259,15 @@ def _ours_exact(scaler, steps):
   tx = guarded(scaler, fs.clip_by_unscaled_norm(1e9), optax.sgd(1.0))
   params = [jnp.zeros((4,), jnp.float32)]
   state = tx.init(params)
-  grads = lambda s: [(HALVES[0] * fs.current_scale(s)).astype(jnp.float16)]
-  step = jax.jit(lambda p, s: tx.update(grads(s), s, p))
-  applied, norms, scales = [], [], []
+
+  @jax.jit
+  def step(p, s):
+    grads = [(HALVES[0] * fs.current_scale(s)).astype(jnp.float16)]
+    return tx.update(grads, s, p)
+
+  applied = []
+  norms = []
+  scales = []
   for _ in range(steps):
     updates, state = step(params, state)
     new = optax.apply_updates(params, updates)
@@ -274,10 +280,13 @@ def _ours_exact(scaler, steps):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_unpatched_deepspeed_still_has_both_bugs(fused):
-  zero, sgd = [np.zeros(4, np.float32)], dict(lr=1.0, momentum=0.0)
-  run = lambda **kw: oracles.run_ds_fp16_optimizer(
-    zero, [HALVES] * 6, **sgd, fused=fused, **kw
-  )
+  zero = [np.zeros(4, np.float32)]
+
+  def run(**kw):
+    return oracles.run_ds_fp16_optimizer(
+      zero, [HALVES] * 6, lr=1.0, momentum=0.0, fused=fused, **kw
+    )
+
   # 1. The unfused optimizer reports the norm still multiplied by the scale:
   # 128.0 for a true 1.0.
   static = run(init_scale=128.0, dynamic=False)

@@ -142,19 +142,25 @@ def test_deepspeed_validation_errors(fp16, field):
     fs.from_deepspeed_config(config)  # ... and so do we, naming the field.
 
 
-_B, _M = "train_batch_size", "train_micro_batch_size_per_gpu"
-_G = "gradient_accumulation_steps"
 BATCHES = [
-  {_B: 32, _M: 4},
-  {_B: 32, _G: 4},
-  {_M: 4, _G: 3},
-  {_B: 16},
-  {_M: 4},
-  {_B: 24, _M: 2, _G: 12},
-  {_B: 10, _M: 3},
-  {_B: 8, _M: 2, _G: 3},
-  {_B: 8, _G: 0},
-  {_B: 0, _M: 4},
+  {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4},
+  {"train_batch_size": 32, "gradient_accumulation_steps": 4},
+  {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
+  {"train_batch_size": 16},
+  {"train_micro_batch_size_per_gpu": 4},
+  {
+    "train_batch_size": 24,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 12,
+  },
+  {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3},
+  {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 3,
+  },
+  {"train_batch_size": 8, "gradient_accumulation_steps": 0},
+  {"train_batch_size": 0, "train_micro_batch_size_per_gpu": 4},
 ]
 
 

@@ -16,6 +16,7 @@ state into the peer and back.
 """
 
 import dataclasses
+import functools
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"  # before keras is first imported
@@ -80,14 +81,16 @@ def sequence(name, log10_range, nan_rate, steps=STEPS):
   """Gradient magnitudes (float32) and NaN flags, one per step."""
   rng = np.random.default_rng([SEED, sum(map(ord, name))])
   mags = (10 ** rng.uniform(*log10_range, steps)).astype(np.float32)
-  return jnp.asarray(mags), jnp.asarray(rng.random(steps) < nan_rate)
+  nans = rng.random(steps) < nan_rate
+  return jnp.asarray(mags), jnp.asarray(nans)
 
 
 def present(mag, nan, scale):
   """What a float16 backward at ``scale`` hands over: float16(g * scale),
   NaN in its first element on a ``nan`` step; as float32."""
   g = (jnp.asarray(BASE) * mag * scale).astype(jnp.float16)
-  g = jnp.where(nan & (jnp.arange(BASE.size) == 0), jnp.nan, g)
+  first = jnp.arange(BASE.size) == 0
+  g = jnp.where(nan & first, jnp.nan, g)
   return g.astype(jnp.float32)
 
 
@@ -100,7 +103,8 @@ def run_fs(scaler, mags, nans, state=None):
   after, parameters), and the final (params, optimizer state)."""
   tx = fs_tx(scaler)
   params = jnp.zeros(BASE.size, jnp.float32)
-  state = tx.init(params) if state is None else state
+  if state is None:
+    state = tx.init(params)
 
   def step(carry, xs):
     params, state = carry
@@ -108,9 +112,10 @@ def run_fs(scaler, mags, nans, state=None):
     updates, state = tx.update(present(*xs, before), state, params)
     params = optax.apply_updates(params, updates)
     m = fs.scale_metrics(state)
-    return (params, state), (before, m["overflow"], m["loss_scale"], params)
+    out = (before, m["overflow"], m["loss_scale"], params)
+    return (params, state), out
 
-  scan = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))
+  scan = jax.jit(functools.partial(jax.lax.scan, step))
   final, out = scan((params, state), (mags, nans))
   return jax.tree.map(np.asarray, out), final
 
@@ -140,7 +145,7 @@ def run_jmp(kw, mags, nans, start=None):
     jnp.asarray(start.counter, jnp.int32),
     jnp.zeros(BASE.size, jnp.float32),
   )
-  scan = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))
+  scan = jax.jit(functools.partial(jax.lax.scan, step))
   (scale, counter, _), out = scan(carry, (mags, nans))
   end = jmp.DynamicLossScale(scale, counter, period, factor, floor)
   return jax.tree.map(np.asarray, out), end
@@ -166,15 +171,17 @@ class KerasRun:
   def run(self, mags, nans):
     """Per step (scale before, skipped, scale after, params, inner
     iterations); the optimizer variables advance to the run's end."""
-    opt, at = self.opt, self.scale_at
+    opt = self.opt
+    at = self.scale_at
 
     def step(carry, xs):
       tv, ov = carry
       before = ov[at]
       tv, ov = opt.stateless_apply(ov, [present(*xs, before)], tv)
-      return (tv, ov), (before, ov[at], tv[0], ov[self.iter_at])
+      out = (before, ov[at], tv[0], ov[self.iter_at])
+      return (tv, ov), out
 
-    scan = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))
+    scan = jax.jit(functools.partial(jax.lax.scan, step))
     start = int(self.values[self.iter_at])
     carry = ([self.var.value], list(self.values))
     (_, self.values), out = scan(carry, (mags, nans))
@@ -191,13 +198,15 @@ def prefix(mags, nans):
   """The sequence's first 23 steps, ending in an overflow (step 20) and two
   clean steps: the growth tracker is 2 after them, mid-interval."""
   mags = mags[:23].at[21:].set(1e-6)
-  return mags, nans[:23].at[20].set(True).at[21:].set(False)
+  nans = nans[:23].at[20].set(True).at[21:].set(False)
+  return mags, nans
 
 
 def assert_same(ours, peer, *, params=True):
   """Step by step: scale before, skip, scale after (and the parameters)."""
   names = ("scale before", "skip", "scale after", "parameters")
-  for name, a, b in list(zip(names, ours, peer))[: 4 if params else 3]:
+  compared = 4 if params else 3
+  for name, a, b in list(zip(names, ours, peer))[:compared]:
     np.testing.assert_array_equal(a, b, err_msg=name)
 
 
@@ -226,12 +235,15 @@ def test_jmp_scaler_matches_dynamic_loss_scale(run):
   c = counts(ours, nans)
   print(f"\njmp {run}: {c}, 0 differences")
   # The scale moved both ways, and the scale itself made overflows.
-  assert c["growths"] >= 5 and c["scale_overflows"] >= 5, c
+  assert c["growths"] >= 5, c
+  assert c["scale_overflows"] >= 5, c
   if run == "at_the_floor":
-    assert c["floor_steps"] >= 100 and ours[2].min() == 2.0**-3, c
+    assert c["floor_steps"] >= 100, c
+    assert ours[2].min() == 2.0**-3, c
   if run == "at_the_top":  # growths refused: period clean steps at the top
     top = (ours[0] == 2.0**127) & ~ours[1]
-    assert ours[2].max() == 2.0**127 and top.sum() >= kw["period"], c
+    assert ours[2].max() == 2.0**127, c
+    assert top.sum() >= kw["period"], c
 
 
 def test_jmp_loop_traced_is_jmp_eager():
@@ -253,7 +265,8 @@ def test_jmp_loop_traced_is_jmp_eager():
     skips.append(not bool(finite))
   np.testing.assert_array_equal(traced[2], scales)
   np.testing.assert_array_equal(traced[1], skips)
-  assert 10 <= sum(skips) <= 50 and min(scales) == kw["min_loss_scale"]
+  assert 10 <= sum(skips) <= 50
+  assert min(scales) == kw["min_loss_scale"]
 
 
 @pytest.mark.parametrize("run", sorted(KERAS_RUNS))
@@ -272,10 +285,12 @@ def test_keras_scaler_matches_loss_scale_optimizer(run):
   # count the steps fp16_scaling applied.
   np.testing.assert_array_equal(iters, np.cumsum(~ours[1]))
   # Within float32's normal range throughout, where the two agree.
-  assert 2.0**-126 <= ours[2].min() and ours[2].max() <= 2.0**127
+  assert 2.0**-126 <= ours[2].min()
+  assert ours[2].max() <= 2.0**127
   c = counts(ours, nans)
   print(f"\nkeras {run}: {c}, 0 differences")
-  assert c["growths"] >= 5 and c["scale_overflows"] >= 5, c
+  assert c["growths"] >= 5, c
+  assert c["scale_overflows"] >= 5, c
 
 
 # Designed differences.
@@ -329,7 +344,8 @@ def test_keras_goes_to_zero_below_float32s_normals_where_fs_stops():
   tiny = 2.0**-126
   np.testing.assert_array_equal(theirs[2], [2.0**-125, tiny, 0, 0, 0])
   np.testing.assert_array_equal(ours[2], [2.0**-125, tiny, tiny, tiny, tiny])
-  assert theirs[1].all() and ours[1].all()
+  assert theirs[1].all()
+  assert ours[1].all()
 
 
 def test_keras_goes_to_inf_past_float32s_max_where_fs_stops():
@@ -374,8 +390,9 @@ def test_jmp_state_into_jmp_and_back():
     sd = fs.scaler_state_dict(loaded)
     assert sd["loss_scale"] == float(ls.loss_scale)
     assert sd["growth_tracker"] == int(ls.counter)
-  again = run_fs(scaler, mags, nans, loaded)[0], run_jmp(kw, mags, nans, ls)[0]
-  assert_same(again[0][:3], again[1][:3], params=False)
+  ours_again = run_fs(scaler, mags, nans, loaded)[0]
+  jmp_again = run_jmp(kw, mags, nans, ls)[0]
+  assert_same(ours_again[:3], jmp_again[:3], params=False)
   assert tracker == 2
 
 
@@ -408,8 +425,9 @@ def test_keras_state_into_keras_and_back():
   assert fs.scaler_state_dict(from_opt) == sd
   expected = fs.keras_scaler(**kw, initial_scale=float(vs["dynamic_scale"]))
   assert fs.scaler_from_state_dict(keras_run.opt) == expected
-  again = run_fs(scaler, mags, nans, loaded)[0], keras_run.run(mags, nans)
-  assert_same(again[0][:3], again[1][:3], params=False)
+  ours_again = run_fs(scaler, mags, nans, loaded)[0]
+  keras_again = keras_run.run(mags, nans)
+  assert_same(ours_again[:3], keras_again[:3], params=False)
   assert tracker == 2
 
 

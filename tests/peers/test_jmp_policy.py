@@ -128,7 +128,9 @@ def test_value_and_grad_takes_a_jmp_policy_as_an_fs_policy():
   spec = "p=f32,c=f16,o=f32"
 
   def run(policy):
-    grad = lambda p, s, x: fs.value_and_grad(loss, s, policy=policy)(p, x)
+    def grad(p, s, x):
+      return fs.value_and_grad(loss, s, policy=policy)(p, x)
+
     return jax.jit(grad)(params, state, x)
 
   results = [run(p) for p in (jmp.get_policy(spec), fs.get_policy(spec), spec)]

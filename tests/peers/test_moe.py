@@ -60,11 +60,17 @@ def _gradient_set(structure, rng):
   of each other, so that leaving either out of the norm would show."""
   expert_shapes, shared_shapes = STRUCTURES[structure]
   e = rng.uniform(-4, 1)
-  m_expert, m_shared = 10**e, 10 ** rng.uniform(max(-4, e - 1), min(1, e + 1))
-  return tuple(
-    [(rng.standard_normal(s) * m).astype(np.float32) for s in shapes]
-    for m, shapes in ((m_expert, expert_shapes), (m_shared, shared_shapes))
-  )
+  m_expert = 10**e
+  m_shared = 10 ** rng.uniform(max(-4, e - 1), min(1, e + 1))
+  expert = [
+    (rng.standard_normal(s) * m_expert).astype(np.float32)
+    for s in expert_shapes
+  ]
+  shared = [
+    (rng.standard_normal(s) * m_shared).astype(np.float32)
+    for s in shared_shapes
+  ]
+  return expert, shared
 
 
 def _mask(structure):
@@ -138,15 +144,16 @@ def test_chained_norm_with_expert_groups_matches_deepspeed(structure, draw):
   shared16 = [(g * SCALE).astype(np.float16) for g in shared]
   assert all(np.isfinite(g).all() for g in expert16 + shared16)
   metrics = _chained(structure, expert16, shared16)
-  upcast = lambda gs: [g.astype(np.float32) for g in gs]
+  expert32 = [g.astype(np.float32) for g in expert16]
+  shared32 = [g.astype(np.float32) for g in shared16]
   np.testing.assert_allclose(
     float(metrics["grad_norm"]),
-    oracles.ds_moe_norm(upcast(expert16), upcast(shared16)) / SCALE,
+    oracles.ds_moe_norm(expert32, shared32) / SCALE,
     rtol=NORM_RTOL,
   )
   np.testing.assert_allclose(
     float(metrics["expert_grad_norm"]),
-    oracles.ds_moe_norm(upcast(expert16), []) / SCALE,
+    oracles.ds_moe_norm(expert32, []) / SCALE,
     rtol=NORM_RTOL,
   )
 

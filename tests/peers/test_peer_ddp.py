@@ -95,14 +95,18 @@ def _assert_within_the_fp16_bound(x, y, params, ours, theirs):
   by the gradient's root mean square (fp16_bounds.adam_step_bounds). A
   skipped step taken moves a weight by about LR: far above the median
   bound (asserted)."""
-  at = lambda r, t: _tree(r["hidden"][t], r["out"][t])
+
+  def at(run, t):
+    """A run's weights after step ``t``, as a parameter tree."""
+    return _tree(run["hidden"][t], run["out"][t])
+
   start = _tree(params["hidden"], params["out"])
   steps, medians = [], []
   for t in range(STEPS):
     mine, peer = (
       (start, start) if t == 0 else (at(ours, t - 1), at(theirs, t - 1))
     )
-    d = np.abs(fb.flat(peer) - fb.flat(mine))
+    d = fb.gap(peer, mine)
     if t == BAD:
       bound = d  # both skipped: neither moved
     else:
@@ -113,7 +117,7 @@ def _assert_within_the_fp16_bound(x, y, params, ours, theirs):
       steps.append((d, eps, hess, fb.flat(at(ours, t)), g))
       bound = fb.adam_step_bounds(steps, LR)[-1]
       medians.append(np.median(bound))
-    diff = np.abs(fb.flat(at(theirs, t)) - fb.flat(at(ours, t)))
+    diff = fb.gap(at(theirs, t), at(ours, t))
     assert (diff <= bound).all(), (t, diff.max(), bound[diff.argmax()])
   assert max(medians) < LR / 4
 

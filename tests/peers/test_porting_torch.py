@@ -43,10 +43,9 @@ def page():
 
 
 def test_the_page_runs(page):
-  assert page["ran"] == len(docs_snippets.blocks(PAGE)) == 12
-  assert not any(
-    docs_snippets.NEEDS.match(b) for b in docs_snippets.blocks(PAGE)
-  )
+  blocks = docs_snippets.blocks(PAGE)
+  assert page["ran"] == len(blocks) == 12
+  assert not any(docs_snippets.NEEDS.match(b) for b in blocks)
 
 
 def torch_net(params):
@@ -56,26 +55,37 @@ def torch_net(params):
 
 
 def torch_batch(page, i, bad=False):
-  return tuple(torch.tensor(np.asarray(a)) for a in page["batch"](i, bad))
+  x, y = page["batch"](i, bad)
+  return torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y))
 
 
 def torch_loss(page, net, i, bad=False):
   x, y = torch_batch(page, i, bad)
   with torch.autocast("cpu", dtype=torch.float16):  # "cuda" on a GPU
-    return torch.nn.functional.mse_loss(net(x)[:, 0], y)
+    pred = net(x)[:, 0]
+    return torch.nn.functional.mse_loss(pred, y)
+
+
+def _kernel(layer):
+  """A torch ``Linear``'s weights, in the JAX kernel's layout."""
+  return layer.weight.detach().numpy().T.copy()
 
 
 def weights(net):
   return {
-    "hidden": {"kernel": net[0].weight.detach().numpy().T.copy()},
-    "out": {"kernel": net[2].weight.detach().numpy().T.copy()},
+    "hidden": {"kernel": _kernel(net[0])},
+    "out": {"kernel": _kernel(net[2])},
   }
+
+
+def _assert_below(diff, bound):
+  """``diff <= bound`` elementwise; else the largest and its bound."""
+  assert (diff <= bound).all(), (diff.max(), bound[diff.argmax()])
 
 
 def assert_within(net, params, bound):
   """|torch's - ours| <= bound, elementwise (flat, fp16_bounds' order)."""
-  diff = np.abs(fb.flat(weights(net)) - fb.flat(params))
-  assert (diff <= bound).all(), (diff.max(), bound[diff.argmax()])
+  _assert_below(fb.gap(weights(net), params), bound)
 
 
 def one_net_bounds(page, params, i, bad, rounds, scale):
@@ -85,31 +95,41 @@ def one_net_bounds(page, params, i, bad, rounds, scale):
 
 
 def before(run, params0, i):
-  return params0 if i == 0 else run[i - 1][0]
+  """The parameters at the start of step ``i`` of ``run``."""
+  if i == 0:
+    return params0
+  return run[i - 1][0]
 
 
 def one_net(page, key, optimizer):
   """The page's run ``key``, params0, torch's net, optimizer and scaler."""
-  run, p0 = page[key], page["params0"]
+  run = page[key]
+  p0 = page["params0"]
   net = torch_net(p0)
   scaler = torch.amp.GradScaler("cpu", **page["scaler_args"])
-  return run, p0, net, optimizer(net.parameters(), lr=1e-2), scaler
+  opt = optimizer(net.parameters(), lr=1e-2)
+  return run, p0, net, opt, scaler
 
 
 def bounds_before(page, run, p0, i):
   """one_net_bounds of clean step ``i`` at its start's params and scale."""
-  scale = float(run[i - 1][1]["loss_scale"]) if i else 2.0**10
+  if i == 0:
+    scale = 2.0**10
+  else:
+    scale = float(run[i - 1][1]["loss_scale"])
   return one_net_bounds(page, before(run, p0, i), i, False, R_MLP, scale)
 
 
 def test_typical(page):
   # torch: scaler.scale(loss).backward(); scaler.step; scaler.update.
   run, p0, net, optimizer, scaler = one_net(page, "amp_run", torch.optim.Adam)
-  steps, bounds = [], []
+  steps = []  # per applied step, what adam_step_bounds takes
+  bounds = []
   for i, (params, m) in enumerate(run):
-    d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
+    d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
-    scaler.scale(torch_loss(page, net, i, bad=i == 3)).backward()
+    loss = torch_loss(page, net, i, bad=i == 3)
+    scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
     assert scaler.get_scale() == float(m["loss_scale"])
@@ -130,9 +150,10 @@ def test_clipping(page):
   # torch: scaler.unscale_(optimizer); clip_grad_norm_(..., 1.0).
   run, p0, net, optimizer, scaler = one_net(page, "clip_run", torch.optim.SGD)
   for i, (params, m) in enumerate(run):
-    d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
+    d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
-    scaler.scale(torch_loss(page, net, i, bad=i == 3)).backward()
+    loss = torch_loss(page, net, i, bad=i == 3)
+    scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
     scaler.step(optimizer)
@@ -147,13 +168,14 @@ def test_clipping(page):
       # |norm' - norm| <= |g' - g|_2 <= |e|_2, and the float32 sums of
       # squares, 288 terms: 288 * 2**-24 relative.
       gn = float(m["grad_norm"])
-      assert abs(norm.item() - gn) <= e2 + 288 * 2.0**-24 * gn
+      sums = 288 * 2.0**-24 * gn
+      assert abs(norm.item() - gn) <= e2 + sums
       # Clipping to the unit ball: g / |g| moves by at most
       # e / |g'| + |g| |e|_2 / (|g| |g'|), |g'| >= |g| - |e|_2 > 1.
       low = gn - e2
       assert low > 1
       du = (e + (np.abs(g) + e) * e2 / gn) / low
-      d = d + 1e-2 * du + fb.F32 * np.abs(fb.flat(params))
+      d = d + 1e-2 * du + fb.update_roundings(params)
     assert_within(net, params, d)
   # A step missed or taken twice moves by lr * 1.0 in norm: 4 times this.
   assert np.linalg.norm(d) < 1e-2 / 4
@@ -164,10 +186,12 @@ def test_accumulation(page):
   run, p0, net, optimizer, scaler = one_net(page, "accum_run", torch.optim.SGD)
   iters_to_accumulate = 4
   # The 1st window, all at params0 (torch's backward at 2**10 / 4).
-  bound = lambda i: one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4)[0]
-  eps = sum(bound(i) for i in range(4)) / 4
+  window = [
+    one_net_bounds(page, p0, i, False, R_MLP, 2.0**10 / 4) for i in range(4)
+  ]
+  eps = sum(eps_i for eps_i, _, _ in window) / 4
   # The float32 mean of 4 and the update: a few float32 roundings.
-  d = 1e-2 * eps + 2 * fb.F32 * np.abs(fb.flat(run[3][0]))
+  d = 1e-2 * eps + 2 * fb.update_roundings(run[3][0])
   checked = 0
   for i, (params, m) in enumerate(run):
     loss = torch_loss(page, net, i, bad=i == 5) / iters_to_accumulate
@@ -180,7 +204,7 @@ def test_accumulation(page):
       assert_within(net, params, d)  # the 2nd window skipped: the same d
       checked += 1
   assert checked == 2
-  moved = np.abs(fb.flat(run[3][0]) - fb.flat(p0)).max()
+  moved = fb.gap(run[3][0], p0).max()
   assert d.max() < moved / 10  # the window's step is 10 times the bound
 
 
@@ -189,16 +213,18 @@ def test_gradient_penalty(page):
   # add the gradients' norm, backward of the scaled sum.
   run, p0, net, optimizer, scaler = one_net(page, "pen_run", torch.optim.SGD)
   for i, (params, m) in enumerate(run):
-    d = np.abs(fb.flat(weights(net)) - fb.flat(before(run, p0, i)))
+    d = fb.gap(weights(net), before(run, p0, i))
     optimizer.zero_grad()
     loss = torch_loss(page, net, i, bad=i == 3)
+    scaled_loss = scaler.scale(loss)
     scaled_grads = torch.autograd.grad(
-      scaler.scale(loss), net.parameters(), create_graph=True
+      scaled_loss, net.parameters(), create_graph=True
     )
     inv_scale = 1.0 / scaler.get_scale()
     grads = [g * inv_scale for g in scaled_grads]
     with torch.autocast("cpu", dtype=torch.float16):
-      loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
+      penalty = sum(g.pow(2).sum() for g in grads).sqrt()
+      loss = loss + penalty
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
@@ -212,12 +238,13 @@ def test_gradient_penalty(page):
       e = eps + R_PEN * 2.0**-10 * (hess @ big_g) / gn
       # Feedback: the penalized loss's curvature, H and the penalty's
       # own, H_abs @ H_abs / |g| to first order.
-      d = d + 1e-2 * (e + hess @ d + hess @ (hess @ d) / gn)
-      d = d + fb.F32 * np.abs(fb.flat(params))
+      feedback = hess @ d + hess @ (hess @ d) / gn
+      d = d + 1e-2 * (e + feedback)
+      d = d + fb.update_roundings(params)
     assert_within(net, params, d)
   # Loose: the absolute second-order terms bound a rounding of H g / |g|
   # by |H| |g| / |g| summed without cancellation; below the run's move.
-  moved = np.abs(fb.flat(run[-1][0]) - fb.flat(p0)).max()
+  moved = fb.gap(run[-1][0], p0).max()
   assert d.max() < moved / 2
 
 
@@ -241,12 +268,16 @@ def two_net_bounds(page, p0, p1, losses, scale, which=(0, 1)):
       if which[k] not in (j, None):
         continue
       x, y = page["batch"](i, bad)
-      g = fb.abs_grad([p0, p1], [(coeffs, x, y)])[j]
-      total = total + fb.flat(g)
-      total = total + 8 * float(np.abs(x).max()) * 2.0**-25 / scale
+      abs_grads = fb.abs_grad([p0, p1], [(coeffs, x, y)])
+      total = total + fb.flat(abs_grads[j])
+      # A subnormal result's absolute rounding, as fp16_bounds.mlp_bounds.
+      largest = float(np.abs(x).max())
+      subnormal = 8 * largest * 2.0**-25 / scale
+      total = total + subnormal
     eps.append(R_TWO * 2.0**-10 * total)
   data = [(c, *page["batch"](i, bad)) for c, i, bad in losses]
-  return np.concatenate(eps), fb.abs_hessian([p0, p1], data)
+  hess = fb.abs_hessian([p0, p1], data)
+  return np.concatenate(eps), hess
 
 
 def _flat2(p0, p1):
@@ -257,28 +288,43 @@ def _two_flat(net0, net1):
   return _flat2(weights(net0), weights(net1))
 
 
+def _two_gap(nets, p0, p1):
+  """``|torch's - ours|`` of both nets, elementwise, flat."""
+  return np.abs(_two_flat(*nets) - _flat2(p0, p1))
+
+
 def _check_two(nets, r, d):
-  diff = np.abs(_two_flat(*nets) - _flat2(r[0], r[1]))
-  assert (diff <= d).all(), (diff.max(), d[diff.argmax()])
+  _assert_below(_two_gap(nets, r[0], r[1]), d)
 
 
 def two_nets(page):
   """torch's two nets (params0, params1), their SGDs and one GradScaler."""
   nets = torch_net(page["params0"]), torch_net(page["params1"])
-  opt0, opt1 = (torch.optim.SGD(n.parameters(), lr=1e-3) for n in nets)
-  shared_args = dict(init_scale=2.0**6, growth_interval=2)
-  return nets, opt0, opt1, torch.amp.GradScaler("cpu", **shared_args)
+  opt0 = torch.optim.SGD(nets[0].parameters(), lr=1e-3)
+  opt1 = torch.optim.SGD(nets[1].parameters(), lr=1e-3)
+  scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=2)
+  return nets, opt0, opt1, scaler
+
+
+def _two_before(page, run, i, scale_at):
+  """Both nets' parameters and the loss scale at the start of step ``i`` of
+  ``run``, whose records hold the scale's state at ``scale_at``."""
+  if i == 0:
+    return page["params0"], page["params1"], 2.0**6
+  q0, q1 = run[i - 1][:2]
+  scale = float(page["fs"].current_scale(run[i - 1][scale_at]))
+  return q0, q1, scale
 
 
 def test_two_models_one_scaler(page):
   # torch: two backward passes, scaler.step(opt0), scaler.step(opt1), one
   # scaler.update().
-  two, p0, p1 = page["two"], page["params0"], page["params1"]
+  two = page["two"]
   nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(two):
-    q0, q1 = (p0, p1) if i == 0 else two[i - 1][:2]
-    d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
+    q0, q1, scale = _two_before(page, two, i, scale_at=2)
+    d = _two_gap(nets, q0, q1)
     opt0.zero_grad()
     opt1.zero_grad()
     loss0, loss1 = torch_losses(page, nets, i, bad=i == 2)
@@ -289,35 +335,35 @@ def test_two_models_one_scaler(page):
     scaler.update()
     assert scaler.get_scale() == float(current(r[2]))
     if i != 2:
-      scale = 2.0**6 if i == 0 else float(current(two[i - 1][2]))
       losses = [((2.0, 3.0), i, False), ((3.0, -5.0), i, False)]
       eps, hess = two_net_bounds(page, q0, q1, losses, scale, (None, None))
       d = d + 1e-3 * (eps + hess @ d)
-      d = d + fb.F32 * np.abs(_flat2(r[0], r[1]))
+      d = d + fb.update_roundings((r[0], r[1]))
     _check_two(nets, r, d)
-  step = np.abs(fb.flat(two[1][0]) - fb.flat(two[0][0])).max()
+  step = fb.gap(two[1][0], two[0][0]).max()
   assert d.max() < step  # below one step's move
 
 
 def test_gan_order(page):
   # The 2nd loss after the 1st optimizer stepped; model 1's gradients
   # zeroed before its backward, as fake.detach() does.
-  gan, p0, p1 = page["gan"], page["params0"], page["params1"]
+  gan = page["gan"]
   nets, opt0, opt1, scaler = two_nets(page)
   current = page["fs"].current_scale
   for i, r in enumerate(gan):
-    q0, q1 = (p0, p1) if i == 0 else gan[i - 1][:2]
-    d = np.abs(_two_flat(*nets) - _flat2(q0, q1))
+    q0, q1, scale = _two_before(page, gan, i, scale_at=3)
+    d = _two_gap(nets, q0, q1)
     opt0.zero_grad()
     opt1.zero_grad()
-    scaler.scale(torch_losses(page, nets, i)[0]).backward()
+    loss0 = torch_losses(page, nets, i)[0]
+    scaler.scale(loss0).backward()
     scaler.step(opt0)
     opt1.zero_grad()
-    scaler.scale(torch_losses(page, nets, 10 + i, bad=i == 2)[1]).backward()
+    loss1 = torch_losses(page, nets, 10 + i, bad=i == 2)[1]
+    scaler.scale(loss1).backward()
     scaler.step(opt1)
     scaler.update()
     assert scaler.get_scale() == float(current(r[2]))
-    scale = 2.0**6 if i == 0 else float(current(gan[i - 1][3]))
     # Model 0 always steps; model 1 skips step 2. Loss 1 is taken with the
     # stepped model 0 (r[0]); to first order in lr its |Hessian| is the
     # one before the step.
@@ -330,9 +376,9 @@ def test_gan_order(page):
       eps[half:] = 0.0
       hess[half:] = 0.0  # model 1 does not move
     d = d + 1e-3 * (eps + hess @ d)
-    d = d + fb.F32 * np.abs(_flat2(r[0], r[1]))
+    d = d + fb.update_roundings((r[0], r[1]))
     _check_two(nets, r, d)
-  step = np.abs(fb.flat(gan[1][0]) - fb.flat(gan[0][0])).max()
+  step = fb.gap(gan[1][0], gan[0][0]).max()
   assert d.max() < step  # below one step's move
 
 

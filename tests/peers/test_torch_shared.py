@@ -39,12 +39,16 @@ torch = oracles.require("torch")
 
 STEPS = 300
 BATCH = 8
-INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 3
+INIT_SCALE = 2.0**8
+GROWTH_INTERVAL = 3
 SCALER_ARGS = dict(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 # float32 values (see test_torch.py): optax and torch then form Adam's bias
 # corrections alike.
-SGD_LR, MOMENTUM = 2.0**-5, 0.5
-ADAM_LR, BETAS, EPS = 2.0**-7, (0.875, 1 - 2.0**-10), 1e-8
+SGD_LR = 2.0**-5
+MOMENTUM = 0.5
+ADAM_LR = 2.0**-7
+BETAS = (0.875, 1 - 2.0**-10)
+EPS = 1e-8
 BAD_VALUES = (np.inf, -np.inf, np.nan)
 # Parameters: float32 operation order only (the frameworks sum the squared
 # errors' gradients in different orders), random-walking over the steps.
@@ -65,8 +69,9 @@ def _optimizers_torch(params0, params1):
 
 
 def _optimizers_optax():
+  sgd = optax.sgd(SGD_LR, momentum=MOMENTUM)
   adam = optax.adam(ADAM_LR, b1=BETAS[0], b2=BETAS[1], eps=EPS)
-  return optax.sgd(SGD_LR, momentum=MOMENTUM), adam
+  return sgd, adam
 
 
 class Case:
@@ -123,6 +128,21 @@ def _inject(model, case, i, t):
 _LEAVES = ("weight", "bias")
 
 
+def _copied(model):
+  """Copies of ``model``'s parameters."""
+  return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(old, model):
+  """Whether ``model``'s parameters equal ``old``, a copy of them."""
+  return all(map(torch.equal, old, model.parameters()))
+
+
+def _numpy_params(model):
+  """A ``Linear``'s weight and bias, copied out as numpy."""
+  return {k: getattr(model, k).detach().numpy().copy() for k in _LEAVES}
+
+
 def run_torch(case):
   """The AMP examples page's recipe for ``case``; per step the scale and
   growth tracker after ``scaler.update()``, whether each model's parameters
@@ -133,12 +153,14 @@ def run_torch(case):
   mse = torch.nn.MSELoss()
   out = dict(scale=[], tracker=[], skipped=[], params=[])
   for t in range(STEPS):
-    x, y = torch.tensor(case.x[t]), torch.tensor(case.y[t])
-    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    x = torch.tensor(case.x[t])
+    y = torch.tensor(case.y[t])
+    before = [_copied(m) for m in models]
     for opt in opts:
       opt.zero_grad()
     if case.name == "two_losses":
-      out0, out1 = models[0](x), models[1](x)
+      out0 = models[0](x)
+      out1 = models[1](x)
       loss0 = mse(2 * out0 + 3 * out1, y)
       loss1 = mse(3 * out0 - 5 * out1, y)
       scaler.scale(loss0).backward(retain_graph=True)
@@ -149,8 +171,10 @@ def run_torch(case):
       scaler.step(opts[1])
     else:  # GAN order: D = models[0], G = models[1]
       d, g = models
-      ones, zeros = torch.ones(BATCH, 1), torch.zeros(BATCH, 1)
-      loss_d = mse(d(y), ones) + mse(d(g(x).detach()), zeros)
+      ones = torch.ones(BATCH, 1)
+      zeros = torch.zeros(BATCH, 1)
+      fake = g(x).detach()
+      loss_d = mse(d(y), ones) + mse(d(fake), zeros)
       scaler.scale(loss_d).backward()
       _inject(d, case, 0, t)
       scaler.step(opts[0])
@@ -161,10 +185,9 @@ def run_torch(case):
     scaler.update()
     out["scale"].append(scaler.get_scale())
     out["tracker"].append(scaler.state_dict()["_growth_tracker"])
-    kept = lambda old, m: all(map(torch.equal, old, m.parameters()))
-    out["skipped"].append([kept(old, m) for old, m in zip(before, models)])
-    numpy = lambda m, k: getattr(m, k).detach().numpy().copy()
-    out["params"].append([{k: numpy(m, k) for k in _LEAVES} for m in models])
+    kept = [_unchanged(old, m) for old, m in zip(before, models)]
+    out["skipped"].append(kept)
+    out["params"].append([_numpy_params(m) for m in models])
   return out
 
 
@@ -188,12 +211,15 @@ def loss1(p0, p1, x, y):
 
 
 def loss_d(pd, pg, x, y):
-  ones, zeros = jnp.ones((BATCH, 1)), jnp.zeros((BATCH, 1))
-  return mse(_apply(pd, y), ones) + mse(_apply(pd, _apply(pg, x)), zeros)
+  ones = jnp.ones((BATCH, 1))
+  zeros = jnp.zeros((BATCH, 1))
+  fake = _apply(pg, x)
+  return mse(_apply(pd, y), ones) + mse(_apply(pd, fake), zeros)
 
 
 def loss_g(pd, pg, x):
-  return mse(_apply(pd, _apply(pg, x)), jnp.ones((BATCH, 1)))
+  fake = _apply(pg, x)
+  return mse(_apply(pd, fake), jnp.ones((BATCH, 1)))
 
 
 def _injected(grads, bad, where):
@@ -201,7 +227,8 @@ def _injected(grads, bad, where):
 
   def put(k, g):
     flat = g.reshape(-1)
-    hit = bad & (leaf == k) & (jnp.arange(flat.size) == index)
+    at_index = jnp.arange(flat.size) == index
+    hit = bad & (leaf == k) & at_index
     return jnp.where(hit, value, flat).reshape(g.shape)
 
   return {"weight": put(0, grads["weight"]), "bias": put(1, grads["bias"])}
@@ -219,23 +246,30 @@ def run_ours(case_names):
       x, y, bad0, bad1, where0, where1 = x
       # Both states hold the step's scale (synced at the last step's end);
       # s1's, as s0's moves when optimizer 0 steps first.
-      vg = lambda f, **kw: fs.value_and_grad(f, s1, **kw)
-      update = lambda i, g, s, p: txs[i].update(g, s, p)
+
+      def vg(f, **kw):
+        return fs.value_and_grad(f, s1, **kw)
+
+      injections = ((bad0, where0), (bad1, where1))
+
+      def step(i, grads, state, params):
+        """Optimizer ``i``'s step on ``grads``, its injection put in."""
+        grads = _injected(grads, *injections[i])
+        updates, state = txs[i].update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
       if name == "two_losses":  # .grad sums the two backward passes
         _, (g0a, g1a) = vg(loss0, argnums=(0, 1))(p0, p1, x, y)
         _, (g0b, g1b) = vg(loss1, argnums=(0, 1))(p0, p1, x, y)
         g0 = jax.tree.map(jnp.add, g0a, g0b)
         g1 = jax.tree.map(jnp.add, g1a, g1b)
-        u0, s0 = update(0, _injected(g0, bad0, where0), s0, p0)
-        u1, s1 = update(1, _injected(g1, bad1, where1), s1, p1)
-        p0, p1 = optax.apply_updates(p0, u0), optax.apply_updates(p1, u1)
+        p0, s0 = step(0, g0, s0, p0)
+        p1, s1 = step(1, g1, s1, p1)
       else:
         _, gd = vg(loss_d)(p0, p1, x, y)
-        u0, s0 = update(0, _injected(gd, bad0, where0), s0, p0)
-        p0 = optax.apply_updates(p0, u0)
+        p0, s0 = step(0, gd, s0, p0)
         _, gg = vg(loss_g, argnums=1)(p0, p1, x)  # the updated D
-        u1, s1 = update(1, _injected(gg, bad1, where1), s1, p1)
-        p1 = optax.apply_updates(p1, u1)
+        p1, s1 = step(1, gg, s1, p1)
       s0, s1 = fs.sync_loss_scales(s0, s1)  # scaler.update()
       out = dict(
         scale=jnp.stack([fs.current_scale(s) for s in (s0, s1)]),
@@ -262,7 +296,10 @@ def run_ours(case_names):
 def runs():
   names = sorted(SHAPES)
   cases, ours = run_ours(names)
-  return {n: (c, run_torch(c), o) for n, c, o in zip(names, cases, ours)}
+  runs = {}
+  for name, case, our_run in zip(names, cases, ours):
+    runs[name] = (case, run_torch(case), our_run)
+  return runs
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -280,7 +317,8 @@ def test_one_scaler_two_optimizers_match_torch_amp(name, runs):
   for t in range(STEPS):
     for i in range(2):
       theirs = peer["params"][t][i]
-      tol = PARAM_RTOL_OF_MAX * max(np.abs(v).max() for v in theirs.values())
+      largest = max(np.abs(v).max() for v in theirs.values())
+      tol = PARAM_RTOL_OF_MAX * largest
       for k in ("weight", "bias"):
         np.testing.assert_allclose(
           ours["params"][i][k][t],
@@ -293,13 +331,17 @@ def test_one_scaler_two_optimizers_match_torch_amp(name, runs):
   for i in range(2):
     for k in ("weight", "bias"):
       p = ours["params"][i][k]
-      kept = np.all(p[1:] == p[:-1], axis=tuple(range(1, p.ndim)))
+      same = p[1:] == p[:-1]  # per step, each element as the step before
+      kept = np.all(same, axis=tuple(range(1, p.ndim)))
       np.testing.assert_array_equal(kept, skipped[1:, i])
   # The run exercised the rule: one-sided and two-sided overflows, and the
   # scale moved both ways many times.
   bad0, bad1 = case.bad
-  assert (bad0 & ~bad1).sum() >= 10 and (bad1 & ~bad0).sum() >= 10
+  assert (bad0 & ~bad1).sum() >= 10
+  assert (bad1 & ~bad0).sum() >= 10
   assert (bad0 & bad1).sum() >= 3
   scale = np.concatenate([[INIT_SCALE], peer["scale"]])
-  grew, fell = (np.diff(scale) > 0).sum(), (np.diff(scale) < 0).sum()
-  assert grew >= 10 and fell >= 10, (grew, fell)
+  grew = (np.diff(scale) > 0).sum()
+  fell = (np.diff(scale) < 0).sum()
+  assert grew >= 10, (grew, fell)
+  assert fell >= 10, (grew, fell)

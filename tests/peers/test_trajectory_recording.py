@@ -36,8 +36,10 @@ def record() -> dict:
   for k, (name, (configs, peer, clamped, _)) in enumerate(_PRESETS.items()):
     rng = np.random.default_rng([SEED, k])
     cfgs = configs(rng)[:CONFIGS]
-    draw = lambda c: tt._overflows_and_scales(rng, peer, c, SEQUENCES, STEPS)
-    flags = np.stack([draw(c)[0] for c in cfgs])
+    drawn = [
+      tt._overflows_and_scales(rng, peer, c, SEQUENCES, STEPS) for c in cfgs
+    ]
+    flags = np.stack([overflows for overflows, _ in drawn])
     scales = np.array(
       [[clamped(f, c) for f in fc] for fc, c in zip(flags, cfgs)], np.float64
     )
