@@ -12,7 +12,7 @@ import numpy as np
 from fp16_scaling import _policy
 from fp16_scaling import _validate
 from fp16_scaling._metrics import current_scale
-from fp16_scaling._shared import _is_nnx_optimizer
+from fp16_scaling._shared import is_nnx_optimizer
 
 _STALE = (
   "fs.value_and_grad: the loss scale was read from a state that is not "
@@ -141,7 +141,7 @@ def value_and_grad(
     >>> print(value.dtype, grads.dtype)
     float32 float32
   """
-  nnx_optimizer = _is_nnx_optimizer(state)
+  nnx_optimizer = is_nnx_optimizer(state)
   # The loss scale held by state (an optax state or an nnx.Optimizer).
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
     raise ValueError(

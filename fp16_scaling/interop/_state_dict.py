@@ -226,6 +226,8 @@ def load_scaler_state_dict(
 
   Returns:
     The new optax state (a peer's sets the scale and its counters only).
+    :func:`sync_loss_scales` refuses to sync it with a state whose scale
+    was not set too (the sync would undo it).
 
   Raises:
     ValueError: an unknown state, a scale that is not a normal float32, or
@@ -238,7 +240,9 @@ def load_scaler_state_dict(
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
   new = _put_own(old, fields, values)
-  return _lookup.replace_loss_scale_state(opt_state, new)
+  # Marked: a sync with a state whose scale was not set would undo it.
+  new_state = _lookup.replace_loss_scale_state(opt_state, new)
+  return _lookup.mark_loss_scale_state(new_state, scale_set=True)
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
