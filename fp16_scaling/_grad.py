@@ -11,8 +11,8 @@ import numpy as np
 
 from fp16_scaling import _policy
 from fp16_scaling import _validate
+from fp16_scaling._lookup import is_nnx_optimizer
 from fp16_scaling._metrics import current_scale
-from fp16_scaling._shared import is_nnx_optimizer
 
 _STALE = (
   "fs.value_and_grad: the loss scale was read from a state that is not "

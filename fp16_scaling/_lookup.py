@@ -5,6 +5,7 @@ everywhere; states come back with plain arrays (:func:`unwrap`, for
 ``nnx.Optimizer``).
 """
 
+import sys
 from typing import Any, Optional
 
 import jax
@@ -23,6 +24,12 @@ def looks_like_loss_scale_state(keys) -> bool:
   ``scaler`` and two more fields (older releases lack the newer ones)."""
   keys = set(map(str, keys)) & set(LossScaleState._fields)
   return "scaler" in keys and len(keys) >= 3
+
+
+def is_nnx_optimizer(x: Any) -> bool:
+  """Whether ``x`` is an ``nnx.Optimizer`` (of a loaded flax.nnx)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Optimizer)
 
 
 def unwrap(tree: Any) -> Any:

@@ -21,16 +21,10 @@ def _nnx_variable_type():
   return getattr(nnx, "Variable", None)
 
 
-def is_nnx_optimizer(x: Any) -> bool:
-  """Whether ``x`` is an ``nnx.Optimizer`` (of a loaded flax.nnx)."""
-  nnx = sys.modules.get("flax.nnx")
-  return nnx is not None and isinstance(x, nnx.Optimizer)
-
-
 def _member(opt_state: Any, i: int) -> LossScaleState:
   """The loss-scale state of the ``i``-th optimizer state to sync."""
   what = f"sync_loss_scales' optimizer state {i}"
-  if is_nnx_optimizer(opt_state):
+  if _lookup.is_nnx_optimizer(opt_state):
     opt_state = opt_state.opt_state
   if _lookup.accumulation_state(opt_state) is not None:
     raise ValueError(
@@ -201,7 +195,7 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   out = []
   for s, ls in zip(opt_states, found):
     new = ls._replace(scaler=scaler)
-    if is_nnx_optimizer(s):
+    if _lookup.is_nnx_optimizer(s):
       _set_in_place(s, new)
       out.append(s)
       continue
