@@ -363,7 +363,8 @@ def check_state(config: ScaleConfig, state: LossScaleState) -> None:
   """Raises ValueError when ``state`` was built by another configuration,
   before anything is read with ``config``. A state this configuration
   built or stepped is not compared again; one that entered from
-  elsewhere (another chain's, a copy) is, until this one steps it."""
+  elsewhere (another chain's, a copy) is, until this one steps it. Under
+  ``jit`` it runs when the update is traced, as the marks are read."""
   built_by = state.leaf_paths.built_by
   if built_by is config or built_by is None:
     return

@@ -17,7 +17,8 @@ KINDS = ("none", "unknown", "forward", "backward", "persistent")
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
   """What a :class:`LossScaleState`'s reports read of its leaves, held
-  statically in its treedef; no configuration.
+  statically in its treedef, and marks read at trace time. No copy of the
+  configuration: that stays in the closure (``built_by`` points to it).
 
   Attributes:
     paths: the units' paths (``jax.tree_util.keystr``), in tree order. A
