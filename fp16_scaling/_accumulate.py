@@ -2,6 +2,7 @@
 a window with an inf or NaN is skipped exactly (docs/accumulation.md).
 """
 
+import functools
 import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -113,7 +114,8 @@ def accumulate_gradients(
       "is measured once, at the scale its microbatches were made with, and "
       "the window's step is skipped exactly on an overflow."
     )
-  partition_specs = tx.scale.partition_specs
+  step = tx.config
+  partition_specs = step.scale.partition_specs
 
   def init_fn(params):
     _norm.check_float_leaves(
@@ -137,8 +139,8 @@ def accumulate_gradients(
     )
     new_updates, inner_state, acc, overflow = _end_window_if(
       ends,
-      lambda acc: _mean_of(acc, window, drop),
-      tx,
+      functools.partial(_mean_of, window=window, drop=drop),
+      step,
       (jax.tree.unflatten(jax.tree.structure(updates), summed), state, params),
       extra_args,
       in_range=all(jnp.result_type(g) == jnp.float16 for g in leaves),
@@ -163,18 +165,17 @@ def accumulate_gradients(
 
 def _initial_state(inner_state, params) -> AccumulationState:
   """The state before the first microbatch."""
-  zero = lambda dtype: jnp.zeros([], dtype)
   return AccumulationState(
-    mini_step=zero(jnp.int32),
-    windows=zero(jnp.int32),
+    mini_step=jnp.zeros([], jnp.int32),
+    windows=jnp.zeros([], jnp.int32),
     acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-    clean_in_window=zero(jnp.int32),
+    clean_in_window=jnp.zeros([], jnp.int32),
     inner_state=inner_state,
-    microbatches=zero(jnp.int32),
-    applied_steps=zero(jnp.int32),
-    dropped_microbatches=zero(jnp.int32),
+    microbatches=jnp.zeros([], jnp.int32),
+    applied_steps=jnp.zeros([], jnp.int32),
+    dropped_microbatches=jnp.zeros([], jnp.int32),
     window_ended=jnp.bool_(False),
-    loss_sum=zero(jnp.float32),
+    loss_sum=jnp.zeros([], jnp.float32),
     loss_nonfinite=jnp.bool_(False),
   )
 
@@ -270,14 +271,21 @@ def _mean_of(acc, window: _Window, drop: bool):
   return jax.tree.map(lambda a: a * factor, acc)
 
 
-def _end_window_if(ends, mean_of, tx, operands, extra_args, *, in_range):
-  """``(updates, inner_state, acc_grads, overflow)``: ``tx`` on the window's
-  mean, and the accumulator reset, when ``ends``; else ``-0.0`` updates."""
+def _end_window_if(ends, mean_of, step, operands, extra_args, *, in_range):
+  """``(updates, inner_state, acc_grads, overflow)``: the ``step`` (a
+  :class:`StepConfig`) on the window's mean, and the accumulator reset,
+  when ``ends``; else ``-0.0`` updates."""
   summed, state, params = operands
 
   def run_inner(acc, inner_state, params):
     # The step on the window's mean, measured once inside it.
-    out = tx.outcome(mean_of(acc), inner_state, params, extra_args, in_range)
+    out = step.run(
+      mean_of(acc),
+      inner_state,
+      params,
+      extra=extra_args,
+      in_float16_range=in_range,
+    )
     return (out.updates, out.state), out.overflow
 
   (out_shape, _), _ = jax.eval_shape(

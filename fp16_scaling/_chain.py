@@ -3,6 +3,7 @@ gradients once, steps the scale, unscales and clips from that one
 measurement, runs the optimizer, and selects (docs/design.md, "Data flow").
 """
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -28,17 +29,6 @@ class OwnsStep(optax.GradientTransformationExtraArgs):
   one (:func:`accumulate_gradients`), which no chain may hold again."""
 
 
-class Step(OwnsStep):
-  """What :func:`chain` returns: an ``optax.GradientTransformationExtraArgs``
-  with the configuration it was built from, for
-  :func:`accumulate_gradients`; ``outcome(updates, state, params, extra,
-  in_float16_range)`` is its update with the overflow it decided."""
-
-  scale: ScaleConfig
-  clip: Optional[ClipConfig]
-  rest: optax.GradientTransformationExtraArgs
-
-
 class Outcome(NamedTuple):
   """A step's result, with the overflow it decided.
 
@@ -53,6 +43,103 @@ class Outcome(NamedTuple):
   overflow: jax.Array
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepConfig:
+  """What :func:`chain` was given, checked, and the step it runs: a
+  :class:`Step`'s ``init`` and ``update`` are this one's methods.
+
+  Attributes:
+    scale: the :class:`ScaleConfig` of its ``fp16_loss_scale``.
+    clip: the :class:`ClipConfig` of the clip right after it, or None.
+    rest: the rest of the chain, one ``optax.chain``.
+  """
+
+  scale: ScaleConfig
+  clip: Optional[ClipConfig]
+  rest: optax.GradientTransformationExtraArgs
+
+  @property
+  def owned(self) -> int:
+    """How many of the state's elements are the step's own (loss scale,
+    and the clip when there is one); the rest's follow."""
+    return 1 if self.clip is None else 2
+
+  def init(self, params) -> tuple:
+    """The state: ``(LossScaleState, [ClipState,] *rest's)``."""
+    head = (_loss_scale.init_state(self.scale, params),)
+    if self.clip is not None:
+      head += (self.clip.init(params),)
+    return head + tuple(self.rest.init(params))
+
+  def update(self, updates, state, params=None, **extra):
+    """``optax``'s update: :meth:`run` on gradients outside a window."""
+    out = self.run(updates, state, params, extra=extra, in_float16_range=False)
+    return out.updates, out.state
+
+  def run(
+    self, updates, state, params, *, extra: dict, in_float16_range: bool
+  ) -> Outcome:
+    """The step on the scaled gradients ``updates``, with the overflow it
+    decided; ``extra`` are the update's extra arguments, and
+    ``in_float16_range`` says that every gradient holds float16-range
+    values (:class:`Measurement`)."""
+    ls, own = state[0], self.owned
+    _loss_scale.check_state(self.scale, ls)
+    m = self.scale.measure(updates, ls, in_float16_range=in_float16_range)
+    head = (
+      _loss_scale.step_state(
+        self.scale, ls, m, updates, params, extra.get("value")
+      ),
+    )
+    factor = None
+    if self.clip is not None:
+      norms = self.clip.norms(m, updates)
+      factor = self.clip.factor(norms)
+      new_clip = _clipping.clip_state(norms)
+      # Write-only: each field reads its old value to keep its buffer.
+      head += (_donation.written_over(state[1], new_clip),)
+    treedef = jax.tree.structure(updates)
+    unscaled = jax.tree.unflatten(treedef, m.unscaled(m.grads, factor))
+    new_updates, new_rest = self.rest.update(
+      unscaled, state[own:], params, **extra
+    )
+    new_updates = jax.tree.map(
+      lambda u: jnp.where(m.overflow, -0.0, u), new_updates
+    )
+    kept = jax.tree.map(
+      lambda new, old: jnp.where(m.overflow, old, new),
+      tuple(new_rest),
+      tuple(state[own:]),
+    )
+    return Outcome(updates=new_updates, state=head + kept, overflow=m.overflow)
+
+
+class Step(OwnsStep):
+  """What :func:`chain` returns: an ``optax.GradientTransformationExtraArgs``
+  whose ``init`` and ``update`` are its :class:`StepConfig`'s, which
+  :attr:`config` reads back (for :func:`accumulate_gradients`)."""
+
+  @property
+  def config(self) -> StepConfig:
+    """The :class:`StepConfig` this step runs."""
+    return self.update.__self__
+
+
+def _no_state(params) -> tuple:
+  del params
+  return ()
+
+
+def _passed_on(updates, state, params=None, **extra) -> tuple:
+  del state, params, extra
+  return updates, ()
+
+
+# A chain of no more elements (optax.chain() takes at least one): its state
+# stays ``()``.
+_NOTHING_MORE = optax.GradientTransformationExtraArgs(_no_state, _passed_on)
+
+
 def _kind(tx) -> str:
   """What ``tx`` is, for a message."""
   if isinstance(tx, Step):
@@ -64,9 +151,9 @@ def _kind(tx) -> str:
   return type(tx).__name__
 
 
-def _checked(transforms) -> tuple:
-  """``(scale config, clip config or None, the rest)`` of ``chain``'s
-  arguments, refused (ValueError) unless in the step's order."""
+def _checked(transforms) -> StepConfig:
+  """The :class:`StepConfig` of ``chain``'s arguments, refused
+  (ValueError) unless in the step's order."""
   if not transforms or not isinstance(transforms[0], LossScale):
     first = _kind(transforms[0]) if transforms else "nothing"
     raise ValueError(
@@ -97,11 +184,11 @@ def _checked(transforms) -> tuple:
         f"fs.chain: element {i + 1 + (clip is not None)} is a "
         f"{type(tx).__name__}, not an optax GradientTransformation"
       )
-  # optax.chain() takes at least one element; the state stays ``()``.
-  empty = optax.GradientTransformationExtraArgs(
-    lambda params: (), lambda updates, state, params=None, **kw: (updates, ())
+  return StepConfig(
+    scale=scale,
+    clip=clip,
+    rest=optax.chain(*rest) if rest else _NOTHING_MORE,
   )
-  return scale, clip, optax.chain(*rest) if rest else empty
 
 
 def chain(*transforms: optax.GradientTransformation) -> Step:
@@ -123,7 +210,7 @@ def chain(*transforms: optax.GradientTransformation) -> Step:
       further on clips what reaches it.
 
   Returns:
-    A :class:`Step`, an ``optax.GradientTransformationExtraArgs``. Its state
+    An ``optax.GradientTransformationExtraArgs``. Its state
     is a tuple of the elements' states, as ``optax.chain``'s:
     ``(LossScaleState, [ClipState,] *rest)``. Extra arguments (``value=``,
     the loss) reach every element.
@@ -148,48 +235,5 @@ def chain(*transforms: optax.GradientTransformation) -> Step:
     >>> print(bool(m["overflow"]), float(m["loss_scale"]))
     True 512.0
   """
-  scale, clip, rest = _checked(transforms)
-  own = 1 if clip is None else 2
-
-  def init_fn(params):
-    head = (_loss_scale.init_state(scale, params),)
-    if clip is not None:
-      head += (_clipping.init_state(clip, params),)
-    return head + tuple(rest.init(params))
-
-  def outcome(updates, state, params, extra, in_float16_range) -> Outcome:
-    ls = state[0]
-    _loss_scale.check_state(scale, ls)
-    m = scale.measure(
-      updates, ls.scaler.loss_scale, in_float16_range=in_float16_range
-    )
-    head = (
-      _loss_scale.step_state(scale, ls, m, updates, params, extra.get("value")),
-    )
-    factor = None
-    if clip is not None:
-      norms = clip.norms(m, updates)
-      factor = clip.factor(norms)
-      new_clip = _clipping.clip_state(norms)
-      # Write-only: each field reads its old value to keep its buffer.
-      head += (_donation.written_over(state[1], new_clip),)
-    treedef = jax.tree.structure(updates)
-    unscaled = jax.tree.unflatten(treedef, m.unscaled(m.grads, factor))
-    new_updates, new_rest = rest.update(unscaled, state[own:], params, **extra)
-    new_updates = jax.tree.map(
-      lambda u: jnp.where(m.overflow, -0.0, u), new_updates
-    )
-    kept = jax.tree.map(
-      lambda new, old: jnp.where(m.overflow, old, new),
-      tuple(new_rest),
-      tuple(state[own:]),
-    )
-    return Outcome(new_updates, head + kept, m.overflow)
-
-  def update_fn(updates, state, params=None, **extra):
-    out = outcome(updates, state, params, extra, False)
-    return out.updates, out.state
-
-  tx = Step(init_fn, update_fn)
-  tx.scale, tx.clip, tx.rest, tx.outcome = scale, clip, rest, outcome
-  return tx
+  config = _checked(transforms)
+  return Step(config.init, config.update)

@@ -4,7 +4,6 @@ reported (DeepSpeed's unfused optimizer leaves the experts out; docs/peers.md).
 """
 
 import dataclasses
-import functools
 from typing import Any, Callable, Optional, Union
 
 import jax
@@ -85,29 +84,52 @@ class ClipConfig:
     bound = jnp.float32(self.max_norm) / (norms.norm + jnp.float32(self.eps))
     return jnp.minimum(jnp.float32(1), bound)
 
+  def init(self, params) -> ClipState:
+    """The :class:`ClipState` before the first step, this configuration
+    checked on ``params``."""
+    _norm.check_float_leaves(jax.tree.leaves(params), f"{_WHAT} params", params)
+    _expert_groups(self.expert_mask, params)
+    _sharding.leaf_axes_from_specs(self.partition_specs, params, _WHAT)
+    # Three buffers: a donating step reuses each for its own field.
+    return ClipState(
+      grad_norm=jnp.zeros([], jnp.float32),
+      expert_grad_norm=jnp.zeros([], jnp.float32),
+      shared_grad_norm=jnp.zeros([], jnp.float32),
+    )
 
-class UnscaledClip(optax.GradientTransformation):
-  """What :func:`clip_by_unscaled_norm` returns: a clip of its input, with
-  its :class:`ClipConfig` for :func:`chain`."""
+  def update(self, updates, state, params=None, **extra_args) -> tuple:
+    """The clip anywhere but right after :func:`fp16_loss_scale`: of what
+    reaches it, measured here; extra arguments are ignored."""
+    del params, extra_args
+    own = measure(updates, 1.0, self.partition_specs, what=_WHAT)
+    norms = self.norms(own, updates)
+    factor = self.factor(norms)
+    leaves = _norm.discard_if(norms.overflow, own.grads)
+    clipped = [x * factor.astype(x.dtype) for x in leaves]
+    # Write-only: each field reads its old value to keep its donated buffer.
+    new_state = _donation.written_over(state, clip_state(norms))
+    return jax.tree.unflatten(jax.tree.structure(updates), clipped), new_state
 
-  config: ClipConfig
+
+class UnscaledClip(optax.GradientTransformationExtraArgs):
+  """What :func:`clip_by_unscaled_norm` returns: its ``init`` and ``update``
+  are its :class:`ClipConfig`'s, which :attr:`config` reads back for
+  :func:`chain` (``optax.with_extra_args_support`` returns it as it is)."""
+
+  @property
+  def config(self) -> ClipConfig:
+    """The :class:`ClipConfig` this clip runs."""
+    return self.init.__self__
 
 
 def clip_state(norms: _norm.Norms) -> ClipState:
   """The :class:`ClipState` that records ``norms``."""
   groups = norms.group_norms
-  return ClipState(norms.norm, groups[EXPERT], groups[SHARED])
-
-
-def init_state(config: ClipConfig, params) -> ClipState:
-  """The :class:`ClipState` before the first step, ``config`` checked on
-  ``params``."""
-  _norm.check_float_leaves(jax.tree.leaves(params), f"{_WHAT} params", params)
-  _expert_groups(config.expert_mask, params)
-  _sharding.leaf_axes_from_specs(config.partition_specs, params, _WHAT)
-  # Three buffers: a donating step reuses each for its own field.
-  zero = lambda: jnp.zeros([], jnp.float32)
-  return ClipState(zero(), zero(), zero())
+  return ClipState(
+    grad_norm=norms.norm,
+    expert_grad_norm=groups[EXPERT],
+    shared_grad_norm=groups[SHARED],
+  )
 
 
 def clip_by_unscaled_norm(
@@ -141,8 +163,8 @@ def clip_by_unscaled_norm(
       :func:`chain` refuses a second value.
 
   Returns:
-    An :class:`UnscaledClip` (an ``optax.GradientTransformation``) whose
-    state is a :class:`ClipState`.
+    An ``optax.GradientTransformationExtraArgs`` (extra arguments are
+    ignored) whose state is a :class:`ClipState`.
 
   Raises:
     ValueError: ``max_norm`` not positive, ``eps`` negative.
@@ -162,21 +184,12 @@ def clip_by_unscaled_norm(
   """
   max_norm = _validate.positive("max_norm", max_norm)
   eps = _validate.non_negative("eps", eps)
-  config = ClipConfig(max_norm, expert_mask, eps, partition_specs)
+  config = ClipConfig(
+    max_norm=max_norm,
+    expert_mask=expert_mask,
+    eps=eps,
+    partition_specs=partition_specs,
+  )
   if expert_mask is not None and not callable(expert_mask):
     _mask_leaves(expert_mask)
-
-  def update_fn(updates, state, params=None):
-    del params
-    own = measure(updates, 1.0, config.partition_specs, what=_WHAT)
-    norms = config.norms(own, updates)
-    factor = config.factor(norms)
-    leaves = _norm.discard_if(norms.overflow, own.grads)
-    clipped = [x * factor.astype(x.dtype) for x in leaves]
-    # Write-only: each field reads its old value to keep its donated buffer.
-    new_state = _donation.written_over(state, clip_state(norms))
-    return jax.tree.unflatten(jax.tree.structure(updates), clipped), new_state
-
-  tx = UnscaledClip(functools.partial(init_state, config), update_fn)
-  tx.config = config
-  return tx
+  return UnscaledClip(config.init, config.update)

@@ -1,7 +1,8 @@
 """The one way to find fp16_scaling's states inside a nested optax state, so
 that a state that lost its types, holds several or sits inside
-``optax.MultiSteps`` gets the same message everywhere; states come back
-with plain arrays (:func:`unwrap`, for ``nnx.Optimizer``).
+``optax.MultiSteps`` or ``optax.apply_if_finite`` gets the same message
+everywhere; states come back with plain arrays (:func:`unwrap`, for
+``nnx.Optimizer``).
 """
 
 import sys
@@ -71,6 +72,35 @@ _MULTISTEPS = (
 )
 
 
+_APPLY_IF_FINITE = (
+  "opt_state is optax.apply_if_finite's state around fs.chain: on a step "
+  "with an inf or NaN, apply_if_finite keeps fs.chain's state as it was "
+  "(up to max_consecutive_errors steps in a row), so the loss scale never "
+  "sees those overflows and does not back off, and skipped_steps does not "
+  "count them: from a scale too high, every step is dropped until "
+  "apply_if_finite lets one through. fs.chain already skips every step "
+  "with an inf or NaN exactly, and backs the scale off on each. Drop "
+  "apply_if_finite and use fs.chain(...) alone; to stop after n skipped "
+  "steps in a row, call fs.raise_if_min_scale_reached(opt_state, "
+  "max_consecutive_errors=n) on the host (say when logging)."
+)
+
+# Wrappers refused around a LossScaleState: their state's type, and why.
+_REFUSED_WRAPPERS = (
+  (optax.MultiStepsState, _MULTISTEPS),
+  (optax.ApplyIfFiniteState, _APPLY_IF_FINITE),
+)
+
+
+def _check_not_wrapped(opt_state: Any) -> None:
+  """Raises ValueError for a LossScaleState inside a refused wrapper's
+  state."""
+  for wrapper_state, message in _REFUSED_WRAPPERS:
+    for _, wrapper in all_with_path(opt_state, wrapper_state):
+      if all_with_path(wrapper, LossScaleState):
+        raise ValueError(message)
+
+
 def _described(x: Any) -> str:
   """What ``x`` is, for a message."""
   if isinstance(x, optax.GradientTransformation):
@@ -93,13 +123,12 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
   Raises:
     ValueError: none (or one restored as plain dicts and lists, which the
       message says how to restore), several, or one inside
-      ``optax.MultiSteps`` (use ``accumulate_gradients``).
+      ``optax.MultiSteps`` (use ``accumulate_gradients``) or
+      ``optax.apply_if_finite`` (``fs.chain`` skips alone).
   """
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
-    for _, wrapper in all_with_path(opt_state, optax.MultiStepsState):
-      if all_with_path(wrapper, LossScaleState):
-        raise ValueError(_MULTISTEPS)
+    _check_not_wrapped(opt_state)
     return unwrap(found[0][1])
   if not found:
     if _looks_untyped(opt_state):
@@ -162,6 +191,20 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
   )
 
 
+def mark_loss_scale_state(opt_state: Any, **marks: Any) -> Any:
+  """``opt_state`` with its loss-scale state's static marks changed
+  (``LeafPaths.replace``)."""
+
+  def marked(x):
+    if not isinstance(x, LossScaleState):
+      return x
+    return x._replace(leaf_paths=x.leaf_paths.replace(**marks))
+
+  return jax.tree.map(
+    marked, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
+  )
+
+
 def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   """``opt_state`` with the loss scale for the next step set to ``scale``.
 
@@ -172,7 +215,8 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
     scale: a positive normal finite float32, or a float32 scalar array.
 
   Returns:
-    The new state.
+    The new state. :func:`sync_loss_scales` refuses to sync it with a
+    state whose scale was not set too (the sync would undo it).
 
   Raises:
     ValueError: a Python ``scale`` that is not a positive normal float32.
@@ -189,4 +233,6 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   old = loss_scale_state(opt_state)
   loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
   new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))
-  return replace_loss_scale_state(opt_state, new)
+  # Marked: a sync with a state whose scale was not set would undo it.
+  new_state = replace_loss_scale_state(opt_state, new)
+  return mark_loss_scale_state(new_state, scale_set=True)

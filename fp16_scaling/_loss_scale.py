@@ -184,30 +184,34 @@ class ScaleConfig:
   log_overflows: bool = False
   stacked_axes: Any = None
 
-  def layout(self, tree) -> Optional[_stacked.Layout]:
-    """``stacked_axes`` resolved on ``tree`` (the params' or the gradients'
-    tree), or None without it."""
-    return _stacked.resolve(
-      self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
-    )
-
-  def measure(self, grads, scale, *, in_float16_range=False) -> Measurement:
-    """The step's one :class:`Measurement` of ``grads``, made at ``scale``."""
-    layout = self.layout(grads)
+  def measure(self, grads, state, *, in_float16_range=False) -> Measurement:
+    """The step's one :class:`Measurement` of ``grads``, made at the scale
+    of ``state`` (a :class:`LossScaleState`), per unit of its layout."""
+    layout = state.leaf_paths.stacked
     return _measure.measure(
       grads,
-      scale,
+      state.scaler.loss_scale,
       self.partition_specs,
       in_float16_range=in_float16_range,
       layer_axes=None if layout is None else layout.axes,
     )
 
+  def refuse(self, *args, **kwargs):
+    """``init`` and ``update`` anywhere but in :func:`chain`: raises
+    RuntimeError."""
+    del args, kwargs
+    raise RuntimeError(_UNGUARDED)
+
 
 class LossScale(optax.GradientTransformationExtraArgs):
-  """What :func:`fp16_loss_scale` returns: its :class:`ScaleConfig`, for
-  :func:`chain`, and an ``init`` that refuses to run anywhere else."""
+  """What :func:`fp16_loss_scale` returns, for :func:`chain`: its ``init``
+  and ``update`` are its :class:`ScaleConfig`'s ``refuse``, which raises
+  anywhere else, and :attr:`config` reads that configuration back."""
 
-  config: ScaleConfig
+  @property
+  def config(self) -> ScaleConfig:
+    """The :class:`ScaleConfig` :func:`chain` runs."""
+    return self.init.__self__
 
 
 def fp16_loss_scale(
@@ -245,8 +249,8 @@ def fp16_loss_scale(
       layer's norm too (docs/stacked.md).
 
   Returns:
-    A :class:`LossScale` (an ``optax.GradientTransformationExtraArgs``) for
-    :func:`chain`; there, its state is a :class:`LossScaleState`.
+    An ``optax.GradientTransformationExtraArgs`` for :func:`chain`, which
+    reads its configuration; there, its state is a :class:`LossScaleState`.
 
   Raises:
     TypeError: ``scaler`` is not a :class:`Scaler`; a flag is not a bool;
@@ -275,21 +279,14 @@ def fp16_loss_scale(
   """
   check_scaler(scaler)
   config = ScaleConfig(
-    scaler,
-    partition_specs,
-    _validate.flag("grad_range", grad_range),
-    _validate.flag("log_overflows", log_overflows),
-    stacked_axes,
+    scaler=scaler,
+    partition_specs=partition_specs,
+    grad_range=_validate.flag("grad_range", grad_range),
+    log_overflows=_validate.flag("log_overflows", log_overflows),
+    stacked_axes=stacked_axes,
   )
   _stacked.check(stacked_axes, "fp16_loss_scale")
-
-  def refuse(*args, **kwargs):
-    del args, kwargs
-    raise RuntimeError(_UNGUARDED)
-
-  tx = LossScale(refuse, refuse)
-  tx.config = config
-  return tx
+  return LossScale(config.refuse, config.refuse)
 
 
 def init_state(config: ScaleConfig, params) -> LossScaleState:
@@ -306,12 +303,16 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   _warn_float16_params(leaves)
   specs = config.partition_specs
   _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
-  stacked = config.layout(params)
+  # Resolved once, here: each update measures the units it names.
+  stacked = _stacked.resolve(
+    config.stacked_axes, params, specs, "fp16_loss_scale"
+  )
   sizes = [jnp.size(x) for x in leaves]
   names, sizes = _stacked.unit_names(stacked, _names(params), sizes)
-  paths = LeafPaths(names, sizes, config.scaler, specs, stacked)
   # Not stepped yet: sync_loss_scales refuses it until an update marks it.
-  paths = paths.marked(False)
+  paths = LeafPaths(
+    names, sizes, stacked, built_by=config, stepped=False, scale_set=False
+  )
   return _initial_state(config.scaler.init(), paths, config.grad_range)
 
 
@@ -352,28 +353,27 @@ def step_state(
     _log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
   new_state = _donation.written_over(state, new_state)
-  # Marked after the tree.map, which keeps its first tree's static part.
-  return new_state._replace(leaf_paths=new_state.leaf_paths.marked(True))
+  # Marked after the tree.map, which keeps its first tree's static part;
+  # this chain's own from now on (check_state compares no more).
+  paths = new_state.leaf_paths.replace(built_by=config, stepped=True)
+  return new_state._replace(leaf_paths=paths)
 
 
 def check_state(config: ScaleConfig, state: LossScaleState) -> None:
-  """Raises ValueError when ``state`` was built by another configuration
-  (its static ``leaf_paths`` say which), before anything is read with
-  ``config``."""
-  key = _stacked.check(config.stacked_axes, "fp16_loss_scale")
-  paths, scaler = state.leaf_paths, config.scaler
-  stacked = _stacked.Layout(key) if key is not None else None
-  if paths == LeafPaths((), (), scaler, config.partition_specs, stacked):
+  """Raises ValueError when ``state`` was built by another configuration,
+  before anything is read with ``config``. A state this configuration
+  built or stepped is not compared again; one that entered from
+  elsewhere (another chain's, a copy) is, until this one steps it. Under
+  ``jit`` it runs when the update is traced, as the marks are read."""
+  built_by = state.leaf_paths.built_by
+  if built_by is config or built_by is None:
     return
-  what = "other partition_specs or stacked_axes"
-  if paths.scaler != scaler and paths.scaler is not None:
-    theirs, mine = dataclasses.asdict(paths.scaler), dataclasses.asdict(scaler)
-    diff = [
-      f"{k}={theirs[k]!r}, here {mine[k]!r}"
-      for k in mine
-      if k != "init_scale" and theirs[k] != mine[k]
-    ]
-    what = f"another scaler ({'; '.join(diff)})"
+  if _without_init_scale(built_by.scaler) != _without_init_scale(config.scaler):
+    what = f"another scaler ({_differences(built_by.scaler, config.scaler)})"
+  elif _layout_key(built_by) != _layout_key(config):
+    what = "other partition_specs or stacked_axes"
+  else:
+    return
   raise ValueError(
     f"fp16_loss_scale: this state was built with {what}: its counters follow "
     "that scaler's rules, not this one's. Build the state with this chain's "
@@ -382,12 +382,46 @@ def check_state(config: ScaleConfig, state: LossScaleState) -> None:
   )
 
 
+def _without_init_scale(scaler: Scaler) -> Scaler:
+  """``scaler`` with its initial scale set aside: it does not matter once a
+  run is under way."""
+  return dataclasses.replace(scaler, init_scale=1.0)
+
+
+def _differences(theirs: Scaler, mine: Scaler) -> str:
+  """The fields (but the initial scale) in which two scalers differ."""
+  theirs, mine = dataclasses.asdict(theirs), dataclasses.asdict(mine)
+  return "; ".join(
+    f"{k}={theirs[k]!r}, here {mine[k]!r}"
+    for k in mine
+    if k != "init_scale" and theirs[k] != mine[k]
+  )
+
+
+def _layout_key(config: ScaleConfig) -> tuple:
+  """``config``'s ``partition_specs`` and ``stacked_axes`` as comparable
+  values."""
+  specs, treedef = jax.tree.flatten(
+    config.partition_specs, is_leaf=_sharding.is_spec
+  )
+  stacked = _stacked.check(config.stacked_axes, "fp16_loss_scale")
+  return tuple(specs), treedef, stacked
+
+
 def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
   n = len(paths)
-  zeros = lambda: jnp.zeros([n], jnp.float32)
-  rng = GradRange(zeros(), zeros()) if grad_range else None
-  if grad_range and paths.stacked is not None:
-    rng = StackedRange(zeros(), zeros(), zeros())
+  rng = None
+  if grad_range and paths.stacked is None:
+    rng = GradRange(
+      max_abs=jnp.zeros([n], jnp.float32),
+      zero_fraction=jnp.zeros([n], jnp.float32),
+    )
+  elif grad_range:
+    rng = StackedRange(
+      max_abs=jnp.zeros([n], jnp.float32),
+      zero_fraction=jnp.zeros([n], jnp.float32),
+      unit_norm=jnp.zeros([n], jnp.float32),
+    )
   # Every field its own buffer: a donating step gives each field's buffer
   # to its successor, and one buffer cannot be donated twice.
   return LossScaleState(
@@ -450,5 +484,6 @@ def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:
   log = functools.partial(_log_overflow, old.leaf_paths.paths)
   scales = (old.scaler.loss_scale, new.scaler.loss_scale)
   args = (new.skipped_steps, new.overflow_kind, *scales, new.leaf_nonfinite)
-  call = lambda: jax.debug.callback(log, *args)
-  jax.lax.cond(new.overflow, call, lambda: None)
+  jax.lax.cond(
+    new.overflow, lambda: jax.debug.callback(log, *args), lambda: None
+  )

@@ -27,6 +27,8 @@ class Measurement(NamedTuple):
       gradients are float16, or a mean of float16 microbatches), so no
       finite square can overflow float32 and the norm's float32 rescue is
       left out of the trace.
+    layer_axes: static, per leaf its layer axis (the state's stacked
+      layout) or None; None where no leaf is measured per layer.
   """
 
   grads: tuple
@@ -122,5 +124,11 @@ def measure(
   )
   scale = jnp.asarray(scale, jnp.float32)
   return Measurement(
-    leaves, sums, norms, scale, leaf_axes, in_float16_range, layer_axes
+    grads=leaves,
+    sums=sums,
+    norms=norms,
+    scale=scale,
+    leaf_axes=leaf_axes,
+    in_float16_range=in_float16_range,
+    layer_axes=layer_axes,
   )

@@ -4,6 +4,7 @@ semantics: each optimizer keeps, measures and skips on its own scale, and
 decide together (docs/design.md, "One scale for several optimizers").
 """
 
+import functools
 import sys
 from typing import Any
 
@@ -33,8 +34,9 @@ def _member(opt_state: Any, i: int) -> LossScaleState:
   ls = _lookup.loss_scale_state(opt_state, what)
   if _in_variables(opt_state):
     # nnx writes its Variables in place and keeps the state's static part
-    # as tx.init built it: its mark says nothing of the steps since.
-    return ls._replace(leaf_paths=ls.leaf_paths.marked(None))
+    # as tx.init built it: its marks say nothing of the steps since.
+    unknown = ls.leaf_paths.replace(stepped=None, scale_set=None)
+    return ls._replace(leaf_paths=unknown)
   if ls.leaf_paths.stepped is False:
     raise ValueError(
       f"sync_loss_scales: optimizer state {i} has not stepped since tx.init "
@@ -47,13 +49,23 @@ def _member(opt_state: Any, i: int) -> LossScaleState:
   return ls
 
 
+def _scaler_of(ls: LossScaleState) -> Any:
+  """The :class:`Scaler` that built ``ls``, or None where its builder does
+  not say."""
+  built_by = ls.leaf_paths.built_by
+  return None if built_by is None else built_by.scaler
+
+
 def _in_variables(opt_state: Any) -> bool:
   """Whether ``opt_state``'s loss-scale state holds nnx Variables."""
   variable = _nnx_variable_type()
   if variable is None:
     return False
   held = _lookup.all_with_path(opt_state, LossScaleState)[0][1]
-  is_var = lambda x: isinstance(x, variable)
+
+  def is_var(x) -> bool:
+    return isinstance(x, variable)
+
   return any(map(is_var, jax.tree.leaves(held, is_leaf=is_var)))
 
 
@@ -74,17 +86,20 @@ def _set_in_place(opt: Any, new: LossScaleState) -> None:
       )
 
 
-def _marked(opt_state: Any, stepped) -> Any:
-  """``opt_state`` with its loss-scale state marked as (not) stepped."""
-  return jax.tree.map(
-    lambda x: (
-      x._replace(leaf_paths=x.leaf_paths.marked(stepped))
-      if isinstance(x, LossScaleState)
-      else x
-    ),
-    opt_state,
-    is_leaf=lambda x: isinstance(x, LossScaleState),
-  )
+def _check_scales_set(found: list) -> None:
+  """Raises when the scale of some states was set since their last sync
+  and that of others was not: the sync would undo it."""
+  marks = [ls.leaf_paths.scale_set for ls in found]
+  if True in marks and False in marks:
+    i, j = marks.index(True), marks.index(False)
+    raise ValueError(
+      f"sync_loss_scales: the scale of optimizer state {i} was set "
+      "(fs.set_loss_scale or fs.load_scaler_state_dict) since tx.init or "
+      f"the last sync_loss_scales, and that of state {j} was not: the sync "
+      "keeps the most cautious of their scales, and would undo the one "
+      "set. Set it into every state that shares the scale, e.g. s0, s1 = "
+      "(fs.load_scaler_state_dict(s, state_dict, scaler) for s in (s0, s1))"
+    )
 
 
 def sync_loss_scales(*opt_states: Any) -> tuple:
@@ -148,20 +163,23 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   if not opt_states:
     raise ValueError("sync_loss_scales needs the optimizer states it syncs")
   found = [_member(s, i) for i, s in enumerate(opt_states)]
-  for i, ls in enumerate(found[1:], 1):
-    if ls.leaf_paths.scaler != found[0].leaf_paths.scaler:
+  scalers = [_scaler_of(ls) for ls in found]
+  for i, scaler in enumerate(scalers[1:], 1):
+    if None not in (scaler, scalers[0]) and scaler != scalers[0]:
       raise ValueError(
         f"sync_loss_scales: optimizer state {i} was built with another "
-        f"Scaler than state 0 ({ls.leaf_paths.scaler} against "
-        f"{found[0].leaf_paths.scaler}): one scale follows one scaler's "
-        "rules. Build every optimizer that shares it with the same Scaler"
+        f"Scaler than state 0 ({scaler} against {scalers[0]}): one scale "
+        "follows one scaler's rules. Build every optimizer that shares it "
+        "with the same Scaler"
       )
+  _check_scales_set(found)
   overflow, scaler = found[0].overflow, found[0].scaler
   for ls in found[1:]:
     lower = ls.scaler.loss_scale < scaler.loss_scale
     first = (ls.overflow & ~overflow) | ((ls.overflow == overflow) & lower)
-    pick = lambda a, b: jnp.where(first, a, b)  # noqa: B023
-    scaler = jax.tree.map(pick, ls.scaler, scaler)
+    scaler = jax.tree.map(
+      functools.partial(jnp.where, first), ls.scaler, scaler
+    )
     overflow = overflow | ls.overflow
   if getattr(scaler, "grad_max_history", None) is not None:
     # headroom_scaler(history=W): on a clean step each state wrote its own
@@ -182,7 +200,9 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
       out.append(s)
       continue
     s = _lookup.replace_loss_scale_state(s, new)
-    # A state marked as stepped is marked as synced; one that does not
-    # say stays unmarked.
-    out.append(_marked(s, False) if ls.leaf_paths.stepped else s)
+    if ls.leaf_paths.stepped:
+      # Marked as synced: not stepped since, no scale set since. One that
+      # does not say stays unmarked.
+      s = _lookup.mark_loss_scale_state(s, stepped=False, scale_set=False)
+    out.append(s)
   return tuple(out)

@@ -2,15 +2,12 @@
 apart from the code that computes them (docs/design.md, "State").
 """
 
-import copy
-import dataclasses
 import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
 
 from fp16_scaling._scaler import ScalerState
-from fp16_scaling._sharding import is_spec
 
 # LossScaleState.overflow_kind codes, indexes into KINDS.
 NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
@@ -19,59 +16,69 @@ KINDS = ("none", "unknown", "forward", "backward", "persistent")
 
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
-  """Static facts of a :class:`LossScaleState`, held in its treedef.
+  """What a :class:`LossScaleState`'s reports read of its leaves, held
+  statically in its treedef, and marks read at trace time. No copy of the
+  configuration: that stays in the closure (``built_by`` points to it).
 
   Attributes:
     paths: the units' paths (``jax.tree_util.keystr``), in tree order. A
       unit is a gradient leaf, or one layer of a leaf that ``stacked``
       names (its path ends in the layer's index, ``['layers']['W'][5]``).
     sizes: the units' element counts, in the same order.
-    scaler: the :class:`Scaler` its ``fp16_loss_scale`` was built with.
-    partition_specs: the ``PartitionSpec`` pytree it was built with.
-    stacked: the ``_stacked.Layout`` of its ``stacked_axes=``, or None.
+    stacked: the ``_stacked.Layout`` of the units (``stacked_axes``
+      resolved on the params once, by ``tx.init``), or None.
+    built_by: the ``ScaleConfig`` of the ``fp16_loss_scale`` that built or
+      last stepped the state (not a copy: the closure's own), or None where
+      the builder does not say. ``fs.chain``'s update compares
+      configurations only when it is not its own: a state that enters
+      from elsewhere.
+    stepped: whether the state has stepped since it was built or last
+      synced (:func:`sync_loss_scales` refuses one that has not): True
+      after ``tx.update``, False after ``tx.init`` or a sync, None where
+      the builder does not say.
+    scale_set: whether its scale was set (:func:`set_loss_scale`,
+      :func:`load_scaler_state_dict`) since it was built or last synced
+      (:func:`sync_loss_scales` refuses to sync it with one whose scale was
+      not, which would undo it); None where the builder does not say.
 
-  Equality (and the hash) is that of ``scaler``, ``partition_specs`` and
-  (when set) ``stacked`` only, so that ``optax.tree_map_params``' leafless
-  placeholder matches a state built from the real tree, and a state built
-  without ``stacked_axes`` keeps the key it always had.
+  ``built_by``, ``stepped`` and ``scale_set`` are marks read at trace time,
+  never saved; a new node is made to change one (:meth:`replace`).
 
-  ``stepped`` (outside equality, never saved) tells
-  :func:`sync_loss_scales` whether the state has stepped since it was
-  built or last synced: True after ``tx.update``, False after ``tx.init``
-  or a sync, None where the builder does not say (then it cannot tell).
+  Every ``LeafPaths`` equals every other and hashes alike: the treedef of
+  a state is that of its arrays, so that ``optax.tree_map_params``'
+  leafless placeholder matches the state built from the real tree, a
+  checkpoint restores into any target of its arrays' structure, and
+  ``jit`` compares nothing here on a call.
   """
 
-  stepped = None
-
-  def marked(self, stepped: Optional[bool]) -> "LeafPaths":
-    """This node with ``stepped`` set (the same equality and hash)."""
-    if self.stepped is stepped:
-      return self
-    out = copy.copy(self)
-    out.stepped = stepped
-    return out
-
-  def __init__(self, paths, sizes, scaler=None, specs=None, stacked=None):
+  def __init__(
+    self,
+    paths,
+    sizes,
+    stacked=None,
+    *,
+    built_by=None,
+    stepped=None,
+    scale_set=None,
+  ):
     self.paths = tuple(paths)
-    self.stacked = stacked  # a _stacked.Layout, or None
     self.sizes = tuple(int(n) for n in sizes)
-    self.scaler = scaler
-    # Hashable: the specs' leaves and treedef, not the (maybe dict) pytree.
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    self._specs = (tuple(leaves), treedef)
-    # The key equality and hash compare, made once: jit compares treedefs
-    # on every call. The initial scale does not matter once a run is under
-    # way.
-    if scaler is not None:
-      scaler = dataclasses.replace(scaler, init_scale=1.0)
-    self._key = (scaler, self._specs)
-    if stacked is not None:  # a state built without it keeps its key
-      self._key += (stacked.key,)
-    self._hash = hash(self._key)
+    self.stacked = stacked  # a _stacked.Layout, or None
+    self.built_by = built_by
+    self.stepped = stepped
+    self.scale_set = scale_set
 
-  @property
-  def partition_specs(self):
-    return jax.tree.unflatten(self._specs[1], self._specs[0])
+  def replace(self, **marks) -> "LeafPaths":
+    """This node with the marks given (``built_by``, ``stepped``,
+    ``scale_set``) changed; itself when none changes."""
+    now = {
+      "built_by": self.built_by,
+      "stepped": self.stepped,
+      "scale_set": self.scale_set,
+    }
+    if all(now[k] is v for k, v in marks.items()):
+      return self
+    return LeafPaths(self.paths, self.sizes, self.stacked, **{**now, **marks})
 
   def tree_flatten(self):
     return (), self  # the node itself is the treedef's metadata
@@ -82,12 +89,10 @@ class LeafPaths:
     return aux
 
   def __eq__(self, other):
-    return self is other or (
-      isinstance(other, LeafPaths) and self._key == other._key
-    )
+    return isinstance(other, LeafPaths)
 
   def __hash__(self):
-    return self._hash
+    return hash(LeafPaths)
 
   def __len__(self):
     return len(self.paths)
@@ -154,7 +159,7 @@ class LossScaleState(NamedTuple):
     overflow_kind: int32 index into ``KINDS`` of the last step's overflow.
     grad_range: a :class:`GradRange` with ``grad_range=True`` (a
       :class:`StackedRange` with ``stacked_axes`` too), else None.
-    leaf_paths: :class:`LeafPaths`, static: the leaves' names.
+    leaf_paths: :class:`LeafPaths`, static: the leaves' names and sizes.
   """
 
   scaler: ScalerState

@@ -169,6 +169,22 @@ def test_the_clip_alone_is_optax_clip_by_global_norm():
 # The state is optax.chain's layout, and update searches nothing in it.
 
 
+def test_the_clip_under_with_extra_args_support_keeps_its_configuration():
+  """optax.with_extra_args_support returns the clip as it is (it takes extra
+  arguments already): right after the scale it still clips by the true
+  norm, 5 for GRADS over 8 doubled, to 1, and records that norm."""
+  clip = fs.clip_by_unscaled_norm(1.0)
+  wrapped = optax.with_extra_args_support(clip)
+  assert wrapped is clip
+  grads = GRADS * 2.0  # true [2, 4, -2, 1], norm 5
+  ours, state = _step(fs.chain(_scale(), wrapped, optax.sgd(1.0)), grads)
+  np.testing.assert_allclose(ours, -np.array([2, 4, -2, 1]) / 5, rtol=1e-6)
+  assert float(state[1].grad_norm) == 5.0
+  # Extra arguments reach it, and it ignores them, alone as in the chain.
+  alone, _ = clip.update(grads, clip.init(grads), value=jnp.float32(1.0))
+  np.testing.assert_allclose(alone, grads * (1.0 / (40.0 + 1e-6)), rtol=1e-6)
+
+
 def test_the_state_is_a_tuple_of_the_elements_states():
   tx = fs.chain(_scale(), fs.clip_by_unscaled_norm(1.0), optax.adam(1e-3))
   state = tx.init(jnp.zeros(4))

@@ -117,6 +117,23 @@ def test_deepspeed_state_given_to_a_torch_chain_is_refused():
   assert "fs.load_scaler_state_dict" in message
 
 
+def test_a_scale_loaded_with_another_scaler_than_the_states_is_refused():
+  """Where a state enters: load_scaler_state_dict given a scaler other than
+  the one the optimizer state was built with (its initial scale aside) is
+  refused, naming a field that differs, before anything is loaded."""
+  state = TORCH_TX.init(PARAMS)
+  saved = fs.scaler_state_dict(fs.set_loss_scale(state, 2.0**5))
+  with pytest.raises(
+    ValueError, match="the optimizer's state disagrees with the scaler on"
+  ) as e:
+    fs.load_scaler_state_dict(state, saved, SCALER)
+  assert "Pass the Scaler its fs.fp16_loss_scale was built with" in str(e.value)
+  # With the scaler it was built with (another initial scale), it loads.
+  torch = fs.torch_scaler(init_scale=2.0**3, growth_interval=2)
+  loaded = fs.load_scaler_state_dict(state, saved, torch)
+  assert float(fs.current_scale(loaded)) == 2.0**5
+
+
 HELPERS = [
   fs.current_scale,
   fs.scale_metrics,

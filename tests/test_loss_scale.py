@@ -217,25 +217,31 @@ def test_nnx_variable_paths_are_named_without_value():
     assert state[0].leaf_paths.paths == ("['bias']", "['kernel']")
 
 
-def test_leaf_paths_equality_is_the_configurations_transitive_and_hashed():
-  """The state's static LeafPaths compare (and hash) by the configuration
-  the state was built for, never by its names: optax.tree_map_params'
-  placeholder init (no leaves) matches the real state, and equality is an
-  equivalence, so a and b equal and b and c equal means a and c equal."""
-  from fp16_scaling._states import LeafPaths
-
-  torch = fs.torch_scaler(init_scale=8.0)
-  real = LeafPaths(["['w']", "['b']"], [4, 2], scaler=torch)
-  placeholder = LeafPaths([], [], scaler=torch)
-  other_names = LeafPaths(["['v']"], [6], scaler=torch)
-  for a, b in [(real, placeholder), (placeholder, other_names)]:
-    assert a == b and hash(a) == hash(b)
-  assert real == other_names and hash(real) == hash(other_names)
-  # The initial scale is not part of it; any other field and the partition
-  # specs are.
-  assert real == LeafPaths([], [], scaler=fs.torch_scaler(init_scale=2.0))
-  for different in (
-    LeafPaths([], [], scaler=fs.torch_scaler(growth_interval=3)),
-    LeafPaths([], [], scaler=torch, specs=jax.sharding.PartitionSpec("x")),
-  ):
-    assert real != different and placeholder != different
+def test_the_states_treedef_holds_names_and_sizes_not_the_configuration():
+  """The state's static LeafPaths holds the leaves' names and sizes, no
+  configuration, and every one equals every other: states of chains with
+  other scalers or partition specs have their arrays' treedef (jit compares
+  nothing else), optax.tree_map_params' leafless placeholder matches the
+  real state, and the configuration is read from the closure alone."""
+  params = {"b": jnp.ones(2), "w": jnp.ones(4)}
+  txs = [
+    _guarded(fs.torch_scaler(init_scale=8.0)),
+    _guarded(fs.torch_scaler(growth_interval=3)),
+    fs.chain(
+      fs.fp16_loss_scale(
+        fs.torch_scaler(), partition_specs=jax.sharding.PartitionSpec()
+      ),
+      optax.sgd(1.0),
+    ),
+  ]
+  states = [tx.init(params) for tx in txs]
+  assert len({jax.tree.structure(s) for s in states}) == 1
+  paths = states[0][0].leaf_paths
+  assert (paths.paths, paths.sizes) == (("['b']", "['w']"), (2, 4))
+  assert len({hash(s[0].leaf_paths) for s in states}) == 1
+  assert not hasattr(paths, "scaler") and not hasattr(paths, "partition_specs")
+  # The placeholder's state (no leaves) maps onto the real one.
+  shapes = optax.tree_map_params(
+    txs[0], lambda p: p.shape, states[0], transform_non_params=lambda _: None
+  )
+  assert shapes[0].leaf_nonfinite is None

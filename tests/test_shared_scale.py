@@ -517,7 +517,8 @@ def test_every_helper_works_on_every_optimizers_state():
 def test_a_loaded_or_set_scale_is_used_when_put_into_every_state():
   """A torch GradScaler state (or a scale set by hand) loaded into each
   optimizer's state is the scale both use next; loaded into one alone, the
-  next sync keeps the more cautious, lower, scale of the two."""
+  next sync, which would keep the more cautious, lower, scale of the two,
+  refuses and names the fix, and syncs again once it is loaded into both."""
   scaler, txs, p, states = _after_a_one_sided_overflow()
   sd = fs.to_peer_state_dict(states[0], "torch", scaler)
   sd["scale"], sd["_growth_tracker"] = 16.0, 0
@@ -528,10 +529,39 @@ def test_a_loaded_or_set_scale_is_used_when_put_into_every_state():
     assert [float(s[0].prev_loss_scale) for s in after] == [16.0, 16.0]
     a, b = fs.sync_loss_scales(*after)
     assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
-  one = [loaded[0], states[1]]
-  after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, one)]
+  for one in ([loaded[0], states[1]], [states[0], set_by_hand[1]]):
+    after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, one)]
+    with pytest.raises(ValueError, match="would undo the one set") as e:
+      jax.jit(fs.sync_loss_scales)(*after)  # at trace time
+    assert "Set it into every state that shares the scale" in str(e.value)
+  # Loaded into the other one too, before the sync: both at 16.
+  after[0] = fs.load_scaler_state_dict(after[0], sd, scaler)
   a, b = fs.sync_loss_scales(*after)
-  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 4.0
+  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
+  # Synced, the marks are cleared: the next step syncs as any other.
+  after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, (a, b))]
+  a, b = fs.sync_loss_scales(*after)
+  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
+
+
+def test_a_checkpointed_scale_set_into_one_of_two_states_is_not_undone():
+  """2^24 set (from a checkpoint) into one of two states at 2^20 used to
+  end at 2^20 in both after the sync (the more cautious); the sync refuses
+  it, and with the scale set into both, both step and stay at 2^24."""
+  scaler = fs.torch_scaler(init_scale=2.0**20)
+  txs = _pair(scaler)
+  p = jnp.ones(2)
+  states = [tx.init(p) for tx in txs]
+
+  def step(states):
+    return [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, states)]
+
+  one = [fs.set_loss_scale(states[0], 2.0**24), states[1]]
+  with pytest.raises(ValueError, match="state 0 was set.*state 1 was not"):
+    fs.sync_loss_scales(*step(one))
+  both = [fs.set_loss_scale(s, 2.0**24) for s in states]
+  a, b = fs.sync_loss_scales(*step(both))
+  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 2.0**24
 
 
 def test_unequal_states_take_an_overflowed_one_then_the_lowest():

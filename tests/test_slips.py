@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import fp16_scaling as fs
-from fp16_scaling import _shared
+from fp16_scaling import _lookup
 
 L, D = 8, 16
 
@@ -133,7 +133,7 @@ def test_sync_of_nnx_optimizers_acts_in_place():
   # nnx writes the Variables in place and keeps the static part as tx.init
   # built it, so a mark there (as tx.init is to set) is not refused.
   for o in opts:
-    o.opt_state = _shared._marked(o.opt_state, False)
+    o.opt_state = _lookup.mark_loss_scale_state(o.opt_state, stepped=False)
   fs.sync_loss_scales(*opts)
 
 

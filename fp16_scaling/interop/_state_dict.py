@@ -212,6 +212,24 @@ def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
       )
 
 
+def _check_built_with(state: Any, scaler: Scaler) -> None:
+  """Raises unless ``state`` (a LossScaleState) was built with ``scaler``
+  (its initial scale aside), where the state says which it was built
+  with: the counters loaded follow the rules of the scaler given."""
+  built_by = state.leaf_paths.built_by
+  if built_by is None:
+    return
+  built = _peers.config(built_by.scaler)
+  del built["init_scale"]  # it does not matter once a run is under way
+  _peers.check(
+    scaler,
+    "the optimizer's",
+    built,
+    "Pass the Scaler its fs.fp16_loss_scale was built with, or build the "
+    "optimizer with this one.",
+  )
+
+
 def load_scaler_state_dict(
   opt_state: Any, state_dict: Any, scaler: Scaler
 ) -> Any:
@@ -226,19 +244,25 @@ def load_scaler_state_dict(
 
   Returns:
     The new optax state (a peer's sets the scale and its counters only).
+    :func:`sync_loss_scales` refuses to sync it with a state whose scale
+    was not set too (the sync would undo it).
 
   Raises:
-    ValueError: an unknown state, a scale that is not a normal float32, or
-      a configuration that disagrees with ``scaler``.
+    ValueError: an unknown state, a scale that is not a normal float32, a
+      configuration that disagrees with ``scaler``, or an optimizer state
+      built with another scaler.
   """
   scaler = check_scaler(scaler)
   old = _lookup.loss_scale_state(opt_state)
+  _check_built_with(old, scaler)
   peer, d = _recognise(state_dict)
   values = _from_own(d, scaler) if peer is None else _from_peer(peer, d, scaler)
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
   new = _put_own(old, fields, values)
-  return _lookup.replace_loss_scale_state(opt_state, new)
+  # Marked: a sync with a state whose scale was not set would undo it.
+  new_state = _lookup.replace_loss_scale_state(opt_state, new)
+  return _lookup.mark_loss_scale_state(new_state, scale_set=True)
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
