@@ -41,8 +41,8 @@ def _power_of_two_factor(value) -> int:
 
 
 def jmp_scaler(
-  *,
   loss_scale: float = 2.0**15,
+  *,
   counter: int = 0,
   period: int = 2000,
   factor: int = 2,
@@ -61,7 +61,9 @@ def jmp_scaler(
 
   Args:
     loss_scale: initial scale, a positive normal float32 (a number or an
-      array of one; the scale runs in float32 whatever its dtype).
+      array of one; the scale runs in float32 whatever its dtype). The one
+      argument that may be given by position, as ``jmp.DynamicLossScale``
+      takes it: ``fs.jmp_scaler(2.0**15)``.
     counter: jmp's counter of a fresh ``DynamicLossScale``: 0. A running
       jmp scale's counter is state: load it with
       :func:`load_scaler_state_dict`.

@@ -6,6 +6,8 @@ states from before the step, a cast audit of a checkpoint that already
 holds an inf, ``tx.init`` on an unfiltered Equinox module, and the report's
 rows for fully non-finite leaves."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +266,80 @@ def test_range_rows_put_non_finite_leaves_apart():
   assert rows[0].split()[-1] == "['b']" and rows[1].split()[-1] == "['z']"
   assert rows[2].startswith("  Not ranked, held an inf or NaN")
   assert rows[3].split() == ["none", "-", "0.0%", "['a']"]
+
+
+# ---------- 8 (issue 48): a wrong layer axis of matching size, fair slips
+
+
+def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
+  """w [8, 16, 16] and b [8, 16] stacked by lax.scan on axis 0: axis=1
+  gives 16 on both, so every size check passes. Axis 0 fits every stacked
+  leaf too (8), so the shapes cannot tell: a warning names axis 0. The
+  right call (axis 0) and a leaf whose axis 0 differs stay quiet."""
+  params = stacked_params()
+  with pytest.warns(UserWarning) as record:
+    chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(params)
+  (w,) = [r for r in record if "stacked_axes" in str(r.message)]
+  msg = str(w.message)
+  assert "layer axis 1 (size 16)" in msg and "(8)" in msg
+  assert "fs.stacked_under(..., axis=0)" in msg
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    chain(stacked_axes=fs.stacked_under("layers")).init(params)
+    # Axis 0 of another size on one leaf: axis 1 is the only reading.
+    mixed = {"w": jnp.zeros((4, L, D)), "b": jnp.zeros((3, L))}
+    state = chain(stacked_axes={"w": 1, "b": 1}).init(mixed)
+  assert state[0].leaf_paths.stacked.axes == (1, 1)  # b, w
+
+
+@pytest.mark.parametrize(
+  "spec, fix",
+  [
+    ("", "key=dtype parts such as 'p=f32,c=f16,o=f32'"),
+    ("compute:float16", "write 'compute=float16'"),
+  ],
+)
+def test_get_policy_of_a_whole_spec_that_is_no_dtype_names_key_equals(
+  spec, fix
+):
+  with pytest.raises(ValueError) as e:
+    fs.get_policy(spec)
+  assert "unknown dtype" in str(e.value) and fix in str(e.value)
+  assert "the keys are p, params, c, compute, o, output" in str(e.value)
+  assert fs.get_policy("compute=float16").compute_dtype == jnp.float16
+
+
+def test_float32_and_jmp_scaler_take_their_argument_by_position():
+  """``fs.float32(fn, True)`` is ``keep_dtype=True``, and
+  ``fs.jmp_scaler(2.0**15)`` is ``loss_scale=``, as
+  ``jmp.DynamicLossScale(loss_scale)`` takes it."""
+  x = jnp.ones(2, jnp.float16)
+  assert fs.float32(lambda v: v * 2, True)(x).dtype == jnp.float16
+  assert fs.float32(lambda v: v * 2)(x).dtype == jnp.float32
+  assert fs.jmp_scaler(2.0**14) == fs.jmp_scaler(loss_scale=2.0**14)
+  with pytest.raises(TypeError, match="keep_dtype must be True or False"):
+    fs.float32(lambda v: v, 1)
+
+
+def test_another_librarys_scaler_object_names_its_twin_preset():
+  jmp = pytest.importorskip("jmp")
+  with pytest.raises(TypeError) as e:
+    fs.fp16_loss_scale(jmp.DynamicLossScale(jnp.float32(2.0**15)))
+  msg = str(e.value)
+  assert "got DynamicLossScale" in msg and "fs.jmp_scaler(loss_scale=" in msg
+  assert "fs.load_scaler_state_dict" in msg
+  with pytest.raises(TypeError, match="got float$"):
+    fs.fp16_loss_scale(2.0**15)  # no twin to name: the message as before
+
+
+def test_accumulate_gradients_first_in_fs_chain_says_it_goes_outside():
+  inner = chain()
+  with pytest.raises(ValueError) as e:
+    fs.chain(fs.accumulate_gradients(inner, 2), optax.sgd(0.1))
+  msg = str(e.value)
+  assert "got an fs.accumulate_gradients" in msg
+  assert "goes outside, around the whole chain" in msg
+  assert "fs.accumulate_gradients(fs.chain(fs.fp16_loss_scale(" in msg
+  with pytest.raises(ValueError) as e:
+    fs.chain(optax.sgd(0.1))
+  assert "goes outside" not in str(e.value)
