@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling import _metrics
 from fp16_scaling import _policy
+from fp16_scaling import _select
 from fp16_scaling import _validate
 from fp16_scaling._metrics import current_scale
 from fp16_scaling._shared import _is_nnx_optimizer
@@ -149,14 +151,20 @@ def value_and_grad(
       "jax.eval_shape(tx.init, params)), shapes without values: pass the "
       "state tx.init(params) returned, or the one the step receives"
     )
-  scale = current_scale(state.opt_state if nnx_optimizer else state)
+  opt_state = state.opt_state if nnx_optimizer else state
+  scale = current_scale(opt_state)
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   policy, cast_args = _cast_plan(policy, cast_args)
 
   def scaled(*args, **kw):
     if policy is not None:
       args, kw, done = _cast_inputs(policy, nums, cast_args, args, kw)
-    value, aux = _split_output(fun(*args, **kw), has_aux)
+    _metrics.SCALES_IN_FUN.append(scale)
+    try:
+      out = fun(*args, **kw)
+    finally:
+      _metrics.SCALES_IN_FUN.pop()
+    value, aux = _split_output(out, has_aux)
     if policy is not None:
       done()
       value = policy.cast_to_output(value)
@@ -176,7 +184,12 @@ def value_and_grad(
       raise ValueError(_STALE)
     if policy is not None:
       _refuse_double_cast(policy, args, nums)
+    given = {id(x) for x in jax.tree.leaves((args, kw))}
     grads, (value, aux) = grad(*args, **kw)
+    # What the forward pass wrote: its aux, and what it wrote into an NNX
+    # module argument, that was not given (select_on_overflow's checks).
+    wrote = [x for x in jax.tree.leaves((aux, args)) if id(x) not in given]
+    _select.note_gradients(opt_state, wrote)
     if value.dtype == jnp.float16:
       _validate.warn(_FLOAT16_LOSS)
     return ((value, aux) if has_aux else value), grads

@@ -61,6 +61,21 @@ class ScaleMetrics(TypedDict, total=False):
   window_ended: jax.Array
 
 
+# The scales fs.value_and_grad multiplies by, while the fun it
+# differentiates runs (a trace-time stack): current_scale refuses to hand
+# one of them to that fun, which would scale its loss a second time.
+SCALES_IN_FUN = []
+
+_TWICE = (
+  "fs.current_scale: read inside the fun that fs.value_and_grad "
+  "differentiates with this state's scale. fs.value_and_grad multiplies "
+  "fun's loss by the scale itself: a loss multiplied here is scaled twice "
+  "(the update comes out S times too large, and the gradients overflow S "
+  "times sooner). Return the unscaled loss from fun; to log the scale, "
+  "read fs.current_scale(opt_state) outside it."
+)
+
+
 def current_scale(opt_state: optax.OptState) -> jax.Array:
   """The float32 scale to multiply the next loss by.
 
@@ -71,6 +86,10 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
   Returns:
     A float32 scalar array (traceable).
 
+  Raises:
+    ValueError: called inside the ``fun`` that :func:`value_and_grad`
+      differentiates at this state's scale (it multiplies by it itself).
+
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.chain(
@@ -79,7 +98,10 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
     >>> print(fs.current_scale(state))  # multiply the next loss by this
     65536.0
   """
-  return _lookup.scaler_state(opt_state).loss_scale
+  scale = _lookup.scaler_state(opt_state).loss_scale
+  if any(scale is s for s in SCALES_IN_FUN):
+    raise ValueError(_TWICE)
+  return scale
 
 
 def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:

@@ -137,8 +137,10 @@ def test_multiplying_by_the_scale_twice():
   float16 S times sooner. The library cannot refuse it. Impossible through
   the helper as long as ``fun`` is the plain loss: no multiply is left in
   the caller's code, and the helper's gradients give plain optax's update.
-  A ``fun`` that still multiplies is not detected; its value comes back S
-  times the loss, the one sign of it."""
+  A ``fun`` that multiplies by ``fs.current_scale`` of the helper's state
+  is refused when it runs (issue 48), naming the fix; one that multiplies
+  by a number it holds (``loss * 65536.0``) is not detected: its value
+  comes back S times the loss, the one sign of it."""
   state = TX.init(PARAMS)
   x, y = _batch(2)
   true = true_grads(PARAMS, x, y)
@@ -154,8 +156,30 @@ def test_multiplying_by_the_scale_twice():
   _close(grads, true, S0)  # once
   _close(updates, plain)
 
-  scaled_fun = lambda p, x, y: loss(p, x, y) * fs.current_scale(state)
-  value, grads = fs.value_and_grad(scaled_fun, state)(PARAMS, x, y)
+  def scaled_fun(p, x, y):
+    return loss(p, x, y) * fs.current_scale(state)
+
+  with pytest.raises(ValueError) as e:
+    fs.value_and_grad(scaled_fun, state)(PARAMS, x, y)
+  assert "fs.current_scale: read inside the fun" in str(e.value)
+  assert "Return the unscaled loss from fun" in str(e.value)
+
+  @jax.jit
+  def jitted(state, x, y):
+    def fun(p, x, y):
+      return loss(p, x, y) * fs.current_scale(state)
+
+    return fs.value_and_grad(fun, state)(PARAMS, x, y)
+
+  with pytest.raises(ValueError, match="scaled twice"):
+    jitted(state, x, y)
+  # Outside fun the scale reads as before (the stack is empty again).
+  assert float(fs.current_scale(state)) == S0
+
+  def by_number(p, x, y):
+    return loss(p, x, y) * S0
+
+  value, grads = fs.value_and_grad(by_number, state)(PARAMS, x, y)
   assert float(value) == pytest.approx(S0 * float(loss(PARAMS, x, y)))
   _close(grads, true, S0 * S0)
 
