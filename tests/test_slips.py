@@ -309,16 +309,35 @@ def test_get_policy_of_a_whole_spec_that_is_no_dtype_names_key_equals(
   assert fs.get_policy("compute=float16").compute_dtype == jnp.float16
 
 
-def test_float32_and_jmp_scaler_take_their_argument_by_position():
-  """``fs.float32(fn, True)`` is ``keep_dtype=True``, and
-  ``fs.jmp_scaler(2.0**15)`` is ``loss_scale=``, as
-  ``jmp.DynamicLossScale(loss_scale)`` takes it."""
+def test_float32_takes_keep_dtype_by_position_too():
+  """``fs.float32(fn, True)`` is ``fs.float32(fn, keep_dtype=True)``."""
   x = jnp.ones(2, jnp.float16)
   assert fs.float32(lambda v: v * 2, True)(x).dtype == jnp.float16
   assert fs.float32(lambda v: v * 2)(x).dtype == jnp.float32
-  assert fs.jmp_scaler(2.0**14) == fs.jmp_scaler(loss_scale=2.0**14)
   with pytest.raises(TypeError, match="keep_dtype must be True or False"):
     fs.float32(lambda v: v, 1)
+
+
+@pytest.mark.parametrize(
+  "preset, first",
+  [(fs.jmp_scaler, "loss_scale"), (fs.keras_scaler, "initial_scale")],
+)
+def test_a_jax_preset_given_a_positional_argument_names_its_keyword(
+  preset, first
+):
+  """Presets take keywords only (docs/peers.md); jmp's
+  ``DynamicLossScale(2.0**15)`` habit gets a message naming the keyword,
+  and the signature stays keyword-only for introspection."""
+  import inspect
+
+  with pytest.raises(TypeError) as e:
+    preset(2.0**15)
+  msg = str(e.value)
+  assert f"{preset.__name__}({first}=32768.0)" in msg
+  assert "takes keyword arguments only" in msg
+  params = inspect.signature(preset).parameters.values()
+  assert all(p.kind is p.KEYWORD_ONLY for p in params)
+  assert preset(**{first: 2.0**14}).init_scale == 2.0**14
 
 
 def test_another_librarys_scaler_object_names_its_twin_preset():
