@@ -124,6 +124,13 @@ def value_and_grad(
     TypeError: ``fun``'s output does not fit ``has_aux``, or its loss is not
       a floating scalar; a ``policy`` of another type.
 
+  ``fun`` must not multiply by the scale itself: ``fs.current_scale`` of
+  ``state`` read inside ``fun`` raises ValueError (the loss would be scaled
+  twice). A multiply by a number (``loss * 65536.0``) cannot be told from a
+  loss; the value then comes back that many times larger. The call also
+  records, by identity, the state it was given and what ``fun`` wrote, for
+  :func:`select_on_overflow`'s checks.
+
   Warns:
     UserWarning: ``fun``'s loss is float16 (its cotangent, the scale,
       overflows float16 above 65504).

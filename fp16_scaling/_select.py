@@ -178,7 +178,17 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
   Raises:
     ValueError: ``new`` and ``old`` differ in tree structure, or in a leaf's
       shape or dtype; a batched state's batch axes do not lead a leaf;
-      ``opt_state`` holds no ``fp16_loss_scale`` state.
+      ``opt_state`` holds no ``fp16_loss_scale`` state. Also, naming the
+      fix, for the slips it can see (trace-time checks by identity, no
+      cost in the compiled step): ``new`` or ``old`` holding live nnx
+      ``Variable`` s (a snapshot without ``nnx.as_pure``, which the forward
+      pass overwrites); ``opt_state`` the state :func:`value_and_grad` was
+      given, from before ``tx.update`` (its flag is the last step's); and
+      ``old`` holding what the latest :func:`value_and_grad` call's forward
+      pass wrote (its aux, or an NNX module argument's state after it), not
+      also in ``new``: ``new`` and ``old`` swapped, or ``old`` taken after
+      the forward pass. Gradients taken without :func:`value_and_grad`
+      leave the last two unseen.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
