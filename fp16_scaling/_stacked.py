@@ -118,18 +118,21 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
 
 def _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what) -> None:
   """Warns when a layer axis other than 0 is given while axis 0 has one
-  size on every stacked leaf too: the shapes cannot tell which axis holds
-  the layers (a wrong one of matching size would pass every check), and
-  ``jax.lax.scan``, ``nn.scan`` and ``nnx.scan`` stack them on axis 0.
-  Partition names that name the layer axis (``boxes``) settle it: then no
-  warning."""
+  size on every stacked leaf too, a size no unstacked leaf has: the shapes
+  cannot tell which axis holds the layers (a wrong one of matching size
+  would pass every check), and ``jax.lax.scan``, ``nn.scan`` and
+  ``nnx.scan`` stack them on axis 0. An axis 0 whose size an unstacked
+  leaf shares (the head's or the embedding's width, as in MaxText's
+  ``[embed, layers, mlp]``) reads as a model dimension: no warning; nor
+  when partition names name the layer axis (``boxes``)."""
   named = [b for b in boxes if b and set(b) & layer_names]
-  given = [(np.shape(x), a) for x, a in zip(jax.tree.leaves(tree), axes)]
-  given = [(shape, a) for shape, a in given if a is not None]
+  shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
+  given = [(shape, a) for shape, a in zip(shapes, axes) if a is not None]
   if named or all(a == 0 for _, a in given):
     return
   firsts = {shape[0] for shape, _ in given}
-  if len(firsts) == 1:
+  widths = {n for shape, a in zip(shapes, axes) if a is None for n in shape}
+  if len(firsts) == 1 and not firsts & widths:
     shape, a = next((shape, a) for shape, a in given if a != 0)
     _validate.warn(
       f"{what}: stacked_axes gives the layer axis {a} (size {shape[a]}), "

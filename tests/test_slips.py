@@ -274,8 +274,10 @@ def test_range_rows_put_non_finite_leaves_apart():
 def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
   """w [8, 16, 16] and b [8, 16] stacked by lax.scan on axis 0: axis=1
   gives 16 on both, so every size check passes. Axis 0 fits every stacked
-  leaf too (8), so the shapes cannot tell: a warning names axis 0. The
-  right call (axis 0) and a leaf whose axis 0 differs stay quiet."""
+  leaf too (8, which no unstacked leaf has), so the shapes cannot tell: a
+  warning names axis 0. The right call (axis 0), a leaf whose axis 0
+  differs, and an axis 0 that the head shares (MaxText's embed) stay
+  quiet."""
   params = stacked_params()
   with pytest.warns(UserWarning) as record:
     chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(params)
@@ -289,6 +291,13 @@ def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
     # Axis 0 of another size on one leaf: axis 1 is the only reading.
     mixed = {"w": jnp.zeros((4, L, D)), "b": jnp.zeros((3, L))}
     state = chain(stacked_axes={"w": 1, "b": 1}).init(mixed)
+    # MaxText's [embed, layers, mlp] (docs/stacked.md): axis 0 fits every
+    # stacked leaf, but the head has its size: a model width, not layers.
+    maxtext = {
+      "layers": {"wi": jnp.zeros((D, L, D)), "scale": jnp.zeros((D, L))},
+      "head": jnp.zeros((D, 1)),
+    }
+    chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(maxtext)
   assert state[0].leaf_paths.stacked.axes == (1, 1)  # b, w
 
 
