@@ -3,7 +3,6 @@ statistics, an EMA of the parameters) follows the optimizer's skip
 (docs/design.md, "What the skip covers").
 """
 
-import functools
 import sys
 from typing import Any
 import weakref
@@ -20,9 +19,9 @@ from fp16_scaling import _metrics
 # apart from the documented call otherwise. Read and written while Python
 # runs, once a trace under jit: no cost in the compiled step.
 # A token of each state the gradients were computed with:
-_GRADIENTS_FROM = {}
+_GRADIENTS_FROM = weakref.WeakValueDictionary()
 # The leaves the latest forward pass wrote (its aux, an NNX module's state):
-_FORWARD_WROTE = {}
+_FORWARD_WROTE = weakref.WeakValueDictionary()
 
 _PRE_UPDATE = (
   "select_on_overflow: opt_state is the state the gradients were computed "
@@ -49,25 +48,17 @@ _LIVE = (
 )
 
 
-def _forget(table: dict, key: int, ref) -> None:
-  """Drops ``table[key]`` if it is ``ref`` (whose object is being freed)."""
-  if table.get(key) is ref:
-    del table[key]
-
-
-def _remember(table: dict, x) -> None:
+def _remember(table: weakref.WeakValueDictionary, x) -> None:
   """Records ``x`` in ``table`` by identity, until ``x`` is freed."""
   try:
-    ref = weakref.ref(x, functools.partial(_forget, table, id(x)))
+    table[id(x)] = x
   except TypeError:  # a numpy scalar, a Python number: no identity to keep
-    return
-  table[id(x)] = ref
+    pass
 
 
-def _seen(table: dict, x) -> bool:
+def _seen(table: weakref.WeakValueDictionary, x) -> bool:
   """Whether ``table`` records this very object ``x``."""
-  ref = table.get(id(x))
-  return ref is not None and ref() is x
+  return table.get(id(x)) is x
 
 
 def _token(opt_state) -> Any:
