@@ -22,6 +22,11 @@ _USAGE = (
   "Write fs.chain(fs.fp16_loss_scale(scaler), "
   "fs.clip_by_unscaled_norm(max_norm), optimizer)."
 )
+_OUTSIDE = (
+  " fs.accumulate_gradients goes outside, around the whole chain: "
+  "fs.accumulate_gradients(fs.chain(fs.fp16_loss_scale(scaler), ..., "
+  "optimizer), every_k_schedule)."
+)
 
 
 class OwnsStep(optax.GradientTransformationExtraArgs):
@@ -156,10 +161,11 @@ def _checked(transforms) -> StepConfig:
   (ValueError) unless in the step's order."""
   if not transforms or not isinstance(transforms[0], LossScale):
     first = _kind(transforms[0]) if transforms else "nothing"
+    outside = first == "an fs.accumulate_gradients"
     raise ValueError(
       f"fs.chain: the first element must be fs.fp16_loss_scale(...), got "
       f"{first}: it must see the raw scaled gradients to divide them by the "
-      f"scale they were made with. {_USAGE}"
+      f"scale they were made with. {_USAGE}" + (_OUTSIDE if outside else "")
     )
   scale, rest = transforms[0].config, list(transforms[1:])
   clip = None

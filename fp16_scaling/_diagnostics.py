@@ -13,6 +13,7 @@ from fp16_scaling import _lookup
 from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._metrics import headroom_bits
+from fp16_scaling._metrics import suspect_unscaled_grads
 from fp16_scaling._states import KINDS
 
 _ADVICE = {
@@ -41,6 +42,18 @@ _ADVICE = {
     "scale fixes this: compute the listed leaves' layers, softmax and loss "
     "in float32, check the input batch, or lower the learning rate."
   ),
+  "unscaled": (
+    "The scale reached {scale} with no overflow since the state was built: "
+    "float16 gradients made at it overflow from |g| of 2^-8 up, so this "
+    "scaler's growth never met float16's range. Likely cause: the "
+    "gradients were not made at the scale (the loss not multiplied by "
+    "fs.current_scale(opt_state): take them with fs.value_and_grad(loss_fn, "
+    "opt_state), whose gradients go to tx.update as they are), and the "
+    "updates come out divided by the scale. Or the gradients are not "
+    "float16 (a float32 model needs no loss scale: fs.no_scaler()). If "
+    "they are float16 and made at the scale, they are only small (below "
+    "2^-8): nothing to do."
+  ),
   "persistent": (
     "The scale sits at its floor (a static scale, or no scaling, cannot "
     "back off: it always does) and the gradients still overflow: no "
@@ -51,6 +64,14 @@ _ADVICE = {
     "dynamic scaler."
   ),
 }
+
+
+_SELECT_NOTE = (
+  "The step was skipped: params and optimizer state are kept. Model state "
+  "outside optax (BatchNorm statistics, an EMA) is kept only by "
+  "fs.select_on_overflow(opt_state, new, old) after tx.update; this report "
+  "reads the optimizer state alone and cannot see whether it was called."
+)
 
 
 class MinLossScaleError(RuntimeError):
@@ -98,6 +119,14 @@ class OverflowReport:
       any one of its stacked leaves held an inf or NaN (if any).
     nonfinite_layers: with ``stacked_axes``, the layers whose gradient held
       an inf or NaN in any stacked leaf on the last step.
+    suspect_unscaled_grads: the scale reached 2^24 with no overflow since
+      the state was built (``ScaleMetrics.suspect_unscaled_grads``): the
+      advice names the likely cause, gradients not made at the scale.
+
+  On an overflow step ``str()`` also says that model state outside optax
+  (BatchNorm statistics, an EMA) follows the skip only through
+  :func:`select_on_overflow`: the report reads the optimizer state alone,
+  so it cannot see whether the step called it.
 
   With ``stacked_axes`` a path names one layer of a stacked leaf, as
   ``['layers']['W'][5]``.
@@ -115,6 +144,7 @@ class OverflowReport:
   top: int = 10
   layer_counts: Dict[int, int] = dataclasses.field(default_factory=dict)
   nonfinite_layers: Tuple[int, ...] = ()
+  suspect_unscaled_grads: bool = False
 
   def top_leaves(self) -> list:
     """Up to ``top`` (path, count) pairs, most overflows first."""
@@ -129,6 +159,8 @@ class OverflowReport:
 
   def advice(self) -> str:
     """What to do about the last overflow (or the run's, if it was clean)."""
+    if self.suspect_unscaled_grads:
+      return _ADVICE["unscaled"].format(scale=_fmt_scale(self.next_scale))
     if self.kind == "none" and self.skipped_steps:
       return (
         "The last step was clean; earlier skipped steps were the scaler "
@@ -156,6 +188,7 @@ class OverflowReport:
         lines.append(
           f"Layers with a non-finite gradient on the last step: {layers}"
         )
+      lines.append(_SELECT_NOTE)
     if self.counts:
       lines.append(
         f"Steps with a non-finite gradient, per leaf (top {self.top}):"
@@ -283,6 +316,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
     top=top,
     layer_counts=by_layer[0],
     nonfinite_layers=by_layer[1],
+    suspect_unscaled_grads=bool(suspect_unscaled_grads(host)),
   )
 
 

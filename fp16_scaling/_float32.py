@@ -30,7 +30,7 @@ def _widen(tree):
 
 
 def float32(
-  fn: Optional[Callable[..., Any]] = None, *, keep_dtype: bool = False
+  fn: Optional[Callable[..., Any]] = None, keep_dtype: bool = False
 ) -> Callable[..., Any]:
   """``fn`` run in float32 on float16 and bfloat16 inputs.
 
@@ -47,7 +47,8 @@ def float32(
   (or none) give float32 outputs, as JAX promotes float16 with bfloat16.
 
   Usable as ``fs.float32(fn)``, ``@fs.float32`` or
-  ``@fs.float32(keep_dtype=True)``. Differentiable: the cotangents flow back
+  ``@fs.float32(keep_dtype=True)``; ``fs.float32(fn, True)`` is
+  ``fs.float32(fn, keep_dtype=True)``. Differentiable: the cotangents flow back
   through the casts, so a float16 input gets a float16 gradient.
 
   Args:

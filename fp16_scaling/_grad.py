@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling import _metrics
 from fp16_scaling import _policy
+from fp16_scaling import _select
 from fp16_scaling import _validate
 from fp16_scaling._lookup import is_nnx_optimizer
 from fp16_scaling._metrics import current_scale
@@ -129,6 +131,13 @@ def value_and_grad(
     TypeError: ``fun``'s output does not fit ``has_aux``, or its loss is not
       a floating scalar; a ``policy`` of another type.
 
+  ``fun`` must not multiply by the scale itself: ``fs.current_scale`` of
+  ``state`` read inside ``fun`` raises ValueError (the loss would be scaled
+  twice). A multiply by a number (``loss * 65536.0``) cannot be told from a
+  loss; the value then comes back that many times larger. The call also
+  records, by identity, the state it was given and what ``fun`` wrote, for
+  :func:`select_on_overflow`'s checks.
+
   Warns:
     UserWarning: ``fun``'s loss is float16, or ``policy``'s output dtype
       is (its cotangent, the scale, overflows float16 above 65504); the
@@ -157,14 +166,20 @@ def value_and_grad(
       "jax.eval_shape(tx.init, params)), shapes without values: pass the "
       "state tx.init(params) returned, or the one the step receives"
     )
-  scale = current_scale(state.opt_state if nnx_optimizer else state)
+  opt_state = state.opt_state if nnx_optimizer else state
+  scale = current_scale(opt_state)
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   policy, cast_args = _cast_plan(policy, cast_args)
 
   def scaled(*args, **kw):
     if policy is not None:
       args, kw, done = _cast_inputs(policy, nums, cast_args, args, kw)
-    value, aux = _split_output(fun(*args, **kw), has_aux)
+    _metrics.SCALES_IN_FUN.append(scale)
+    try:
+      out = fun(*args, **kw)
+    finally:
+      _metrics.SCALES_IN_FUN.pop()
+    value, aux = _split_output(out, has_aux)
     if policy is not None:
       done()
       value = policy.cast_to_output(value)
@@ -184,7 +199,12 @@ def value_and_grad(
       raise ValueError(_STALE)
     if policy is not None:
       _refuse_double_cast(policy, args, nums)
+    given = {id(x) for x in jax.tree.leaves((args, kw))}
     grads, (value, aux) = grad(*args, **kw)
+    # What the forward pass wrote: its aux, and what it wrote into an NNX
+    # module argument, that was not given (select_on_overflow's checks).
+    wrote = [x for x in jax.tree.leaves((aux, args)) if id(x) not in given]
+    _select.note_gradients(opt_state, wrote)
     if value.dtype == jnp.float16:
       cast = policy is not None and policy.output_dtype == jnp.float16
       _validate.warn(_FLOAT16_OUTPUT.format(policy) if cast else _FLOAT16_LOSS)

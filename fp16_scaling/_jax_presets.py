@@ -2,6 +2,8 @@
 ``LossScaleOptimizer``, as settings of the one machine (docs/peers.md).
 """
 
+import functools
+import inspect
 import math
 import numbers
 
@@ -26,6 +28,27 @@ def _number(name: str, value):
   return a.reshape(()).item()
 
 
+def _by_keyword(preset):
+  """``preset`` (keyword-only, as every preset), with a TypeError that names
+  the keywords for an argument given by position, as jmp's
+  ``DynamicLossScale(loss_scale)`` and Keras's ``LossScaleOptimizer`` take
+  theirs; its signature and docstring are ``preset``'s."""
+  names = list(inspect.signature(preset).parameters)
+
+  @functools.wraps(preset)
+  def call(*args, **kwargs):
+    if args:
+      raise TypeError(
+        f"fs.{preset.__name__} takes keyword arguments only, as every "
+        f"preset: write fs.{preset.__name__}({names[0]}={args[0]!r}) for "
+        f"its first; got {len(args)} by position. Its keywords are "
+        f"{', '.join(names)}"
+      )
+    return preset(**kwargs)
+
+  return call
+
+
 def _power_of_two_factor(value) -> int:
   """jmp's ``factor``: an integer power of two, at least 2."""
   value = _number("factor", value)
@@ -40,6 +63,7 @@ def _power_of_two_factor(value) -> int:
   return int(_validate.above_one("factor", v))
 
 
+@_by_keyword
 def jmp_scaler(
   *,
   loss_scale: float = 2.0**15,
@@ -74,7 +98,9 @@ def jmp_scaler(
 
   Raises:
     ValueError: an argument outside its range; the message names it.
-    TypeError: an argument of the wrong type.
+    TypeError: an argument of the wrong type, or one given by position
+      (``jmp.DynamicLossScale(2.0**15)``'s habit): the message names its
+      keyword.
 
   Examples:
     >>> import fp16_scaling as fs
@@ -115,6 +141,7 @@ def jmp_scaler(
   )
 
 
+@_by_keyword
 def keras_scaler(
   *,
   initial_scale: float = 2.0**15,
@@ -141,7 +168,8 @@ def keras_scaler(
 
   Raises:
     ValueError: an argument outside its range; the message names it.
-    TypeError: an argument of the wrong type.
+    TypeError: an argument of the wrong type, or one given by position:
+      the message names its keyword.
 
   Examples:
     >>> import fp16_scaling as fs

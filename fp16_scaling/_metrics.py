@@ -38,6 +38,14 @@ class ScaleMetrics(TypedDict, total=False):
     applied_steps: int32 windows whose step was applied.
     dropped_microbatches: int32 microbatches dropped.
     window_ended: bool, whether this call ended a window.
+    suspect_unscaled_grads: bool, the scale reached ``UNMET_SCALE`` (2^24)
+      with no overflow since the state was built, on gradients that were
+      not all zero: float16 gradients made at that scale overflow from
+      ``|g|`` of 2^-8 up, so the likely cause is gradients not made at the
+      scale (the loss not multiplied by it: use :func:`value_and_grad`), or
+      gradients that are not float16 (a float32 model needs no loss scale:
+      :func:`no_scaler`). Read from the state's counters: no cost in the
+      step.
   """
 
   loss_scale: jax.Array
@@ -59,6 +67,37 @@ class ScaleMetrics(TypedDict, total=False):
   applied_steps: jax.Array
   dropped_microbatches: jax.Array
   window_ended: jax.Array
+  suspect_unscaled_grads: jax.Array
+
+
+# A scale 2^8 above float16's range (65504 is about 2^16): float16
+# gradients made at it overflow from |g| of 2^-8 up, so a dynamic scaler
+# that reaches it with no overflow at all did not meet float16's range.
+UNMET_SCALE = 2.0**24
+
+
+def suspect_unscaled_grads(ls) -> jax.Array:
+  """Whether the :class:`LossScaleState` ``ls`` reached ``UNMET_SCALE``
+  with no overflow since it was built, after a step with nonzero
+  gradients (``ScaleMetrics.suspect_unscaled_grads``); traceable."""
+  scale = ls.scaler.loss_scale
+  clean = (ls.skipped_steps == 0) & (ls.grad_norm > 0)
+  return clean & (scale >= UNMET_SCALE)
+
+
+# The scales fs.value_and_grad multiplies by, while the fun it
+# differentiates runs (a trace-time stack): current_scale refuses to hand
+# one of them to that fun, which would scale its loss a second time.
+SCALES_IN_FUN = []
+
+_TWICE = (
+  "fs.current_scale: read inside the fun that fs.value_and_grad "
+  "differentiates with this state's scale. fs.value_and_grad multiplies "
+  "fun's loss by the scale itself: a loss multiplied here is scaled twice "
+  "(the update comes out S times too large, and the gradients overflow S "
+  "times sooner). Return the unscaled loss from fun; to log the scale, "
+  "read fs.current_scale(opt_state) outside it."
+)
 
 
 def current_scale(opt_state: optax.OptState) -> jax.Array:
@@ -71,6 +110,10 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
   Returns:
     A float32 scalar array (traceable).
 
+  Raises:
+    ValueError: called inside the ``fun`` that :func:`value_and_grad`
+      differentiates at this state's scale (it multiplies by it itself).
+
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.chain(
@@ -79,7 +122,10 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
     >>> print(fs.current_scale(state))  # multiply the next loss by this
     65536.0
   """
-  return _lookup.scaler_state(opt_state).loss_scale
+  scale = _lookup.scaler_state(opt_state).loss_scale
+  if any(scale is s for s in SCALES_IN_FUN):
+    raise ValueError(_TWICE)
+  return scale
 
 
 def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
@@ -131,6 +177,7 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "grad_norm": ls.grad_norm,
     "expert_grad_norm": expert,
     "shared_grad_norm": shared,
+    "suspect_unscaled_grads": suspect_unscaled_grads(ls),
   }
   if ls.leaf_paths.stacked is not None:
     leaves, layers = _stacked.count_nonfinite(

@@ -136,9 +136,21 @@ def _dtype(spec: str, key: str, value: str) -> np.dtype:
     where = f" for key {key!r}" if key else ""
     raise ValueError(
       f"get_policy({spec!r}): unknown dtype {value!r}{where}; the dtypes are "
-      f"{', '.join(DTYPE_NAMES)}"
+      f"{', '.join(DTYPE_NAMES)}" + ("" if key else _whole_spec_hint(spec))
     )
   return _DTYPE_OF[value]
+
+
+def _whole_spec_hint(spec: str) -> str:
+  """For a spec read as one dtype: what a policy string looks like, with
+  the ``key=dtype`` spelling of a ``key:dtype`` part."""
+  hint = (
+    ". A policy string is one dtype for all three, or key=dtype parts "
+    f"such as 'p=f32,c=f16,o=f32' (the keys are {', '.join(KEYS)})"
+  )
+  if ":" in spec:
+    hint += f": write {spec.replace(':', '=')!r}"
+  return hint
 
 
 def get_policy(spec: str) -> Policy:

@@ -288,6 +288,17 @@ class Scaler:
     )
 
 
+_TWINS = {
+  "jmp": (
+    ": jmp's scale, which fs.jmp_scaler(loss_scale=..., period=..., "
+    "factor=..., min_loss_scale=...) runs step for step; a running one's "
+    "scale and counter move in with fs.load_scaler_state_dict"
+  ),
+  "torch": ": PyTorch's; its twin is fs.torch_scaler(init_scale=...)",
+  "keras": ": Keras's; its twin is fs.keras_scaler(initial_scale=...)",
+}
+
+
 def check_scaler(scaler: Any) -> Scaler:
   """``scaler``, checked to be a :class:`Scaler`: the one check of every
   function that takes one.
@@ -303,9 +314,12 @@ def check_scaler(scaler: Any) -> Scaler:
       presets and the type given.
   """
   if not isinstance(scaler, Scaler):
+    # Another library's scaler object: name the preset that is its twin.
+    home = type(scaler).__module__.split(".")[0]
+    twin = _TWINS.get(home, "")
     raise TypeError(
       "scaler must be a Scaler from a preset such as fs.torch_scaler(), "
-      f"got {type(scaler).__name__}"
+      f"got {type(scaler).__name__}{twin}"
     )
   return scaler
 

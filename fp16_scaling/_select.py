@@ -3,7 +3,9 @@ statistics, an EMA of the parameters) follows the optimizer's skip
 (docs/design.md, "What the skip covers").
 """
 
+import sys
 from typing import Any
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,95 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling import _metrics
+
+# What fs.value_and_grad saw, by identity (weak references: nothing is kept
+# alive), so that select_on_overflow can name two slips it could not tell
+# apart from the documented call otherwise. Read and written while Python
+# runs, once a trace under jit: no cost in the compiled step.
+# A token of each state the gradients were computed with:
+_GRADIENTS_FROM = weakref.WeakValueDictionary()
+# The leaves the latest forward pass wrote (its aux, an NNX module's state):
+_FORWARD_WROTE = weakref.WeakValueDictionary()
+
+_PRE_UPDATE = (
+  "select_on_overflow: opt_state is the state the gradients were computed "
+  "with (fs.value_and_grad was given it), from before tx.update: its "
+  "overflow flag is the last step's, so an overflow step would keep the "
+  "new (non-finite) model state. Pass the state tx.update returned: "
+  "updates, opt_state = tx.update(grads, opt_state, params), then "
+  "fs.select_on_overflow(opt_state, new, old)."
+)
+_SWAPPED = (
+  "select_on_overflow: old holds what the forward pass just wrote (the aux "
+  "fs.value_and_grad returned, or an NNX module's state after it), at {}: "
+  "new and old are swapped, or old was taken after the forward pass. Pass "
+  "fs.select_on_overflow(opt_state, new, old) with new the model state "
+  "after the step and old a copy from before the forward pass."
+)
+_LIVE = (
+  "select_on_overflow: {} holds live nnx.Variable objects (at {}), which "
+  "the forward pass overwrites in place: a snapshot of them taken before it "
+  "already holds the new values, so old would be new. Take both as plain "
+  "arrays: old = nnx.as_pure(nnx.state(model, nnx.BatchStat)) before the "
+  "forward pass, new = nnx.as_pure(nnx.state(model, nnx.BatchStat)) after "
+  "the update."
+)
+
+
+def _remember(table: weakref.WeakValueDictionary, x) -> None:
+  """Records ``x`` in ``table`` by identity, until ``x`` is freed."""
+  try:
+    table[id(x)] = x
+  except TypeError:  # a numpy scalar, a Python number: no identity to keep
+    pass
+
+
+def _seen(table: weakref.WeakValueDictionary, x) -> bool:
+  """Whether ``table`` records this very object ``x``."""
+  return table.get(id(x)) is x
+
+
+def _token(opt_state) -> Any:
+  """An array every update makes anew: the state's identity for
+  :func:`note_gradients` (the microbatch count under accumulation, whose
+  inner state does not step mid-window)."""
+  acc = _lookup.accumulation_state(opt_state)
+  if acc is not None:
+    return acc.microbatches
+  return _lookup.loss_scale_state(opt_state).skipped_steps
+
+
+def note_gradients(opt_state, wrote) -> None:
+  """Called by ``fs.value_and_grad``: gradients were computed with
+  ``opt_state`` (the optax state), and the forward pass wrote ``wrote``
+  (leaves that were not among its arguments)."""
+  _remember(_GRADIENTS_FROM, _token(opt_state))
+  _FORWARD_WROTE.clear()
+  for x in wrote:
+    _remember(_FORWARD_WROTE, x)
+
+
+def _is_variable(x) -> bool:
+  """Whether ``x`` is an nnx ``Variable`` (of a loaded flax.nnx)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _refuse_slips(opt_state, new, old) -> None:
+  """Raises ValueError, naming the fix, for the slips the library can see:
+  live nnx Variables in ``new`` or ``old``, the pre-update ``opt_state``,
+  and ``old`` written by the latest forward pass (a swap)."""
+  for name, tree in (("old", old), ("new", new)):
+    paths = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_variable)
+    live = [jax.tree_util.keystr(p) for p, x in paths if _is_variable(x)]
+    if live:
+      raise ValueError(_LIVE.format(name, live[0] or "the root"))
+  if _seen(_GRADIENTS_FROM, _token(opt_state)):
+    raise ValueError(_PRE_UPDATE)
+  news = {id(n) for n in jax.tree.leaves(new)}  # alive: ids are unique
+  for path, o in jax.tree_util.tree_leaves_with_path(old):
+    if _seen(_FORWARD_WROTE, o) and id(o) not in news:
+      raise ValueError(_SWAPPED.format(jax.tree_util.keystr(path) or "root"))
 
 
 def skipped(opt_state: optax.OptState) -> jax.Array:
@@ -78,7 +169,17 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
   Raises:
     ValueError: ``new`` and ``old`` differ in tree structure, or in a leaf's
       shape or dtype; a batched state's batch axes do not lead a leaf;
-      ``opt_state`` holds no ``fp16_loss_scale`` state.
+      ``opt_state`` holds no ``fp16_loss_scale`` state. Also, naming the
+      fix, for the slips it can see (trace-time checks by identity, no
+      cost in the compiled step): ``new`` or ``old`` holding live nnx
+      ``Variable`` s (a snapshot without ``nnx.as_pure``, which the forward
+      pass overwrites); ``opt_state`` the state :func:`value_and_grad` was
+      given, from before ``tx.update`` (its flag is the last step's); and
+      ``old`` holding what the latest :func:`value_and_grad` call's forward
+      pass wrote (its aux, or an NNX module argument's state after it), not
+      also in ``new``: ``new`` and ``old`` swapped, or ``old`` taken after
+      the forward pass. Gradients taken without :func:`value_and_grad`
+      leave the last two unseen.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -92,6 +193,7 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
     >>> fs.select_on_overflow(opt_state, {"w": jnp.full(2, jnp.nan)}, ema)
     {'w': Array([1., 1.], dtype=float32)}
   """
+  _refuse_slips(opt_state, new, old)
   new_paths, treedef = jax.tree_util.tree_flatten_with_path(new)
   old_leaves, old_def = jax.tree.flatten(old)
   if treedef != old_def:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from fp16_scaling import _sharding
+from fp16_scaling import _validate
 
 _WHAT = (
   "stacked_axes must be a pytree prefix of the params with an int (the "
@@ -115,9 +116,38 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
       f"{what}: stacked_axes: every stacked leaf must have the same number "
       f"of layers on its layer axis; {sizes}"
     )
+  _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what)
   return Layout(
     key=key, axes=axes, layers=next(iter(found.values()), 0), names=names
   )
+
+
+def _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what) -> None:
+  """Warns when a layer axis other than 0 is given while axis 0 has one
+  size on every stacked leaf too, a size no unstacked leaf has: the shapes
+  cannot tell which axis holds the layers (a wrong one of matching size
+  would pass every check), and ``jax.lax.scan``, ``nn.scan`` and
+  ``nnx.scan`` stack them on axis 0. An axis 0 whose size an unstacked
+  leaf shares (the head's or the embedding's width, as in MaxText's
+  ``[embed, layers, mlp]``) reads as a model dimension: no warning; nor
+  when partition names name the layer axis (``boxes``)."""
+  named = [b for b in boxes if b and set(b) & layer_names]
+  shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
+  given = [(shape, a) for shape, a in zip(shapes, axes) if a is not None]
+  if named or all(a == 0 for _, a in given):
+    return
+  firsts = {shape[0] for shape, _ in given}
+  widths = {n for shape, a in zip(shapes, axes) if a is None for n in shape}
+  if len(firsts) == 1 and not firsts & widths:
+    shape, a = next((shape, a) for shape, a in given if a != 0)
+    _validate.warn(
+      f"{what}: stacked_axes gives the layer axis {a} (size {shape[a]}), "
+      f"but axis 0 has one size on every stacked leaf too ({firsts.pop()}): "
+      "the shapes cannot tell which holds the layers, and a wrong axis "
+      "would report an inf in one layer as another's. jax.lax.scan, nn.scan"
+      "(variable_axes={'params': 0}) and nnx.scan stack the layers on axis "
+      "0: if yours are there, pass axis 0 (fs.stacked_under(..., axis=0))"
+    )
 
 
 def _leaf_axis(name, ndim, a, spec, what) -> int:

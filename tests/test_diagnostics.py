@@ -422,3 +422,17 @@ def test_fixed_scale_runs_stop_after_five_skipped_steps_in_a_row():
         fs.raise_if_min_scale_reached(state, max_floor_overflows=3)
       with pytest.raises(ValueError, match="max_consecutive_errors"):
         fs.raise_if_min_scale_reached(state, max_consecutive_errors=0)
+
+
+def test_an_overflow_report_says_the_model_state_select_is_unseen():
+  """Issue 48: on a skipped step the report says that model state outside
+  optax follows the skip only through fs.select_on_overflow, which it
+  cannot see; a clean step's report does not."""
+  tx = guarded(fs.static_scaler(4.0), optax.sgd(1.0))
+  p = {"w": jnp.ones(2)}
+  _, clean = tx.update({"w": jnp.ones(2)}, tx.init(p), p)
+  _, skipped = tx.update({"w": jnp.array([jnp.inf, 1.0])}, clean, p)
+  note = "is kept only by fs.select_on_overflow(opt_state, new, old)"
+  assert note not in str(fs.overflow_report(clean))
+  text = str(fs.overflow_report(skipped))
+  assert note in text and "cannot see whether it was called" in text

@@ -24,7 +24,7 @@ PARAMS = {"a": jnp.zeros((2, 3)), "b": jnp.zeros(3), "c": jnp.zeros(2)}
 BASE_KEYS = set(
   "loss_scale prev_loss_scale overflow skipped_steps consecutive_skipped_steps "
   "floor_overflows overflow_kind nonfinite_leaves grad_norm expert_grad_norm "
-  "shared_grad_norm".split()
+  "shared_grad_norm suspect_unscaled_grads".split()
 )
 RANGE_KEYS = {"grad_max_abs", "min_headroom_bits", "zero_fraction"}
 ACCUMULATION_KEYS = set(

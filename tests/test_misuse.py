@@ -137,8 +137,10 @@ def test_multiplying_by_the_scale_twice():
   float16 S times sooner. The library cannot refuse it. Impossible through
   the helper as long as ``fun`` is the plain loss: no multiply is left in
   the caller's code, and the helper's gradients give plain optax's update.
-  A ``fun`` that still multiplies is not detected; its value comes back S
-  times the loss, the one sign of it."""
+  A ``fun`` that multiplies by ``fs.current_scale`` of the helper's state
+  is refused when it runs (issue 48), naming the fix; one that multiplies
+  by a number it holds (``loss * 65536.0``) is not detected: its value
+  comes back S times the loss, the one sign of it."""
   state = TX.init(PARAMS)
   x, y = _batch(2)
   true = true_grads(PARAMS, x, y)
@@ -154,8 +156,30 @@ def test_multiplying_by_the_scale_twice():
   _close(grads, true, S0)  # once
   _close(updates, plain)
 
-  scaled_fun = lambda p, x, y: loss(p, x, y) * fs.current_scale(state)
-  value, grads = fs.value_and_grad(scaled_fun, state)(PARAMS, x, y)
+  def scaled_fun(p, x, y):
+    return loss(p, x, y) * fs.current_scale(state)
+
+  with pytest.raises(ValueError) as e:
+    fs.value_and_grad(scaled_fun, state)(PARAMS, x, y)
+  assert "fs.current_scale: read inside the fun" in str(e.value)
+  assert "Return the unscaled loss from fun" in str(e.value)
+
+  @jax.jit
+  def jitted(state, x, y):
+    def fun(p, x, y):
+      return loss(p, x, y) * fs.current_scale(state)
+
+    return fs.value_and_grad(fun, state)(PARAMS, x, y)
+
+  with pytest.raises(ValueError, match="scaled twice"):
+    jitted(state, x, y)
+  # Outside fun the scale reads as before (the stack is empty again).
+  assert float(fs.current_scale(state)) == S0
+
+  def by_number(p, x, y):
+    return loss(p, x, y) * S0
+
+  value, grads = fs.value_and_grad(by_number, state)(PARAMS, x, y)
   assert float(value) == pytest.approx(S0 * float(loss(PARAMS, x, y)))
   _close(grads, true, S0 * S0)
 
@@ -220,3 +244,75 @@ def test_unscaling_by_hand_before_tx_update():
   # clip, and sgd moves by LR * g / S.
   misused = step(PARAMS, state, x, y, True)
   _close(misused, plain_update(true, PARAMS), 1 / S0)
+
+
+def _grown_run(make_grads, steps=10):
+  """A torch scaler from 2^16 growing every clean step, fed
+  ``make_grads(state)`` for ``steps`` steps: the final state."""
+  tx = helpers.guarded(
+    fs.torch_scaler(init_scale=2.0**16, growth_interval=1), optax.sgd(LR)
+  )
+  state = tx.init(PARAMS)
+  step = jax.jit(lambda g, s: tx.update(g, s, PARAMS)[1])
+  for _ in range(steps):
+    state = step(make_grads(state), state)
+  return state
+
+
+def test_a_scale_that_grew_with_no_overflow_names_unscaled_gradients():
+  """Issue 48: float16 gradients never multiplied by the scale (a float16
+  loss through ``jax.grad``) never overflow, so the scale climbs, here
+  2^16 -> 2^26 in 10 clean steps, with no skip and updates 2^26 times too
+  small. Past 2^24 with no overflow since init, the metrics and the
+  report say so (read from the counters), naming fs.value_and_grad. The
+  same gradients made at the scale overflow float16 at once (|g| of 1 at
+  2^16 is past 65504), so the scaler backs off and the flag stays
+  False; and at init (no step yet) it is False too."""
+  x, y = _batch(4)
+  true = true_grads(PARAMS, x, y)
+  assert float(optax.tree.norm(true)) > 1.0  # some |g| near 1
+
+  def unscaled(state):
+    return jax.tree.map(lambda g: g.astype(jnp.float16), true)
+
+  def at_scale(state):
+    s = fs.current_scale(state)
+    return jax.tree.map(lambda g: (g * s).astype(jnp.float16), true)
+
+  state = _grown_run(unscaled)
+  m = fs.scale_metrics(state)
+  assert float(m["loss_scale"]) == 2.0**26 and int(m["skipped_steps"]) == 0
+  assert bool(m["suspect_unscaled_grads"])
+  report = fs.overflow_report(state)
+  assert report.suspect_unscaled_grads
+  text = str(report)
+  assert "reached 2^26 with no overflow since the state was built" in text
+  assert "fs.value_and_grad(loss_fn, opt_state)" in text
+
+  state = _grown_run(at_scale)
+  assert int(fs.scale_metrics(state)["skipped_steps"]) > 0
+  assert not bool(fs.scale_metrics(state)["suspect_unscaled_grads"])
+  assert not fs.overflow_report(state).suspect_unscaled_grads
+  fresh = helpers.guarded(fs.deepspeed_scaler(), optax.sgd(LR)).init(PARAMS)
+  assert float(fs.current_scale(fresh)) == 2.0**32  # above 2^24, no step
+  assert not bool(fs.scale_metrics(fresh)["suspect_unscaled_grads"])
+
+
+def test_small_float16_gradients_made_at_the_scale_raise_the_flag_too():
+  """What the flag cannot tell (docs/diagnostics.md): float16 gradients
+  made at the scale whose every |g| is below 2^-8 do not overflow at 2^24
+  either. Here |g| <= 2^-10 made at the scale: the flag is raised at 2^26
+  with no skip, as for unscaled gradients; the advice says that then there
+  is nothing to do."""
+  small = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**-10), PARAMS)
+
+  def at_scale(state):
+    s = fs.current_scale(state)
+    return jax.tree.map(lambda g: (g * s).astype(jnp.float16), small)
+
+  state = _grown_run(at_scale)
+  assert int(fs.scale_metrics(state)["skipped_steps"]) == 0
+  assert bool(fs.scale_metrics(state)["suspect_unscaled_grads"])
+  assert "they are only small (below 2^-8): nothing to do" in str(
+    fs.overflow_report(state)
+  )

@@ -293,3 +293,130 @@ def _nnx_run(digits, *, select=True, leave_out_bad=False):
 def test_nnx_batch_stats_follow_the_skip(digits):
   final_raw, accuracy_raw, _ = _check_skipped_run(_nnx_run, digits)
   assert not _all_finite(final_raw) and accuracy_raw < 0.2
+
+
+# --- The slips around the select (issue 48): each refused, naming the fix ---
+
+
+def _stateful_loss(params, state, x):
+  """A Haiku-style ``apply``: the loss and the model state it wrote (a
+  running mean of the batch, as BatchNorm keeps)."""
+  new_state = {"mean": 0.9 * state["mean"] + 0.1 * jnp.mean(x, axis=0)}
+  return jnp.sum((x @ params["w"]) ** 2), new_state
+
+
+def _stateful_step(tx, *, pre_update=False, swap=False, writes=True):
+  """docs/porting-haiku.md's step, or one of its slips."""
+
+  def step(params, state, opt_state, x):
+    loss_fn = (
+      _stateful_loss if writes else lambda p, s, x: (0.0 * p["w"].sum(), s)
+    )
+    (loss, new_state), grads = fs.value_and_grad(
+      loss_fn, opt_state, has_aux=True
+    )(params, state, x)
+    before = opt_state
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    params = optax.apply_updates(params, updates)
+    which = before if pre_update else opt_state
+    pair = (state, new_state) if swap else (new_state, state)
+    return params, fs.select_on_overflow(which, *pair), opt_state
+
+  return step
+
+
+def _stateful_run(tx, step, steps=4, bad=2):
+  params = {"w": jnp.ones((3, 2))}
+  state = {"mean": jnp.zeros(3)}
+  opt_state = tx.init(params)
+  for i in range(steps):
+    x = jnp.full((4, 3), BAD if i == bad else 1.0)
+    params, state, opt_state = step(params, state, opt_state, x)
+  return state, opt_state
+
+
+@pytest.mark.parametrize("k", [None, 2])
+@pytest.mark.parametrize("jit", [True, False])
+def test_the_documented_select_is_unchanged_and_keeps_old_on_the_skip(k, jit):
+  """The documented step, jitted and eager, with and without
+  accumulation: never refused (the registry of what value_and_grad saw
+  does not outlive its step), and the bad batch's NaN mean never enters
+  the state (static scale 4, so step 2's forward overflow skips)."""
+  tx = _tx(k=k)
+  step = _stateful_step(tx)
+  state, opt_state = _stateful_run(tx, jax.jit(step) if jit else step)
+  assert np.isfinite(np.asarray(state["mean"])).all()
+  assert int(fs.scale_metrics(opt_state)["skipped_steps"]) == 1
+  # A forward pass that writes nothing (its aux is its input) is no swap.
+  quiet = _stateful_step(tx, writes=False)
+  _stateful_run(tx, jax.jit(quiet) if jit else quiet)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_the_state_from_before_the_update_is_refused(k):
+  """``fs.select_on_overflow(opt_state_before_update, new, old)``: its
+  overflow flag is the last step's, so the bad step would keep the NaN
+  mean. The state fs.value_and_grad was given is known by identity."""
+  tx = _tx(k=k)
+  with pytest.raises(ValueError) as e:
+    _stateful_run(tx, jax.jit(_stateful_step(tx, pre_update=True)))
+  msg = str(e.value)
+  assert "opt_state is the state the gradients were computed with" in msg
+  assert "Pass the state tx.update returned" in msg
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_new_and_old_swapped_are_refused(jit):
+  """``fs.select_on_overflow(opt_state, old, new)``: ``old`` is the aux
+  the forward pass just returned, which value_and_grad saw."""
+  tx = _tx()
+  step = _stateful_step(tx, swap=True)
+  with pytest.raises(ValueError) as e:
+    _stateful_run(tx, jax.jit(step) if jit else step)
+  msg = str(e.value)
+  assert "old holds what the forward pass just wrote" in msg
+  assert "at ['mean']" in msg and "new and old are swapped" in msg
+
+
+def _nnx_bn_step(slip):
+  """docs/porting.md's NNX step on a BatchNorm model, or a slip: ``live``
+  takes both snapshots without nnx.as_pure, ``swap`` swaps them."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  @nnx.jit
+  def step(model, opt, x):
+    snap = (lambda s: s) if slip == "live" else nnx.as_pure
+    old = snap(nnx.state(model, nnx.BatchStat))
+    loss, grads = fs.value_and_grad(lambda m: jnp.sum(m(x) ** 2), opt)(model)
+    opt.update(model, grads, value=loss)
+    new = snap(nnx.state(model, nnx.BatchStat))
+    pair = (old, new) if slip == "swap" else (new, old)
+    nnx.update(model, fs.select_on_overflow(opt.opt_state, *pair))
+
+  model = nnx.Sequential(
+    nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(1))
+  )
+  opt = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+  return step, model, opt
+
+
+@pytest.mark.parametrize("slip", ["live", "swap", None])
+def test_nnx_snapshots_that_alias_the_variables_or_swap_are_refused(slip):
+  nnx = pytest.importorskip("flax.nnx")
+  step, model, opt = _nnx_bn_step(slip)
+  x = jnp.ones((2, 3))
+  if slip is None:  # the documented step: a bad batch keeps the old stats
+    step(model, opt, x)
+    before = helpers.bits(nnx.as_pure(nnx.state(model, nnx.BatchStat)))
+    step(model, opt, jnp.full((2, 3), BAD))
+    after = nnx.as_pure(nnx.state(model, nnx.BatchStat))
+    assert helpers.bits(after) == before
+    return
+  with pytest.raises(ValueError) as e:
+    step(model, opt, x)
+  msg = str(e.value)
+  if slip == "live":
+    assert "holds live nnx.Variable objects" in msg
+    assert "nnx.as_pure(nnx.state(model, nnx.BatchStat))" in msg
+  else:
+    assert "new and old are swapped" in msg

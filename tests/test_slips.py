@@ -6,6 +6,8 @@ states from before the step, a cast audit of a checkpoint that already
 holds an inf, ``tx.init`` on an unfiltered Equinox module, and the report's
 rows for fully non-finite leaves."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +266,108 @@ def test_range_rows_put_non_finite_leaves_apart():
   assert rows[0].split()[-1] == "['b']" and rows[1].split()[-1] == "['z']"
   assert rows[2].startswith("  Not ranked, held an inf or NaN")
   assert rows[3].split() == ["none", "-", "0.0%", "['a']"]
+
+
+# ---------- 8 (issue 48): a wrong layer axis of matching size, fair slips
+
+
+def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
+  """w [8, 16, 16] and b [8, 16] stacked by lax.scan on axis 0: axis=1
+  gives 16 on both, so every size check passes. Axis 0 fits every stacked
+  leaf too (8, which no unstacked leaf has), so the shapes cannot tell: a
+  warning names axis 0. The right call (axis 0), a leaf whose axis 0
+  differs, and an axis 0 that the head shares (MaxText's embed) stay
+  quiet."""
+  params = stacked_params()
+  with pytest.warns(UserWarning) as record:
+    chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(params)
+  (w,) = [r for r in record if "stacked_axes" in str(r.message)]
+  msg = str(w.message)
+  assert "layer axis 1 (size 16)" in msg and "(8)" in msg
+  assert "fs.stacked_under(..., axis=0)" in msg
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    chain(stacked_axes=fs.stacked_under("layers")).init(params)
+    # Axis 0 of another size on one leaf: axis 1 is the only reading.
+    mixed = {"w": jnp.zeros((4, L, D)), "b": jnp.zeros((3, L))}
+    state = chain(stacked_axes={"w": 1, "b": 1}).init(mixed)
+    # MaxText's [embed, layers, mlp] (docs/stacked.md): axis 0 fits every
+    # stacked leaf, but the head has its size: a model width, not layers.
+    maxtext = {
+      "layers": {"wi": jnp.zeros((D, L, D)), "scale": jnp.zeros((D, L))},
+      "head": jnp.zeros((D, 1)),
+    }
+    chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(maxtext)
+  assert state[0].leaf_paths.stacked.axes == (1, 1)  # b, w
+
+
+@pytest.mark.parametrize(
+  "spec, fix",
+  [
+    ("", "key=dtype parts such as 'p=f32,c=f16,o=f32'"),
+    ("compute:float16", "write 'compute=float16'"),
+  ],
+)
+def test_get_policy_of_a_whole_spec_that_is_no_dtype_names_key_equals(
+  spec, fix
+):
+  with pytest.raises(ValueError) as e:
+    fs.get_policy(spec)
+  assert "unknown dtype" in str(e.value) and fix in str(e.value)
+  assert "the keys are p, params, c, compute, o, output" in str(e.value)
+  assert fs.get_policy("compute=float16").compute_dtype == jnp.float16
+
+
+def test_float32_takes_keep_dtype_by_position_too():
+  """``fs.float32(fn, True)`` is ``fs.float32(fn, keep_dtype=True)``."""
+  x = jnp.ones(2, jnp.float16)
+  assert fs.float32(lambda v: v * 2, True)(x).dtype == jnp.float16
+  assert fs.float32(lambda v: v * 2)(x).dtype == jnp.float32
+  with pytest.raises(TypeError, match="keep_dtype must be True or False"):
+    fs.float32(lambda v: v, 1)
+
+
+@pytest.mark.parametrize(
+  "preset, first",
+  [(fs.jmp_scaler, "loss_scale"), (fs.keras_scaler, "initial_scale")],
+)
+def test_a_jax_preset_given_a_positional_argument_names_its_keyword(
+  preset, first
+):
+  """Presets take keywords only (docs/peers.md); jmp's
+  ``DynamicLossScale(2.0**15)`` habit gets a message naming the keyword,
+  and the signature stays keyword-only for introspection."""
+  import inspect
+
+  with pytest.raises(TypeError) as e:
+    preset(2.0**15)
+  msg = str(e.value)
+  assert f"{preset.__name__}({first}=32768.0)" in msg
+  assert "takes keyword arguments only" in msg
+  params = inspect.signature(preset).parameters.values()
+  assert all(p.kind is p.KEYWORD_ONLY for p in params)
+  assert preset(**{first: 2.0**14}).init_scale == 2.0**14
+
+
+def test_another_librarys_scaler_object_names_its_twin_preset():
+  jmp = pytest.importorskip("jmp")
+  with pytest.raises(TypeError) as e:
+    fs.fp16_loss_scale(jmp.DynamicLossScale(jnp.float32(2.0**15)))
+  msg = str(e.value)
+  assert "got DynamicLossScale" in msg and "fs.jmp_scaler(loss_scale=" in msg
+  assert "fs.load_scaler_state_dict" in msg
+  with pytest.raises(TypeError, match="got float$"):
+    fs.fp16_loss_scale(2.0**15)  # no twin to name: the message as before
+
+
+def test_accumulate_gradients_first_in_fs_chain_says_it_goes_outside():
+  inner = chain()
+  with pytest.raises(ValueError) as e:
+    fs.chain(fs.accumulate_gradients(inner, 2), optax.sgd(0.1))
+  msg = str(e.value)
+  assert "got an fs.accumulate_gradients" in msg
+  assert "goes outside, around the whole chain" in msg
+  assert "fs.accumulate_gradients(fs.chain(fs.fp16_loss_scale(" in msg
+  with pytest.raises(ValueError) as e:
+    fs.chain(optax.sgd(0.1))
+  assert "goes outside" not in str(e.value)

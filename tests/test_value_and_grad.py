@@ -459,3 +459,51 @@ def test_a_float16_loss_warns_at_the_callers_line():
     full = lambda a: jnp.mean(a.astype(jnp.float16).astype(jnp.float32))
     _, grads = fs.value_and_grad(full, state)(A)
   np.testing.assert_array_equal(grads, [2.0**15, 2.0**15])
+
+
+def test_a_fun_that_reads_the_scale_is_refused_in_every_state_form():
+  """Issue 48: ``fs.current_scale`` of the helper's own state read inside
+  ``fun`` (a loss the user scales again) raises ValueError naming the
+  fix, for an optax state, a TrainState and an ``nnx.Optimizer`` inside
+  ``nnx.jit``; reading it outside ``fun`` (to log it) is untouched, and
+  another state's scale inside ``fun`` is not this one's."""
+  tx = _torch_sgd(init_scale=4.0)
+  opt_state = tx.init(PARAMS)
+  x, y = _batch(0)
+
+  def twice(p, x, y):
+    return loss(p, x, y) * fs.current_scale(opt_state)
+
+  with pytest.raises(ValueError, match="scaled twice"):
+    fs.value_and_grad(twice, opt_state)(PARAMS, x, y)
+  other = tx.init(PARAMS)  # its own arrays: another state's scale
+  value, _ = fs.value_and_grad(twice, other)(PARAMS, x, y)
+  assert float(value) == pytest.approx(4.0 * float(loss(PARAMS, x, y)))
+
+  train_state = pytest.importorskip("flax.training.train_state")
+  state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+
+  @jax.jit
+  def ts_step(state):
+    def fun(p, x, y):
+      return loss(p, x, y) * fs.current_scale(state.opt_state)
+
+    return fs.value_and_grad(fun, state)(state.params, x, y)
+
+  with pytest.raises(ValueError, match="scaled twice"):
+    ts_step(state)
+
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    def fun(model, x, y):
+      s = fs.current_scale(optimizer.opt_state)
+      return jnp.mean((model(x) - y) ** 2) * s
+
+    return fs.value_and_grad(fun, optimizer)(model, x, y)
+
+  with pytest.raises(ValueError, match="Return the unscaled loss from fun"):
+    step(model, optimizer, x, y)
+  assert float(fs.current_scale(optimizer.opt_state)) == 4.0
