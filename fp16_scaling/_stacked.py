@@ -46,27 +46,19 @@ def check(stacked_axes, what: str) -> Any:
   return (tuple(_leaves(stacked_axes, what)), treedef)
 
 
+@dataclasses.dataclass(frozen=True)
 class Layout:
-  """``stacked_axes`` resolved on a tree (its ``key`` alone in equality).
+  """``stacked_axes`` resolved on a tree.
 
   Attributes:
-    key: the equality key of the ``stacked_axes`` it was resolved from.
     axes: per leaf, its layer axis (normalised, >= 0), or None.
     layers: L, the number of layers of every stacked leaf (0 if none).
     names: the leaves' paths (``jax.tree_util.keystr``).
   """
 
-  def __init__(self, key, axes=(), layers=0, names=()):
-    self.key = key
-    self.axes = tuple(axes)
-    self.layers = int(layers)
-    self.names = tuple(names)
-
-  def __eq__(self, other):
-    return isinstance(other, Layout) and self.key == other.key
-
-  def __hash__(self):
-    return hash(self.key)
+  axes: tuple
+  layers: int
+  names: tuple
 
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
@@ -83,7 +75,7 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
-  key = check(stacked_axes, what)
+  check(stacked_axes, what)
   under = isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
@@ -118,7 +110,9 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
     )
   _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what)
   return Layout(
-    key=key, axes=axes, layers=next(iter(found.values()), 0), names=names
+    axes=tuple(axes),
+    layers=next(iter(found.values()), 0),
+    names=tuple(names),
   )
 
 
