@@ -125,22 +125,24 @@ def _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what) -> None:
   leaf shares (the head's or the embedding's width, as in MaxText's
   ``[embed, layers, mlp]``) reads as a model dimension: no warning; nor
   when partition names name the layer axis (``boxes``)."""
-  named = [b for b in boxes if b and set(b) & layer_names]
+  if any(box and set(box) & layer_names for box in boxes):
+    return  # the names place the layers, checked by _check_named_axis
   shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
-  given = [(shape, a) for shape, a in zip(shapes, axes) if a is not None]
-  if named or all(a == 0 for _, a in given):
-    return
-  firsts = {shape[0] for shape, _ in given}
-  widths = {n for shape, a in zip(shapes, axes) if a is None for n in shape}
-  if len(firsts) == 1 and not firsts & widths:
-    shape, a = next((shape, a) for shape, a in given if a != 0)
+  stacked = [(shape, a) for shape, a in zip(shapes, axes) if a is not None]
+  off_zero = [(shape, a) for shape, a in stacked if a != 0]
+  zero_sizes = {shape[0] for shape, _ in stacked}
+  unstacked = [shape for shape, a in zip(shapes, axes) if a is None]
+  model_widths = {n for shape in unstacked for n in shape}
+  if off_zero and len(zero_sizes) == 1 and not zero_sizes & model_widths:
+    shape, a = off_zero[0]
     _validate.warn(
       f"{what}: stacked_axes gives the layer axis {a} (size {shape[a]}), "
-      f"but axis 0 has one size on every stacked leaf too ({firsts.pop()}): "
-      "the shapes cannot tell which holds the layers, and a wrong axis "
-      "would report an inf in one layer as another's. jax.lax.scan, nn.scan"
-      "(variable_axes={'params': 0}) and nnx.scan stack the layers on axis "
-      "0: if yours are there, pass axis 0 (fs.stacked_under(..., axis=0))"
+      "but axis 0 has one size on every stacked leaf too "
+      f"({zero_sizes.pop()}): the shapes cannot tell which holds the "
+      "layers, and a wrong axis would report an inf in one layer as "
+      "another's. jax.lax.scan, nn.scan(variable_axes={'params': 0}) and "
+      "nnx.scan stack the layers on axis 0: if yours are there, pass axis 0 "
+      "(fs.stacked_under(..., axis=0))"
     )
 
 
