@@ -75,7 +75,6 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
-  check(stacked_axes, what)
   under = isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
