@@ -159,15 +159,7 @@ def value_and_grad(
     float32 float32
   """
   nnx_optimizer = is_nnx_optimizer(state)
-  # The loss scale held by state (an optax state or an nnx.Optimizer).
-  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
-    raise ValueError(
-      "fs.value_and_grad: the state holds ShapeDtypeStructs (from "
-      "jax.eval_shape(tx.init, params)), shapes without values: pass the "
-      "state tx.init(params) returned, or the one the step receives"
-    )
-  opt_state = state.opt_state if nnx_optimizer else state
-  scale = current_scale(opt_state)
+  opt_state, scale = _held_scale(state, nnx_optimizer)
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   policy, cast_args = _cast_plan(policy, cast_args)
 
@@ -211,6 +203,24 @@ def value_and_grad(
     return ((value, aux) if has_aux else value), grads
 
   return value_and_scaled_grad
+
+
+def _held_scale(state, nnx_optimizer: bool) -> tuple:
+  """``(opt_state, scale)``: the optax state ``state`` is or holds (an
+  ``nnx.Optimizer``'s ``opt_state``) and the loss scale in it.
+
+  Raises:
+    ValueError: ``state`` holds ``jax.ShapeDtypeStruct``s (shapes without
+      values), or no scale (from :func:`current_scale`).
+  """
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
+    raise ValueError(
+      "fs.value_and_grad: the state holds ShapeDtypeStructs (from "
+      "jax.eval_shape(tx.init, params)), shapes without values: pass the "
+      "state tx.init(params) returned, or the one the step receives"
+    )
+  opt_state = state.opt_state if nnx_optimizer else state
+  return opt_state, current_scale(opt_state)
 
 
 def _cast_plan(policy, cast_args):
@@ -315,6 +325,13 @@ def _differentiable(x) -> bool:
   return inexact or (isinstance(x, float) and not isinstance(x, bool))
 
 
+def _module_array(x) -> bool:
+  """What an Equinox module's argument differentiates: its inexact arrays,
+  not a Python float (``eqx.filter_value_and_grad``'s
+  ``eqx.is_inexact_array``)."""
+  return _differentiable(x) and not isinstance(x, float)
+
+
 def _arrays_only(grad, fun, argnums, nums, kwargs) -> Callable[..., Any]:
   """``grad``, with each differentiated argument reduced to what can be
   differentiated (see :func:`_differentiable`; in an argument holding an
@@ -327,16 +344,20 @@ def _arrays_only(grad, fun, argnums, nums, kwargs) -> Callable[..., Any]:
     for i in nums:
       keep = _differentiable
       if _holds_module(args[i]):
-        keep = lambda x: _differentiable(x) and not isinstance(x, float)
+        keep = _module_array
       if not all(keep(x) for x in jax.tree.leaves(args[i])):
         args[i], rest[i] = _partition(args[i], keep)
     if not rest:
       return grad(*args, **kw)
-    whole = lambda a: [
-      _combine(x, rest[i]) if i in rest else x for i, x in enumerate(a)
-    ]
-    split = lambda *a, **k: fun(*whole(a), **k)
-    return jax.grad(split, argnums=argnums, has_aux=True, **kwargs)(*args, **kw)
+
+    def whole(*parts, **k):
+      """``fun`` of the arguments put back together."""
+      joined = [
+        _combine(x, rest[i]) if i in rest else x for i, x in enumerate(parts)
+      ]
+      return fun(*joined, **k)
+
+    return jax.grad(whole, argnums=argnums, has_aux=True, **kwargs)(*args, **kw)
 
   return call
 
@@ -346,7 +367,10 @@ def _holds_module(tree) -> bool:
   eqx = sys.modules.get("equinox")
   if eqx is None:
     return False
-  is_module = lambda x: isinstance(x, eqx.Module)
+
+  def is_module(x) -> bool:
+    return isinstance(x, eqx.Module)
+
   return any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module)))
 
 

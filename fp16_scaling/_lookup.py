@@ -32,6 +32,12 @@ def is_nnx_optimizer(x: Any) -> bool:
   return nnx is not None and isinstance(x, nnx.Optimizer)
 
 
+def is_nnx_variable(x: Any) -> bool:
+  """Whether ``x`` is an nnx ``Variable`` (of a loaded flax.nnx)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
 def unwrap(tree: Any) -> Any:
   """``tree`` with every container around one array (an nnx ``Variable``)
   replaced by the array; tuples, lists, dicts and NamedTuples are walked."""

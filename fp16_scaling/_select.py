@@ -3,7 +3,6 @@ statistics, an EMA of the parameters) follows the optimizer's skip
 (docs/design.md, "What the skip covers").
 """
 
-import sys
 from typing import Any
 import weakref
 
@@ -13,6 +12,7 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling import _metrics
+from fp16_scaling._lookup import is_nnx_variable
 
 # What fs.value_and_grad saw, by identity (weak references: nothing is kept
 # alive), so that select_on_overflow can name two slips it could not tell
@@ -81,19 +81,13 @@ def note_gradients(opt_state, wrote) -> None:
     _remember(_FORWARD_WROTE, x)
 
 
-def _is_variable(x) -> bool:
-  """Whether ``x`` is an nnx ``Variable`` (of a loaded flax.nnx)."""
-  nnx = sys.modules.get("flax.nnx")
-  return nnx is not None and isinstance(x, nnx.Variable)
-
-
 def _refuse_slips(opt_state, new, old) -> None:
   """Raises ValueError, naming the fix, for the slips the library can see:
   live nnx Variables in ``new`` or ``old``, the pre-update ``opt_state``,
   and ``old`` written by the latest forward pass (a swap)."""
   for name, tree in (("old", old), ("new", new)):
-    paths = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_variable)
-    live = [jax.tree_util.keystr(p) for p, x in paths if _is_variable(x)]
+    paths = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_nnx_variable)
+    live = [jax.tree_util.keystr(p) for p, x in paths if is_nnx_variable(x)]
     if live:
       raise ValueError(_LIVE.format(name, live[0] or "the root"))
   if _seen(_GRADIENTS_FROM, _token(opt_state)):

@@ -5,7 +5,6 @@ decide together (docs/design.md, "One scale for several optimizers").
 """
 
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -13,12 +12,6 @@ import jax.numpy as jnp
 
 from fp16_scaling import _lookup
 from fp16_scaling._states import LossScaleState
-
-
-def _nnx_variable_type():
-  """``nnx.Variable`` of a loaded flax.nnx, or None."""
-  nnx = sys.modules.get("flax.nnx")
-  return getattr(nnx, "Variable", None)
 
 
 def _member(opt_state: Any, i: int) -> LossScaleState:
@@ -58,25 +51,18 @@ def _scaler_of(ls: LossScaleState) -> Any:
 
 def _in_variables(opt_state: Any) -> bool:
   """Whether ``opt_state``'s loss-scale state holds nnx Variables."""
-  variable = _nnx_variable_type()
-  if variable is None:
-    return False
   held = _lookup.all_with_path(opt_state, LossScaleState)[0][1]
-
-  def is_var(x) -> bool:
-    return isinstance(x, variable)
-
-  return any(map(is_var, jax.tree.leaves(held, is_leaf=is_var)))
+  leaves = jax.tree.leaves(held, is_leaf=_lookup.is_nnx_variable)
+  return any(map(_lookup.is_nnx_variable, leaves))
 
 
 def _set_in_place(opt: Any, new: LossScaleState) -> None:
   """Writes ``new``'s arrays into the Variables of ``opt``'s (an
   ``nnx.Optimizer``) loss-scale state, as NNX updates act in place."""
-  variable = _nnx_variable_type()
   held = _lookup.all_with_path(opt.opt_state, LossScaleState)[0][1]
-  old = jax.tree.leaves(held, is_leaf=lambda x: isinstance(x, variable))
+  old = jax.tree.leaves(held, is_leaf=_lookup.is_nnx_variable)
   for var, value in zip(old, jax.tree.leaves(new), strict=True):
-    if isinstance(var, variable):
+    if _lookup.is_nnx_variable(var):
       var.set_value(value)
     elif var is not value:
       raise TypeError(

@@ -46,27 +46,19 @@ def check(stacked_axes, what: str) -> Any:
   return (tuple(_leaves(stacked_axes, what)), treedef)
 
 
+@dataclasses.dataclass(frozen=True)
 class Layout:
-  """``stacked_axes`` resolved on a tree (its ``key`` alone in equality).
+  """``stacked_axes`` resolved on a tree.
 
   Attributes:
-    key: the equality key of the ``stacked_axes`` it was resolved from.
     axes: per leaf, its layer axis (normalised, >= 0), or None.
     layers: L, the number of layers of every stacked leaf (0 if none).
     names: the leaves' paths (``jax.tree_util.keystr``).
   """
 
-  def __init__(self, key, axes=(), layers=0, names=()):
-    self.key = key
-    self.axes = tuple(axes)
-    self.layers = int(layers)
-    self.names = tuple(names)
-
-  def __eq__(self, other):
-    return isinstance(other, Layout) and self.key == other.key
-
-  def __hash__(self):
-    return hash(self.key)
+  axes: tuple
+  layers: int
+  names: tuple
 
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
@@ -83,7 +75,6 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
   :class:`StackedUnder` whose names match no leaf is refused."""
   if stacked_axes is None:
     return None
-  key = check(stacked_axes, what)
   under = isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
@@ -118,7 +109,9 @@ def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
     )
   _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what)
   return Layout(
-    key=key, axes=axes, layers=next(iter(found.values()), 0), names=names
+    axes=tuple(axes),
+    layers=next(iter(found.values()), 0),
+    names=tuple(names),
   )
 
 
@@ -131,22 +124,24 @@ def _warn_if_axis_zero_fits(tree, axes, boxes, layer_names, what) -> None:
   leaf shares (the head's or the embedding's width, as in MaxText's
   ``[embed, layers, mlp]``) reads as a model dimension: no warning; nor
   when partition names name the layer axis (``boxes``)."""
-  named = [b for b in boxes if b and set(b) & layer_names]
+  if any(box and set(box) & layer_names for box in boxes):
+    return  # the names place the layers, checked by _check_named_axis
   shapes = [np.shape(x) for x in jax.tree.leaves(tree)]
-  given = [(shape, a) for shape, a in zip(shapes, axes) if a is not None]
-  if named or all(a == 0 for _, a in given):
-    return
-  firsts = {shape[0] for shape, _ in given}
-  widths = {n for shape, a in zip(shapes, axes) if a is None for n in shape}
-  if len(firsts) == 1 and not firsts & widths:
-    shape, a = next((shape, a) for shape, a in given if a != 0)
+  stacked = [(shape, a) for shape, a in zip(shapes, axes) if a is not None]
+  off_zero = [(shape, a) for shape, a in stacked if a != 0]
+  zero_sizes = {shape[0] for shape, _ in stacked}
+  unstacked = [shape for shape, a in zip(shapes, axes) if a is None]
+  model_widths = {n for shape in unstacked for n in shape}
+  if off_zero and len(zero_sizes) == 1 and not zero_sizes & model_widths:
+    shape, a = off_zero[0]
     _validate.warn(
       f"{what}: stacked_axes gives the layer axis {a} (size {shape[a]}), "
-      f"but axis 0 has one size on every stacked leaf too ({firsts.pop()}): "
-      "the shapes cannot tell which holds the layers, and a wrong axis "
-      "would report an inf in one layer as another's. jax.lax.scan, nn.scan"
-      "(variable_axes={'params': 0}) and nnx.scan stack the layers on axis "
-      "0: if yours are there, pass axis 0 (fs.stacked_under(..., axis=0))"
+      "but axis 0 has one size on every stacked leaf too "
+      f"({zero_sizes.pop()}): the shapes cannot tell which holds the "
+      "layers, and a wrong axis would report an inf in one layer as "
+      "another's. jax.lax.scan, nn.scan(variable_axes={'params': 0}) and "
+      "nnx.scan stack the layers on axis 0: if yours are there, pass axis 0 "
+      "(fs.stacked_under(..., axis=0))"
     )
 
 
