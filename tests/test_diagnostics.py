@@ -12,9 +12,15 @@ import pytest
 import fp16_scaling as fs
 
 # A three-level nested Flax-style parameter tree.
-_DENSE = lambda n, m: {"kernel": jnp.ones((n, m)), "bias": jnp.zeros(m)}
-_ENCODER = {"Dense_0": _DENSE(4, 3), "Dense_1": _DENSE(3, 3)}
-PARAMS = {"params": {"encoder": _ENCODER, "head": _DENSE(3, 2)}}
+PARAMS = {
+  "params": {
+    "encoder": {
+      "Dense_0": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)},
+      "Dense_1": {"kernel": jnp.ones((3, 3)), "bias": jnp.zeros(3)},
+    },
+    "head": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)},
+  }
+}
 POISONED = "['params']['encoder']['Dense_1']['kernel']"
 
 
@@ -62,10 +68,10 @@ def _step_of(tx, poison_path):
 def _run(tx, steps, poisoned_steps, start=None):
   step = _make_step(tx)
   params, state = start or (PARAMS, tx.init(PARAMS))
-  loss = lambda i: jnp.float32(1.0)  # noqa: E731
+  loss = jnp.float32(1.0)
   for i in range(steps):
     poison = i in poisoned_steps
-    params, state = step(params, state, _true_grads(i), poison, loss(i))
+    params, state = step(params, state, _true_grads(i), poison, loss)
   return params, state
 
 
@@ -94,15 +100,20 @@ def test_report_names_exactly_the_poisoned_leaf_with_its_count():
   assert report.kind == "backward"  # value=1.0 was finite
   assert report.skipped_steps == 3
   # Step 8 overflowed at the scale that step 7's back-off left.
-  assert report.scale == 2.0**8 and report.next_scale == 2.0**7
+  assert report.scale == 2.0**8
+  assert report.next_scale == 2.0**7
   text = str(report)
-  assert POISONED in text and "OVERFLOWED (backward)" in text
-  assert "2^8" in text and "What to do" in text
+  assert POISONED in text
+  assert "OVERFLOWED (backward)" in text
+  assert "2^8" in text
+  assert "What to do" in text
 
   _, state = _run(tx, 1, set(), start=(params, state))  # one clean step
   report = fs.overflow_report(state)
-  assert not report.step_overflowed and report.nonfinite_leaves == ()
-  assert report.counts == {POISONED: 3} and report.kind == "none"
+  assert not report.step_overflowed
+  assert report.nonfinite_leaves == ()
+  assert report.counts == {POISONED: 3}
+  assert report.kind == "none"
 
 
 def test_leaf_vectors_are_in_tree_order_and_skip_keeps_the_optimizer():
@@ -126,7 +137,8 @@ def _kind_after(scaler, losses, poisoned, value=True):
   # One chain per scaler: the calls with the same scaler share its step.
   tx = _TXS.setdefault(id(scaler), (scaler, _tx(scaler)))[1]
   step = _make_step(tx)
-  params, state = PARAMS, tx.init(PARAMS)
+  params = PARAMS
+  state = tx.init(PARAMS)
   kinds = []
   for i, loss in enumerate(losses):
     true = _true_grads(i)
@@ -144,9 +156,14 @@ def _kind_after(scaler, losses, poisoned, value=True):
 
 
 def test_forward_backward_persistent_unknown():
-  ds = dict(init_scale=4.0, min_scale=1.0, scale_window=100)
-  ds = fs.deepspeed_scaler(**ds, raise_error_at_min_scale=False)
-  one, inf = jnp.float32(1.0), jnp.float32(jnp.inf)
+  ds = fs.deepspeed_scaler(
+    init_scale=4.0,
+    min_scale=1.0,
+    scale_window=100,
+    raise_error_at_min_scale=False,
+  )
+  one = jnp.float32(1.0)
+  inf = jnp.float32(jnp.inf)
   # Finite loss, non-finite grads: backward (4 -> 2, 2 -> 1), then at the
   # floor of 1.0: persistent. A clean step: none.
   kinds, state = _kind_after(ds, [one, one, one, one], {0, 1, 2})
@@ -168,7 +185,8 @@ def test_advice_agrees_with_the_next_scale_when_hysteresis_absorbs():
   for overflows, next_scale in [({0}, 8.0), ({0, 1}, 4.0)]:
     _, state = _kind_after(scaler, [one] * len(overflows), overflows)
     report = fs.overflow_report(state)
-    assert report.kind == "backward" and report.next_scale == next_scale
+    assert report.kind == "backward"
+    assert report.next_scale == next_scale
     said_backed_off = "has backed off" in report.advice()
     assert said_backed_off == (next_scale < report.scale), str(report)
     if next_scale == report.scale:
@@ -193,15 +211,17 @@ def test_every_preset_counts_overflows_at_its_floor():
     assert int(m["floor_overflows"]) == want, name
     with pytest.raises(fs.MinLossScaleError) as err:
       fs.raise_if_min_scale_reached(state, max_floor_overflows=2)
-    assert POISONED in str(err.value) and "persistent" in str(err.value)
+    assert POISONED in str(err.value)
+    assert "persistent" in str(err.value)
     if name != "deepspeed":  # only DeepSpeed raises by default
       fs.raise_if_min_scale_reached(state)
 
 
 def test_deepspeed_raise_semantics_unchanged():
   loud = fs.deepspeed_scaler(init_scale=2.0, min_scale=1.0)
-  quiet = dict(init_scale=2.0, min_scale=1.0, raise_error_at_min_scale=False)
-  quiet = fs.deepspeed_scaler(**quiet)
+  quiet = fs.deepspeed_scaler(
+    init_scale=2.0, min_scale=1.0, raise_error_at_min_scale=False
+  )
   (_, loud), (_, quiet) = _run_each([_tx(loud), _tx(quiet)], 2, {0, 1})
   with pytest.raises(fs.MinLossScaleError, match="minimum") as err:
     fs.raise_if_min_scale_reached(loud)
@@ -237,12 +257,15 @@ def test_report_of_a_batched_state_says_how_to_pick_a_member():
   _, state = jax.vmap(lambda g, s: tx.update(g, s))(grads, state)
   with pytest.raises(ValueError, match="batched"):
     fs.overflow_report(state)
-  member = lambda i: jax.tree.map(lambda x: x[i], state)
-  clean, bad = (fs.overflow_report(member(i)) for i in (0, 1))
-  assert not clean.step_overflowed and clean.counts == {}
+  clean = fs.overflow_report(jax.tree.map(lambda x: x[0], state))
+  bad = fs.overflow_report(jax.tree.map(lambda x: x[1], state))
+  assert not clean.step_overflowed
+  assert clean.counts == {}
   # A bare array's leaf is named <root>, not the empty string.
-  assert bad.step_overflowed and bad.counts == {"<root>": 1}
-  assert bad.nonfinite_leaves == ("<root>",) and bad.skipped_steps == 1
+  assert bad.step_overflowed
+  assert bad.counts == {"<root>": 1}
+  assert bad.nonfinite_leaves == ("<root>",)
+  assert bad.skipped_steps == 1
   assert bad.scale == bad.next_scale == 4.0
 
 
@@ -251,21 +274,24 @@ def test_grad_range_is_exact():
   state = tx.init(PARAMS)
   grads = jax.tree.map(jnp.zeros_like, PARAMS)
   # head.kernel: largest |g| 0.5 unscaled; 4 of its 6 elements are zero.
-  head = jnp.array([[0.0, -0.5], [0.25, 0.0], [0.0, 0.0]])
-  grads["params"]["head"]["kernel"] = head
+  grads["params"]["head"]["kernel"] = jnp.array(
+    [[0.0, -0.5], [0.25, 0.0], [0.0, 0.0]]
+  )
   grads["params"]["encoder"]["Dense_0"]["bias"] = jnp.array([2.0, 1.0, 0.0])
   scaled = jax.tree.map(lambda g: (g * 16.0).astype(jnp.float16), grads)
   _, state = jax.jit(tx.update)(scaled, state, PARAMS)
   report = fs.overflow_report(state)
   head = report.grad_range["['params']['head']['kernel']"]
-  assert head.max_abs == 0.5 and head.zero_fraction == pytest.approx(4 / 6)
+  assert head.max_abs == 0.5
+  assert head.zero_fraction == pytest.approx(4 / 6)
   # log2(65504 / (0.5 * 16)) = log2(8188)
   assert head.headroom_bits == pytest.approx(np.log2(8188.0), rel=1e-6)
   bias = report.grad_range["['params']['encoder']['Dense_0']['bias']"]
   assert bias.max_abs == 2.0
   assert bias.headroom_bits == pytest.approx(np.log2(65504 / 32), rel=1e-6)
   zero = report.grad_range["['params']['head']['bias']"]
-  assert zero.max_abs == 0.0 and zero.headroom_bits == np.inf
+  assert zero.max_abs == 0.0
+  assert zero.headroom_bits == np.inf
   m = fs.scale_metrics(state)
   assert float(m["grad_max_abs"]) == 2.0
   assert float(m["min_headroom_bits"]) == pytest.approx(np.log2(65504 / 32))
@@ -282,8 +308,9 @@ def test_headroom_scaler_rule():
   # Largest unscaled |g| = 2**-4, headroom 4 bits: the target is the largest
   # power of two below 65504 / (2**-4 * 2**4) = 65504, i.e. 2**15. From 2**10
   # it grows by at most 2x per step, then stays. (No growth margin here.)
-  rule = dict(init_scale=2.0**10, headroom_bits=4.0, growth_margin_bits=0.0)
-  scaler = fs.headroom_scaler(**rule)
+  scaler = fs.headroom_scaler(
+    init_scale=2.0**10, headroom_bits=4.0, growth_margin_bits=0.0
+  )
   tx = _tx(scaler)
   state = tx.init(PARAMS)
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**-4), PARAMS)
@@ -324,12 +351,17 @@ def test_headroom_scaler_grows_only_with_the_margin():
 
 
 def test_headroom_scaler_arguments_are_checked():
-  bad = [dict(headroom_bits=-1.0), dict(growth_margin_bits=30)]
-  bad += [dict(max_growth=1.0), dict(init_scale=2.0**16, max_scale=2.0**10)]
-  bad += [dict(init_scale=2.0, min_scale=4.0)]
-  for kwargs in bad:  # each error names its argument, the last one given
-    with pytest.raises(ValueError, match=list(kwargs)[-1]):
-      fs.headroom_scaler(**kwargs)
+  # Each error names its argument.
+  with pytest.raises(ValueError, match="headroom_bits"):
+    fs.headroom_scaler(headroom_bits=-1.0)
+  with pytest.raises(ValueError, match="growth_margin_bits"):
+    fs.headroom_scaler(growth_margin_bits=30)
+  with pytest.raises(ValueError, match="max_growth"):
+    fs.headroom_scaler(max_growth=1.0)
+  with pytest.raises(ValueError, match="max_scale"):
+    fs.headroom_scaler(init_scale=2.0**16, max_scale=2.0**10)
+  with pytest.raises(ValueError, match="min_scale"):
+    fs.headroom_scaler(init_scale=2.0, min_scale=4.0)
   with pytest.raises(TypeError):
     fs.headroom_scaler(2.0**16)  # keyword-only
 
@@ -341,7 +373,8 @@ def test_host_log_on_overflow_steps_only(capfd):
   out = capfd.readouterr().out
   lines = [line for line in out.splitlines() if "OVERFLOW!" in line]
   assert len(lines) == 1
-  assert "scale: 1024, reducing to 512" in lines[0] and POISONED in lines[0]
+  assert "scale: 1024, reducing to 512" in lines[0]
+  assert POISONED in lines[0]
 
 
 def test_jax_debug_nans_quiet_on_an_inf_overflow_step():
@@ -353,10 +386,12 @@ def test_jax_debug_nans_quiet_on_an_inf_overflow_step():
     return fs.scale_metrics(state)
 
   with jax.debug_nans(True):
-    args = (_true_grads(0), True, jnp.float32(1.0))
-    params, state = step(PARAMS, tx.init(PARAMS), *args)
+    params, state = step(
+      PARAMS, tx.init(PARAMS), _true_grads(0), True, jnp.float32(1.0)
+    )
     m = metrics(state)
-  assert bool(m["overflow"]) and float(m["grad_norm"]) == 0.0
+  assert bool(m["overflow"])
+  assert float(m["grad_norm"]) == 0.0
   for x in jax.tree.leaves((params, state, m)):
     assert not np.isnan(np.asarray(x, np.float64)).any()
 
@@ -370,7 +405,10 @@ def test_jax_debug_nans_points_at_the_users_nan():
   @jax.jit
   def step(params, state, x):
     scale = fs.current_scale(state)
-    scaled = lambda p: users_model(p, x) * scale
+
+    def scaled(p):
+      return users_model(p, x) * scale
+
     loss, grads = jax.value_and_grad(scaled)(params)
     updates, state = tx.update(grads, state, params, value=loss)
     return optax.apply_updates(params, updates), state, loss
@@ -415,7 +453,8 @@ def test_fixed_scale_runs_stop_after_five_skipped_steps_in_a_row():
         fs.raise_if_min_scale_reached(state, max_consecutive_errors=5)
       text = str(err.value)
       assert "5 steps in a row were skipped (max_consecutive_errors=5)" in text
-      assert POISONED in text and "persistent" in text, text
+      assert POISONED in text, text
+      assert "persistent" in text, text
       assert "cannot back off" in text
       # The floor count stops it too, and a bad limit is named.
       with pytest.raises(fs.MinLossScaleError, match="max_floor_overflows=3"):
@@ -435,4 +474,5 @@ def test_an_overflow_report_says_the_model_state_select_is_unseen():
   note = "is kept only by fs.select_on_overflow(opt_state, new, old)"
   assert note not in str(fs.overflow_report(clean))
   text = str(fs.overflow_report(skipped))
-  assert note in text and "cannot see whether it was called" in text
+  assert note in text
+  assert "cannot see whether it was called" in text

@@ -22,7 +22,8 @@ import pytest
 
 import fp16_scaling as fs
 
-O, C = True, False
+O = True  # the step overflowed
+C = False  # the step was clean
 
 
 def _pair(scaler, opt0=None, opt1=None):
@@ -39,6 +40,14 @@ def _pair(scaler, opt0=None, opt1=None):
 def linear(p, v):
   """A loss whose gradient is ``v``."""
   return jnp.sum(p * v)
+
+
+def _stepped(tx, p, grads=None, **extra):
+  """``tx``'s state after one update from ``tx.init(p)`` on ``grads`` (ones
+  by default)."""
+  grads = jnp.ones_like(p) if grads is None else grads
+  _, state = tx.update(grads, tx.init(p), p, **extra)
+  return state
 
 
 def _poison(g, bad, value=jnp.inf):
@@ -58,7 +67,8 @@ def _same_bits(a, b):
     return x
 
   pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-  return jnp.all(jnp.stack([jnp.all(as_int(x) == as_int(y)) for x, y in pairs]))
+  same = [jnp.all(as_int(x) == as_int(y)) for x, y in pairs]
+  return jnp.all(jnp.stack(same))
 
 
 STEPS = 500
@@ -103,49 +113,60 @@ def preset_runs():
 
   def run_one(scaler, xs):
     tx0, tx1 = _pair(scaler)
-    p0, p1 = jnp.zeros(4), jnp.ones(4)
+    p0 = jnp.zeros(4)
+    p1 = jnp.ones(4)
 
     def body(carry, x):
       p0, p1, s0, s1, oracle = carry
       v0, v1, bad0, bad1 = x
       _, g0 = fs.value_and_grad(linear, s0)(p0, v0)
       _, g1 = fs.value_and_grad(linear, s1)(p1, v1)
-      u0, n0 = tx0.update(_poison(g0, bad0), s0, p0)
-      u1, n1 = tx1.update(_poison(g1, bad1, jnp.nan), s1, p1)
+      g0 = _poison(g0, bad0)
+      g1 = _poison(g1, bad1, jnp.nan)
+      u0, n0 = tx0.update(g0, s0, p0)
+      u1, n1 = tx1.update(g1, s1, p1)
       n0, n1 = fs.sync_loss_scales(n0, n1)
-      new_scale = n0[0].scaler
+      # The loss-scale pieces' states after the sync, and the new parameters.
+      scale0 = n0[0]
+      scale1 = n1[0]
+      new_p0 = p0 + u0
+      new_p1 = p1 + u1
       grad_max = jnp.maximum(jnp.max(jnp.abs(v0)), jnp.max(jnp.abs(v1)))
       oracle = scaler.update(oracle, bad0 | bad1, grad_max)
       out = dict(
-        scale=new_scale,
-        same=_same_bits(new_scale, n1[0].scaler),
+        scale=scale0.scaler,
+        same=_same_bits(scale0.scaler, scale1.scaler),
         oracle=oracle,
-        overflow=(n0[0].overflow, n1[0].overflow),
-        prev=(n0[0].prev_loss_scale, n1[0].prev_loss_scale),
+        overflow=(scale0.overflow, scale1.overflow),
+        prev=(scale0.prev_loss_scale, scale1.prev_loss_scale),
         before=s0[0].scaler.loss_scale,
         kept=(
-          _same_bits((p0 + u0, n0[1]), (p0, s0[1])),
-          _same_bits((p1 + u1, n1[1]), (p1, s1[1])),
+          _same_bits((new_p0, n0[1]), (p0, s0[1])),
+          _same_bits((new_p1, n1[1]), (p1, s1[1])),
         ),
-        skipped=(n0[0].skipped_steps, n1[0].skipped_steps),
+        skipped=(scale0.skipped_steps, scale1.skipped_steps),
       )
-      return (p0 + u0, p1 + u1, n0, n1, oracle), out
+      return (new_p0, new_p1, n0, n1, oracle), out
 
     init = (p0, p1, tx0.init(p0), tx1.init(p1), scaler.init())
-    return jax.lax.scan(body, init, xs)[1]
+    _, per_step = jax.lax.scan(body, init, xs)
+    return per_step
 
   @jax.jit
   def run_all(xs):
     return {name: run_one(s, xs) for name, s in PRESETS.items()}
 
   xs = tuple(map(jnp.asarray, (v0, v1, bad0, bad1)))
-  return jax.tree.map(np.asarray, run_all(xs)), (bad0, bad1)
+  runs = jax.tree.map(np.asarray, run_all(xs))
+  return runs, (bad0, bad1)
 
 
 def test_the_sequence_has_every_case():
   _, _, bad0, bad1 = _sequence()
-  assert (bad0 & ~bad1).sum() >= 30 and (bad1 & ~bad0).sum() >= 30
-  assert (bad0 & bad1).sum() >= 20 and (~bad0 & ~bad1).sum() >= 200
+  assert (bad0 & ~bad1).sum() >= 30
+  assert (bad1 & ~bad0).sum() >= 30
+  assert (bad0 & bad1).sum() >= 20
+  assert (~bad0 & ~bad1).sum() >= 200
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -164,12 +185,15 @@ def test_shared_scale_is_scaler_update_on_the_or(name, preset_runs):
     np.testing.assert_array_equal(out["kept"][i], bad)
     np.testing.assert_array_equal(out["skipped"][i], np.cumsum(bad))
   # The runs exercised the rule: the scale moved both ways (but static).
-  after, before = out["scale"].loss_scale, out["before"]
-  grew, fell = (after > before).sum(), (after < before).sum()
+  after = out["scale"].loss_scale
+  before = out["before"]
+  grew = (after > before).sum()
+  fell = (after < before).sum()
   if name == "static":
     assert grew == fell == 0
   else:
-    assert grew >= 10 and fell >= 10, (grew, fell)
+    assert grew >= 10, (grew, fell)
+    assert fell >= 10, (grew, fell)
   if name in ("deepspeed", "megatron"):  # hysteresis absorbed some
     absorbed = (bad0 | bad1) & (after == before)
     assert absorbed.sum() >= 10
@@ -188,11 +212,14 @@ def _g(pg, z):
 
 def loss_d(pd, pg, z, real):
   fake = _g(pg, z)
-  return jnp.mean((_d(pd, real) - 1.0) ** 2) + jnp.mean(_d(pd, fake) ** 2)
+  real_loss = jnp.mean((_d(pd, real) - 1.0) ** 2)
+  fake_loss = jnp.mean(_d(pd, fake) ** 2)
+  return real_loss + fake_loss
 
 
 def loss_g(pd, pg, z):
-  return jnp.mean((_d(pd, _g(pg, z)) - 1.0) ** 2)
+  fake = _g(pg, z)
+  return jnp.mean((_d(pd, fake) - 1.0) ** 2)
 
 
 PD = {"w": jnp.array([0.5, -0.25, 1.0]), "b": jnp.float32(0.1)}
@@ -207,7 +234,8 @@ def _batches(n):
 
 
 def _tree_poison(tree, bad):
-  return jax.tree.map(lambda g: g * jnp.where(bad, jnp.inf, 1.0), tree)
+  factor = jnp.where(bad, jnp.inf, 1.0)
+  return jax.tree.map(lambda g: g * factor, tree)
 
 
 def test_gan_order_against_plain_optax():
@@ -216,7 +244,8 @@ def test_gan_order_against_plain_optax():
   parameters are plain optax's on the true gradients taken in that order,
   over steps with overflows on either side and both."""
   scaler = fs.torch_scaler(init_scale=2.0**8, growth_interval=2)
-  opt_d, opt_g = optax.adam(2.0**-5), optax.sgd(2.0**-4, momentum=0.5)
+  opt_d = optax.adam(2.0**-5)
+  opt_g = optax.sgd(2.0**-4, momentum=0.5)
   tx_d, tx_g = _pair(scaler, opt_d, opt_g)
 
   @jax.jit
@@ -224,11 +253,13 @@ def test_gan_order_against_plain_optax():
     pd, pg, sd, sg = carry
     z, real, bad_d, bad_g = x
     _, gd = fs.value_and_grad(loss_d, sd)(pd, pg, z, real)
-    ud, sd = tx_d.update(_tree_poison(gd, bad_d), sd, pd)
+    gd = _tree_poison(gd, bad_d)
+    ud, sd = tx_d.update(gd, sd, pd)
     pd = optax.apply_updates(pd, ud)
     # sg still holds the step's scale (sd's may have moved already).
     _, gg = fs.value_and_grad(loss_g, sg, argnums=1)(pd, pg, z)
-    ug, sg = tx_g.update(_tree_poison(gg, bad_g), sg, pg)
+    gg = _tree_poison(gg, bad_g)
+    ug, sg = tx_g.update(gg, sg, pg)
     pg = optax.apply_updates(pg, ug)
     sd, sg = fs.sync_loss_scales(sd, sg)
     return (pd, pg, sd, sg), (pd, pg, fs.current_scale(sg))
@@ -239,34 +270,40 @@ def test_gan_order_against_plain_optax():
     z, real, bad_d, bad_g = x
     gd = jax.grad(loss_d)(pd, pg, z, real)
     ud, new_sd = opt_d.update(gd, sd, pd)
-    keep = lambda bad, old, new: jax.tree.map(
-      lambda a, b: jnp.where(bad, a, b), old, new
-    )
-    pd = keep(bad_d, pd, optax.apply_updates(pd, ud))
+
+    def keep(bad, old, new):
+      return jax.tree.map(lambda a, b: jnp.where(bad, a, b), old, new)
+
+    new_pd = optax.apply_updates(pd, ud)
+    pd = keep(bad_d, pd, new_pd)
     sd = keep(bad_d, sd, new_sd)
     gg = jax.grad(loss_g, argnums=1)(pd, pg, z)
     ug, new_sg = opt_g.update(gg, sg, pg)
-    pg = keep(bad_g, pg, optax.apply_updates(pg, ug))
+    new_pg = optax.apply_updates(pg, ug)
+    pg = keep(bad_g, pg, new_pg)
     sg = keep(bad_g, sg, new_sg)
     oracle = scaler.update(oracle, bad_d | bad_g)
     return (pd, pg, sd, sg, oracle), (pd, pg, oracle.loss_scale)
 
   n = 12
   z, real = _batches(n)
-  bad_d, bad_g = np.zeros((2, n), bool)
+  bad_d = np.zeros(n, bool)
+  bad_g = np.zeros(n, bool)
   bad_d[[2, 7]] = True
   bad_g[[4, 7, 9]] = True
   xs = (z, real, bad_d, bad_g)
-  ours = jax.lax.scan(step, (PD, PG, tx_d.init(PD), tx_g.init(PG)), xs)[1]
-  theirs = jax.lax.scan(
-    plain, (PD, PG, opt_d.init(PD), opt_g.init(PG), scaler.init()), xs
-  )[1]
-  np.testing.assert_array_equal(ours[2], theirs[2])
-  for a, b in zip(jax.tree.leaves(ours[:2]), jax.tree.leaves(theirs[:2])):
+  our_start = (PD, PG, tx_d.init(PD), tx_g.init(PG))
+  _, (our_pd, our_pg, our_scale) = jax.lax.scan(step, our_start, xs)
+  their_start = (PD, PG, opt_d.init(PD), opt_g.init(PG), scaler.init())
+  _, (their_pd, their_pg, their_scale) = jax.lax.scan(plain, their_start, xs)
+  np.testing.assert_array_equal(our_scale, their_scale)
+  ours = jax.tree.leaves((our_pd, our_pg))
+  theirs = jax.tree.leaves((their_pd, their_pg))
+  for a, b in zip(ours, theirs):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # The scale halved on each of the 4 steps with an overflow (7: both).
   want = [256, 512, 256, 256, 128, 128, 256, 128, 128, 64, 64, 128]
-  assert list(np.asarray(ours[2])) == want
+  assert list(np.asarray(our_scale)) == want
 
 
 def test_both_gradients_from_one_value_and_grad_call():
@@ -274,37 +311,47 @@ def test_both_gradients_from_one_value_and_grad_call():
   ``argnums=(0, 1)`` gives both gradients; each goes to its optimizer as it
   is, and a one-sided overflow skips that side alone."""
   tx0, tx1 = _pair(fs.torch_scaler(init_scale=2.0**6))
-  opt0, opt1 = optax.adam(2.0**-6), optax.sgd(2.0**-3, momentum=0.5)
+  opt0 = optax.adam(2.0**-6)
+  opt1 = optax.sgd(2.0**-3, momentum=0.5)
 
   def joint(pa, pb, x):
-    return jnp.mean((x @ pa) ** 2) + jnp.mean((x @ pb - x @ pa) ** 2)
+    a_fits_zero = jnp.mean((x @ pa) ** 2)
+    b_fits_a = jnp.mean((x @ pb - x @ pa) ** 2)
+    return a_fits_zero + b_fits_a
 
   @jax.jit
   def step(pa, pb, sa, sb, x, bad_a):
     value, (ga, gb) = fs.value_and_grad(joint, sa, argnums=(0, 1))(pa, pb, x)
-    ua, sa = tx0.update(_poison(ga, bad_a), sa, pa)
+    ga = _poison(ga, bad_a)
+    ua, sa = tx0.update(ga, sa, pa)
     ub, sb = tx1.update(gb, sb, pb)
     sa, sb = fs.sync_loss_scales(sa, sb)
     return value, pa + ua, pb + ub, sa, sb
 
-  pa, pb = jnp.array([0.5, -1.0]), jnp.array([1.0, 0.25])
   x = jnp.array([[1.0, 2.0], [-0.5, 0.25], [0.75, -1.5]])
-  state = (pa, pb, tx0.init(pa), tx1.init(pb))
-  plain_a, plain_b = (pa, opt0.init(pa)), (pb, opt1.init(pb))
+  pa = jnp.array([0.5, -1.0])
+  pb = jnp.array([1.0, 0.25])
+  sa = tx0.init(pa)
+  sb = tx1.init(pb)
+  # Plain optax on the true gradients, side a skipping its overflowed step.
+  plain_pa = pa
+  plain_pb = pb
+  plain_sa = opt0.init(pa)
+  plain_sb = opt1.init(pb)
   for bad_a in [False, True, False]:
-    ga, gb = jax.grad(joint, argnums=(0, 1))(plain_a[0], plain_b[0], x)
-    expected = float(joint(plain_a[0], plain_b[0], x))
-    value, *state = step(*state, x, bad_a)
+    ga, gb = jax.grad(joint, argnums=(0, 1))(plain_pa, plain_pb, x)
+    expected = float(joint(plain_pa, plain_pb, x))
+    value, pa, pb, sa, sb = step(pa, pb, sa, sb, x, bad_a)
     assert float(value) == pytest.approx(expected, rel=1e-6)
     if not bad_a:
-      u, s = opt0.update(ga, plain_a[1], plain_a[0])
-      plain_a = (plain_a[0] + u, s)
-    u, s = opt1.update(gb, plain_b[1], plain_b[0])
-    plain_b = (plain_b[0] + u, s)
-    np.testing.assert_allclose(state[0], plain_a[0], rtol=1e-6)
-    np.testing.assert_allclose(state[1], plain_b[0], rtol=1e-6)
-  assert float(fs.current_scale(state[2])) == 2.0**5  # one back-off
-  assert float(fs.current_scale(state[3])) == 2.0**5
+      ua, plain_sa = opt0.update(ga, plain_sa, plain_pa)
+      plain_pa = plain_pa + ua
+    ub, plain_sb = opt1.update(gb, plain_sb, plain_pb)
+    plain_pb = plain_pb + ub
+    np.testing.assert_allclose(pa, plain_pa, rtol=1e-6)
+    np.testing.assert_allclose(pb, plain_pb, rtol=1e-6)
+  assert float(fs.current_scale(sa)) == 2.0**5  # one back-off
+  assert float(fs.current_scale(sb)) == 2.0**5
 
 
 def test_the_whole_step_is_one_jitted_function():
@@ -320,41 +367,45 @@ def test_the_whole_step_is_one_jitted_function():
   @jax.jit
   def step(p0, p1, s0, s1, v, bad0, bad1, reset):
     traces.append(1)
-    s0, s1 = jax.lax.cond(
-      reset,
-      lambda s: tuple(fs.set_loss_scale(x, jnp.float32(2.0**9)) for x in s),
-      lambda s: s,
-      (s0, s1),
-    )
+
+    def set_to_512(states):
+      return tuple(fs.set_loss_scale(x, jnp.float32(2.0**9)) for x in states)
+
+    s0, s1 = jax.lax.cond(reset, set_to_512, lambda s: s, (s0, s1))
     _, g0 = fs.value_and_grad(linear, s0)(p0, v)
     _, g1 = fs.value_and_grad(linear, s1)(p1, -v)
-    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0)
-    u1, s1 = tx1.update(_poison(g1, bad1), s1, p1)
+    g0 = _poison(g0, bad0)
+    g1 = _poison(g1, bad1)
+    u0, s0 = tx0.update(g0, s0, p0)
+    u1, s1 = tx1.update(g1, s1, p1)
     s0, s1 = fs.sync_loss_scales(s0, s1)
     metrics = (fs.scale_metrics(s0), fs.scale_metrics(s1))
     return (p0 + u0, p1 + u1, s0, s1), metrics
 
-  p = jnp.array([1.0, 2.0, 3.0])
-  state = (p, p, tx0.init(p), tx1.init(p))
+  p0 = jnp.array([1.0, 2.0, 3.0])
+  p1 = p0
+  s0 = tx0.init(p0)
+  s1 = tx1.init(p1)
   oracle = scaler.init()
   v = jnp.array([0.5, -1.0, 2.0])
   flags = [(C, C), (C, C), (O, C), (C, O), (O, O), (C, C), (C, C)]
-  for i, bad in enumerate(flags):
+  for i, (bad0, bad1) in enumerate(flags):
     reset = i == 5
-    state, metrics = step(*state, v, *map(jnp.bool_, bad), reset)
+    bad = (jnp.bool_(bad0), jnp.bool_(bad1))
+    (p0, p1, s0, s1), metrics = step(p0, p1, s0, s1, v, *bad, reset)
     if reset:
       oracle = oracle._replace(loss_scale=jnp.float32(2.0**9))
-    oracle = scaler.update(oracle, bad[0] | bad[1])
-    assert bits(state[2][0].scaler) == bits(oracle)
-    assert bits(state[3][0].scaler) == bits(oracle)
-    for m, b in zip(metrics, bad):
+    oracle = scaler.update(oracle, bad0 | bad1)
+    assert bits(s0[0].scaler) == bits(oracle)
+    assert bits(s1[0].scaler) == bits(oracle)
+    for m, b in zip(metrics, (bad0, bad1)):
       assert float(m["loss_scale"]) == float(oracle.loss_scale)
       assert bool(m["overflow"]) == b
   assert len(traces) == 1
   # By hand (DeepSpeed: first growth one clean step late): 16, grown to 32
   # (hysteresis refilled), absorbed, backed off to 16, to 8 (both: once);
   # set to 512 and grown to 1024.
-  assert float(fs.current_scale(state[2])) == 2.0**10
+  assert float(fs.current_scale(s0)) == 2.0**10
 
 
 # ------------------------------------------------------ lifecycle mistakes
@@ -377,21 +428,23 @@ def _run(flags, sync, tx=None):
   def step(p0, p1, s0, s1, v, bad0, bad1):
     _, g0 = fs.value_and_grad(linear, s0)(p0, v)
     _, g1 = fs.value_and_grad(linear, s1)(p1, -v)
-    u0, s0 = tx0.update(_poison(g0, bad0), s0, p0)
-    u1, s1 = tx1.update(_poison(g1, bad1), s1, p1)
+    g0 = _poison(g0, bad0)
+    g1 = _poison(g1, bad1)
+    u0, s0 = tx0.update(g0, s0, p0)
+    u1, s1 = tx1.update(g1, s1, p1)
     s0, s1 = sync(s0, s1)
     return p0 + u0, p1 + u1, s0, s1
 
-  p = jnp.array([1.0, 2.0, 3.0])
-  state = (p, p, tx0.init(p), tx1.init(p))
+  p0 = jnp.array([1.0, 2.0, 3.0])
+  p1 = p0
+  s0 = tx0.init(p0)
+  s1 = tx1.init(p1)
+  v = jnp.array([0.5, -1.0, 2.0])
   out = []
-  for bad in flags:
-    state = step(*state, jnp.array([0.5, -1.0, 2.0]), *bad)
-    out.append(
-      jax.tree.map(
-        np.asarray, (state[2][0].scaler, state[3][0].scaler, state[:2])
-      )
-    )
+  for bad0, bad1 in flags:
+    p0, p1, s0, s1 = step(p0, p1, s0, s1, v, bad0, bad1)
+    after = (s0[0].scaler, s1[0].scaler, (p0, p1))
+    out.append(jax.tree.map(np.asarray, after))
   return out
 
 
@@ -400,7 +453,8 @@ def _own_scales(out):
   that side's own flags; those scales."""
   own = []
   for i in range(2):
-    state, own_i = TORCH.init(), []
+    state = TORCH.init()
+    own_i = []
     for bad in FLAGS:
       state = TORCH.update(state, bad[i])
       own_i.append(float(state.loss_scale))
@@ -416,23 +470,31 @@ def test_sync_forgotten_leaves_independent_scales_that_train():
   _own_scales(out)
   # Both trained: each moved on its clean steps, and only on them.
   for i in range(2):
+    params = [bits(o[2][i]) for o in out]
     for t in range(1, len(FLAGS)):
-      moved = bits(out[t][2][i]) != bits(out[t - 1][2][i])
+      moved = params[t] != params[t - 1]
       assert moved == (not FLAGS[t][i]), (i, t)
 
 
 def test_sync_called_twice_is_refused():
   """Refused: the second call's states did not step since the first."""
+
+  def sync_twice(s0, s1):
+    return fs.sync_loss_scales(*fs.sync_loss_scales(s0, s1))
+
   with pytest.raises(ValueError, match="has not stepped since"):
-    _run(
-      FLAGS, lambda s0, s1: fs.sync_loss_scales(*fs.sync_loss_scales(s0, s1))
-    )
+    _run(FLAGS, sync_twice)
 
 
 def test_one_state_left_out_keeps_that_optimizers_own_scale():
   """Harmless: ``sync_loss_scales(s0)`` alone syncs nothing; model 1's
   scale still backs off for model 1's overflows (its own scale)."""
-  out = _run(FLAGS, lambda s0, s1: (fs.sync_loss_scales(s0)[0], s1))
+
+  def sync_the_first_alone(s0, s1):
+    (s0,) = fs.sync_loss_scales(s0)
+    return s0, s1
+
+  out = _run(FLAGS, sync_the_first_alone)
   own = _own_scales(out)
   assert own[1][2] < own[1][1]  # backed off on model 1's overflow
 
@@ -451,13 +513,12 @@ def test_states_of_another_scaler_are_refused():
   tx0 = _pair(TORCH)[0]
   other = _pair(fs.torch_scaler(init_scale=2.0**10, growth_interval=7))[1]
   p = jnp.ones(3)
-  stepped = lambda tx: tx.update(jnp.ones(3), tx.init(p), p)[1]
   with pytest.raises(
     ValueError,
     match=r"state 1 was built with another "
     r"Scaler.*growth_interval=7.*same Scaler",
   ):
-    fs.sync_loss_scales(stepped(tx0), stepped(other))
+    fs.sync_loss_scales(_stepped(tx0, p), _stepped(other, p))
 
 
 def test_what_is_not_an_optimizer_state_is_refused():
@@ -465,14 +526,15 @@ def test_what_is_not_an_optimizer_state_is_refused():
   the optimizer itself, no state at all, an accumulating state."""
   tx0, tx1 = _pair(TORCH)
   p = jnp.ones(3)
-  _, s0 = tx0.update(jnp.ones(3), tx0.init(p), p)  # stepped: may be synced
-  found = "sync_loss_scales' optimizer state 1, "
-  for wrong, what in [
+  s0 = _stepped(tx0, p)  # stepped: may be synced
+  wrong_states = [
     (TORCH.init(), "a ScalerState"),
     ({"w": p}, "a dict with keys"),
     (tx1, r"which is the optimizer \(tx\) itself"),
-  ]:
-    with pytest.raises(ValueError, match=f"found in {found}{what}"):
+  ]
+  for wrong, what in wrong_states:
+    message = f"found in sync_loss_scales' optimizer state 1, {what}"
+    with pytest.raises(ValueError, match=message):
       fs.sync_loss_scales(s0, wrong)
   with pytest.raises(ValueError, match="needs the optimizer states"):
     fs.sync_loss_scales()
@@ -487,11 +549,25 @@ def _after_a_one_sided_overflow():
   scaler = fs.torch_scaler(init_scale=8.0)
   tx0, tx1 = _pair(scaler)
   p = jnp.ones(2)
-  _, s0 = tx0.update(jnp.ones(2), tx0.init(p), p)
-  _, s1 = tx1.update(
-    jnp.array([8.0, jnp.inf]), tx1.init(p), p, value=jnp.float32(1.0)
-  )
+  s0 = _stepped(tx0, p)
+  overflowed = jnp.array([8.0, jnp.inf])
+  s1 = _stepped(tx1, p, overflowed, value=jnp.float32(1.0))
   return scaler, (tx0, tx1), p, fs.sync_loss_scales(s0, s1)
+
+
+def _clean_step(txs, states, p):
+  """Each optimizer's state after a clean step (gradients of ones) from its
+  state in ``states``."""
+  after = []
+  for tx, state in zip(txs, states):
+    _, stepped = tx.update(jnp.ones(2), state, p)
+    after.append(stepped)
+  return after
+
+
+def _scales(states):
+  """The current scale of each state in ``states``."""
+  return [float(fs.current_scale(s)) for s in states]
 
 
 def test_every_helper_works_on_every_optimizers_state():
@@ -501,14 +577,18 @@ def test_every_helper_works_on_every_optimizers_state():
   for i, s in enumerate(states):
     assert float(fs.current_scale(s)) == 4.0
     m = fs.scale_metrics(s)
-    assert float(m["loss_scale"]) == 4.0 and bool(m["overflow"]) == (i == 1)
+    assert float(m["loss_scale"]) == 4.0
+    assert bool(m["overflow"]) == (i == 1)
     report = fs.overflow_report(s)
-    assert (report.scale, report.next_scale) == (8.0, 4.0)
+    assert report.scale == 8.0
+    assert report.next_scale == 4.0
     assert report.kind == ("backward" if i else "none")
     d = fs.scaler_state_dict(s, scaler)
-    assert d["loss_scale"] == 4.0 and d["growth_tracker"] == 0
+    assert d["loss_scale"] == 4.0
+    assert d["growth_tracker"] == 0
     sd = fs.to_peer_state_dict(s, "torch", scaler)
-    assert sd["scale"] == 4.0 and sd["_growth_tracker"] == 0
+    assert sd["scale"] == 4.0
+    assert sd["_growth_tracker"] == 0
     fs.raise_if_min_scale_reached(s)  # not at a floor: no error
   assert fs.scaler_state_dict(states[0])["skipped_steps"] == 0
   assert fs.scaler_state_dict(states[1])["skipped_steps"] == 1
@@ -521,27 +601,28 @@ def test_a_loaded_or_set_scale_is_used_when_put_into_every_state():
   refuses and names the fix, and syncs again once it is loaded into both."""
   scaler, txs, p, states = _after_a_one_sided_overflow()
   sd = fs.to_peer_state_dict(states[0], "torch", scaler)
-  sd["scale"], sd["_growth_tracker"] = 16.0, 0
+  sd["scale"] = 16.0
+  sd["_growth_tracker"] = 0
   loaded = [fs.load_scaler_state_dict(s, sd, scaler) for s in states]
   set_by_hand = [fs.set_loss_scale(s, 16.0) for s in states]
   for pair in (loaded, set_by_hand):
-    after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, pair)]
+    after = _clean_step(txs, pair, p)
     assert [float(s[0].prev_loss_scale) for s in after] == [16.0, 16.0]
-    a, b = fs.sync_loss_scales(*after)
-    assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
-  for one in ([loaded[0], states[1]], [states[0], set_by_hand[1]]):
-    after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, one)]
+    assert _scales(fs.sync_loss_scales(*after)) == [16.0, 16.0]
+  loaded_into_one = [loaded[0], states[1]]
+  set_into_one = [states[0], set_by_hand[1]]
+  for one in (loaded_into_one, set_into_one):
+    after = _clean_step(txs, one, p)
     with pytest.raises(ValueError, match="would undo the one set") as e:
       jax.jit(fs.sync_loss_scales)(*after)  # at trace time
     assert "Set it into every state that shares the scale" in str(e.value)
   # Loaded into the other one too, before the sync: both at 16.
   after[0] = fs.load_scaler_state_dict(after[0], sd, scaler)
-  a, b = fs.sync_loss_scales(*after)
-  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
+  synced = fs.sync_loss_scales(*after)
+  assert _scales(synced) == [16.0, 16.0]
   # Synced, the marks are cleared: the next step syncs as any other.
-  after = [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, (a, b))]
-  a, b = fs.sync_loss_scales(*after)
-  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 16.0
+  after = _clean_step(txs, synced, p)
+  assert _scales(fs.sync_loss_scales(*after)) == [16.0, 16.0]
 
 
 def test_a_checkpointed_scale_set_into_one_of_two_states_is_not_undone():
@@ -552,16 +633,12 @@ def test_a_checkpointed_scale_set_into_one_of_two_states_is_not_undone():
   txs = _pair(scaler)
   p = jnp.ones(2)
   states = [tx.init(p) for tx in txs]
-
-  def step(states):
-    return [tx.update(jnp.ones(2), s, p)[1] for tx, s in zip(txs, states)]
-
   one = [fs.set_loss_scale(states[0], 2.0**24), states[1]]
   with pytest.raises(ValueError, match="state 0 was set.*state 1 was not"):
-    fs.sync_loss_scales(*step(one))
+    fs.sync_loss_scales(*_clean_step(txs, one, p))
   both = [fs.set_loss_scale(s, 2.0**24) for s in states]
-  a, b = fs.sync_loss_scales(*step(both))
-  assert float(fs.current_scale(a)) == float(fs.current_scale(b)) == 2.0**24
+  synced = fs.sync_loss_scales(*_clean_step(txs, both, p))
+  assert _scales(synced) == [2.0**24, 2.0**24]
 
 
 def test_unequal_states_take_an_overflowed_one_then_the_lowest():
@@ -575,19 +652,22 @@ def test_unequal_states_take_an_overflowed_one_then_the_lowest():
   def at(scale, overflow):
     s = fs.set_loss_scale(tx.init(p), scale)
     g = jnp.array([1.0, jnp.where(overflow, jnp.inf, 1.0)])
-    return tx.update(g, s, p)[1]
+    _, stepped = tx.update(g, s, p)
+    return stepped
 
   def synced(*states):
-    return float(fs.current_scale(fs.sync_loss_scales(*states)[0]))
+    first, *_ = fs.sync_loss_scales(*states)
+    return float(fs.current_scale(first))
 
   assert synced(at(64.0, False), at(16.0, False), at(32.0, False)) == 16.0
   assert synced(at(64.0, True), at(16.0, False), at(32.0, True)) == 16.0
   assert synced(at(64.0, False), at(16.0, True)) == 8.0
   assert synced(at(16.0, False), at(64.0, True)) == 32.0
-  batched = jax.vmap(lambda s, o: at(s, o))
+  batched = jax.vmap(at)
   a = batched(jnp.array([64.0, 16.0]), jnp.array([False, True]))
   b = batched(jnp.array([32.0, 32.0]), jnp.array([True, False]))
-  scales = fs.sync_loss_scales(a, b)[0][0].scaler.loss_scale
+  synced_a, _ = fs.sync_loss_scales(a, b)
+  scales = synced_a[0].scaler.loss_scale
   np.testing.assert_array_equal(scales, [16.0, 8.0])
 
 
@@ -597,8 +677,8 @@ def test_a_synced_deepspeed_scale_at_its_floor_raises_on_every_state():
   scaler = fs.deepspeed_scaler(init_scale=1.0, min_scale=1.0)
   tx0, tx1 = _pair(scaler)
   p = jnp.ones(2)
-  _, s0 = tx0.update(jnp.ones(2), tx0.init(p), p)
-  _, s1 = tx1.update(jnp.array([1.0, jnp.inf]), tx1.init(p), p)
+  s0 = _stepped(tx0, p)
+  s1 = _stepped(tx1, p, jnp.array([1.0, jnp.inf]))
   fs.raise_if_min_scale_reached(s0)  # before the sync: its own, clean
   for s in fs.sync_loss_scales(s0, s1):
     assert int(s[0].scaler.min_scale_errors) == 1
