@@ -29,7 +29,9 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 TEST_COMMAND = (
   "bash .ci/setup && .venv/bin/python -m pytest -q -n auto --dist loadfile"
 )
-FAST_LOOP = 'pip install -e ".[test]" && python -m pytest -q -m "not peers"'
+FAST_LOOP = (
+  'pip install -e ".[test]" && python -m pytest -q -n auto -m "not peers"'
+)
 
 
 def _section(title):
