@@ -50,7 +50,6 @@ OVER_DENSITY = {
   "tests/test_diagnostics.py": f"13.3, {_OTHER_BRANCH}",
   "tests/test_value_and_grad.py": f"13.0, {_OTHER_BRANCH}",
   "tests/test_norm.py": f"12.7, {_OTHER_BRANCH}",
-  "tests/peers/test_docs_porting_keras.py": f"12.8, {_OTHER_BRANCH}",
 }
 _SKIP = {
   tokenize.COMMENT,
