@@ -48,7 +48,6 @@ OVER_DENSITY = {
   "tests/test_shared_scale.py": f"14.1, {_OTHER_BRANCH}",
   "tests/test_grad_policy.py": f"13.7, {_OTHER_BRANCH}",
   "tests/test_diagnostics.py": f"13.3, {_OTHER_BRANCH}",
-  "tests/test_norm.py": f"12.7, {_OTHER_BRANCH}",
 }
 _SKIP = {
   tokenize.COMMENT,
