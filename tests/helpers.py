@@ -161,9 +161,9 @@ def replay_scalers(scalers, overflows):
         state = scaler.update(state, flag)
         return state, (state.loss_scale, state.min_scale_errors)
 
-      one = lambda f, scaler=scaler, body=body: jax.lax.scan(
-        body, scaler.init(), f
-      )[1]
+      def one(f, scaler=scaler, body=body):
+        return jax.lax.scan(body, scaler.init(), f)[1]
+
       out.append(jax.vmap(one)(f))
     return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
 
@@ -223,8 +223,12 @@ def launch(cmds, env, timeout=110) -> list:
   env = dict(env)
   path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + path)
-  out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  procs = [subprocess.Popen(cmd, env=env, **out) for cmd in cmds]
+  procs = [
+    subprocess.Popen(
+      cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for cmd in cmds
+  ]
   try:
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
   finally:

@@ -85,8 +85,9 @@ def _same_bits_step(tx, params, state, scaled, i):
   # Steps 3 and 4 overflow.
   poison = (i == 3) | (i == 4)
   grads = dict(scaled)
-  w = grads["w"]
-  grads["w"] = w.at[0, 0].set(jnp.where(poison, jnp.inf, w[0, 0]))
+  grads["w"] = (
+    grads["w"].at[0, 0].set(jnp.where(poison, jnp.inf, grads["w"][0, 0]))
+  )
   updates, state = tx.update(grads, state, params)
   return optax.apply_updates(params, updates), state
 
@@ -95,9 +96,10 @@ _CLEAN = [i for i in range(_STEPS) if i not in (3, 4)]
 
 
 def _zoo_params():
-  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4))}
-  params["b"] = jnp.array([0.0, -0.0, 1.0, 2.0])
-  return params
+  return {
+    "w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)),
+    "b": jnp.array([0.0, -0.0, 1.0, 2.0]),
+  }
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +334,19 @@ def _common_path_bytes(compiled, traffic, small=0):
   return common - _scalar_bytes(compiled, traffic, small)
 
 
+# Entry instructions that move no data of their own.
+_NOT_COUNTED = (
+  "parameter",
+  "constant",
+  "tuple",
+  "get-tuple-element",
+  "conditional",
+  "while",
+  "call",
+  "bitcast",
+)
+
+
 def _scalar_bytes(compiled, traffic, small):
   """Bytes of the entry instructions whose result and operands each hold at
   most ``small`` elements (0: none counted)."""
@@ -340,10 +355,8 @@ def _scalar_bytes(compiled, traffic, small):
   entry = hlo.computations(compiled.as_text())["ENTRY"]
   shapes = {i["name"]: i["shape"] for i in entry}
   total = 0
-  skipped = ("parameter", "constant", "tuple", "get-tuple-element")
-  skipped += ("conditional", "while", "call", "bitcast")
   for inst in entry:
-    if inst["op"] in skipped:
+    if inst["op"] in _NOT_COUNTED:
       continue
     touched = [inst["shape"]] + [shapes.get(o, "") for o in inst["operands"]]
     if max(_elements(t) for t in touched) <= small:
@@ -352,14 +365,18 @@ def _scalar_bytes(compiled, traffic, small):
 
 
 def _elements(shape):
-  found = re.findall(r"\[([\d,]*)\]", shape)
-  dims = [filter(None, d.split(",")) for d in found]
-  return max((math.prod(map(int, d)) for d in dims), default=0)
+  dims = re.findall(r"\[([\d,]*)\]", shape)
+  sizes = [math.prod(int(x) for x in d.split(",") if x) for d in dims]
+  return max(sizes, default=0)
+
+
+def _is_bookkeeping(x):
+  return isinstance(x, (LossScaleState, ClipState))
 
 
 def _bookkeeping(state):
-  is_book = lambda x: isinstance(x, (LossScaleState, ClipState))
-  return [x for x in jax.tree.leaves(state, is_leaf=is_book) if is_book(x)]
+  leaves = jax.tree.leaves(state, is_leaf=_is_bookkeeping)
+  return [x for x in leaves if _is_bookkeeping(x)]
 
 
 @pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.float32])
@@ -401,8 +418,9 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
   # bookkeeping value is written once and read by a few scalar
   # instructions: bounded by 16 accesses of every bookkeeping byte.
   small = len(_SIZES)
-  common = lambda compiled: _common_path_bytes(compiled, traffic, small)
-  assert common(kept) <= common(floor)
+  kept_bytes = _common_path_bytes(kept, traffic, small)
+  floor_bytes = _common_path_bytes(floor, traffic, small)
+  assert kept_bytes <= floor_bytes
   state = ours.init([jnp.zeros(n) for n in _SIZES])
   book = sum(x.nbytes for x in jax.tree.leaves(_bookkeeping(state)))
   assert _scalar_bytes(kept, traffic, small) <= 16 * book
@@ -423,8 +441,9 @@ def test_with_the_cpu_option_no_copy_and_no_more_bytes_than_optax(grad_dtype):
 
 
 def _guarded_with(scaler, *, clip=True, expert_mask=None, **options):
-  clips = [fs.clip_by_unscaled_norm(1.0, expert_mask=expert_mask)]
-  clips = clips if clip else []
+  clips = []
+  if clip:
+    clips.append(fs.clip_by_unscaled_norm(1.0, expert_mask=expert_mask))
   return guarded(scaler, *clips, optax.adamw(1e-3), **options)
 
 
@@ -525,7 +544,10 @@ def test_each_written_over_is_what_keeps_outputs_aliased(use, monkeypatch):
   # input is dropped from the executable and the outputs pair wrongly.
   make, skipped = _WRITE_ONLY[use]
   real = _donation.written_over
-  unless_skipped = lambda old, new: new if skipped(new) else real(old, new)
+
+  def unless_skipped(old, new):
+    return new if skipped(new) else real(old, new)
+
   monkeypatch.setattr(_donation, "written_over", unless_skipped)
   _, params, state, _, text = _donated_step(make())
   assert _unaliased(text, len(jax.tree.leaves((params, state))))

@@ -34,10 +34,13 @@ import fp16_scaling as fs
 from fp16_scaling import _lookup
 
 DATA = pathlib.Path(__file__).parent / "data"
-GRADS = jnp.array(
-  [8.0, 16.0, -8.0, 4.0]
-)  # made at scale 8: true [1, 2, -1, .5]
-ALL = lambda p: jax.tree.map(lambda _: True, p)
+# Made at scale 8: true [1, 2, -1, .5].
+GRADS = jnp.array([8.0, 16.0, -8.0, 4.0])
+
+
+def every_leaf(params):
+  """An optax.masked mask that selects every leaf of ``params``."""
+  return jax.tree.map(lambda _: True, params)
 
 
 def _step(tx, grads=GRADS, params=None):
@@ -95,7 +98,7 @@ def test_fp16_loss_scale_outside_fs_chain_is_refused_at_init():
       tx.init(jnp.zeros(4))
   # Under optax.masked too: nothing there would skip the optimizer.
   with pytest.raises(RuntimeError, match="first element of fs.chain"):
-    optax.masked(_scale(), ALL).init(jnp.zeros(4))
+    optax.masked(_scale(), every_leaf).init(jnp.zeros(4))
 
 
 def test_accumulate_gradients_takes_an_fs_chain_only():
@@ -111,7 +114,10 @@ def test_accumulate_gradients_takes_an_fs_chain_only():
 def test_a_masked_clip_after_the_optimizer_clips_what_reaches_it():
   """The second clip clips Adam's output, as optax's clip would: before
   fs.chain this step returned the clipped raw gradients, uphill."""
-  tail = lambda clip: (optax.adam(1e-3), optax.masked(clip, ALL))
+
+  def tail(clip):
+    return optax.adam(1e-3), optax.masked(clip, every_leaf)
+
   head = (_scale(), fs.clip_by_unscaled_norm(1.0))
   ours, _ = _step(fs.chain(*head, *tail(fs.clip_by_unscaled_norm(0.5))))
   theirs, _ = _step(fs.chain(*head, *tail(optax.clip_by_global_norm(0.5))))
@@ -203,7 +209,7 @@ def test_update_walks_no_state_tree(monkeypatch):
     _scale(),
     fs.clip_by_unscaled_norm(1.0),
     optax.adam(1e-3),
-    optax.masked(fs.clip_by_unscaled_norm(0.5), ALL),
+    optax.masked(fs.clip_by_unscaled_norm(0.5), every_leaf),
   )
   txs = (tx, fs.accumulate_gradients(tx, 2))
   states = [t.init(jnp.zeros(4)) for t in txs]

@@ -29,8 +29,9 @@ def test_summary_ratios_are_of_the_medians_and_paired_per_round():
   lines, per_round, median_ratio = compile_cost.summary("S", times)
   assert lines[0].startswith("| S | floor | 1.00 | 2.00 | 3.00 | 1.000x |")
   # fp16: median lower 2, compile 2, total 4 -> 4 / 3; wall 9 / 9.
-  fp16 = "| S | fp16 | 2.00 | 2.00 | 4.00 | 1.333x | 9.00 | 1.000x |"
-  assert lines[1] == fp16
+  assert (
+    lines[1] == "| S | fp16 | 2.00 | 2.00 | 4.00 | 1.333x | 9.00 | 1.000x |"
+  )
   # Paired per round: 3/2, 4/4, 6/3 -> median 1.5.
   assert median_ratio == pytest.approx(1.5)
   assert per_round == (

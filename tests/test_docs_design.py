@@ -174,8 +174,10 @@ def _constructed_in(type_name, functions):
   ``module.type_name(...)``)."""
   makers = set()
   for name, fn in functions.items():
-    nested = [f for f in ast.walk(fn) if isinstance(f, ast.FunctionDef)]
-    inner = {id(n) for f in nested if f is not fn for n in ast.walk(f)}
+    nested = [
+      f for f in ast.walk(fn) if f is not fn and isinstance(f, ast.FunctionDef)
+    ]
+    inner = {id(n) for f in nested for n in ast.walk(f)}
     for node in ast.walk(fn):
       if id(node) in inner or not isinstance(node, ast.Call):
         continue

@@ -13,8 +13,12 @@ def test_policy_page_runs():
   ran = docs_snippets.run_page("precision-policy.md", ns)
   blocks = docs_snippets.blocks("precision-policy.md")
   needs = [b for b in blocks if docs_snippets.NEEDS.match(b)]
-  assert len(needs) == 1 and ran == len(blocks) - 1 == 3
+  assert len(needs) == 1
+  assert ran == len(blocks) - 1 == 3
   # What the page's RL step saw inside the loss: params and obs in float16,
   # the advantages float32.
-  want = dict(params=jnp.float16, obs=jnp.float16, adv=jnp.float32)
-  assert ns["seen"] == want
+  assert ns["seen"] == {
+    "params": jnp.float16,
+    "obs": jnp.float16,
+    "adv": jnp.float32,
+  }

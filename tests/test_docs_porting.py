@@ -13,8 +13,13 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("equinox")
 
 # page: its number of Python blocks.
-PAGES = {"porting-deepspeed.md": 5, "porting-torch.md": 12, "porting-ddp.md": 3}
-PAGES.update({"porting-equinox.md": 2, "porting-rl.md": 2})
+PAGES = {
+  "porting-deepspeed.md": 5,
+  "porting-torch.md": 12,
+  "porting-ddp.md": 3,
+  "porting-equinox.md": 2,
+  "porting-rl.md": 2,
+}
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))

@@ -198,7 +198,9 @@ def test_dividing_the_loss_by_k_under_accumulate_gradients():
 
   @jax.jit
   def step(params, state, x, y, divide):
-    fun = lambda p, x, y: loss(p, x, y) / jnp.where(divide, k, 1)
+    def fun(p, x, y):
+      return loss(p, x, y) / jnp.where(divide, k, 1)
+
     _, grads = fs.value_and_grad(fun, state)(params, x, y)
     updates, state = tx.update(grads, state, params)
     return updates, state

@@ -23,7 +23,8 @@ import pytest
 from fp16_scaling import _norm
 
 CAP = 2.0**96
-INF, NAN = np.inf, np.nan
+INF = np.inf
+NAN = np.nan
 
 
 def _norms(leaves, **kwargs):
@@ -40,9 +41,11 @@ def _f64_norm(*leaves):
 def test_a_finite_leaf_sums_its_squares():
   x = jnp.array([[1.0, -2.0], [0.5, 0.0]])
   (s,) = _norm.leaf_sums([x])
-  assert s.dtype == jnp.float32 and float(s) == 1 + 4 + 0.25
+  assert s.dtype == jnp.float32
+  assert float(s) == 1 + 4 + 0.25
   h = jnp.array([3.0, 4.0], jnp.float16)
-  assert [float(v) for v in _norm.leaf_sums([h, x])] == [25.0, 5.25]
+  sums = _norm.leaf_sums([h, x])
+  assert [float(v) for v in sums] == [25.0, 5.25]
 
 
 @pytest.mark.parametrize("bad", [INF, -INF, NAN])
@@ -79,7 +82,8 @@ def test_a_huge_finite_leaf_next_to_an_inf_is_still_attributed():
   sums = _norm.leaf_sums(leaves)
   assert [float(s) for s in sums] == [2 * CAP, -INF]  # each square capped
   n = _norm.reduce_norms(sums, leaves)
-  assert bool(n.overflow) and float(n.norm) == 0.0
+  assert bool(n.overflow)
+  assert float(n.norm) == 0.0
   np.testing.assert_array_equal(n.leaf_nonfinite, [False, True])
 
 
@@ -107,7 +111,8 @@ def test_squares_too_large_for_float32_take_the_rescue(leaves):
 def test_the_rescue_scales_each_group_by_its_own_peak():
   # Relative to the huge group's peak, the small group's squares would
   # underflow float32 (1e-20 / 1e30 squared); each group keeps its norm.
-  small, huge = np.float32([3e-20, 4e-20]), np.float32([1e30, 1e30])
+  small = np.float32([3e-20, 4e-20])
+  huge = np.float32([1e30, 1e30])
   n = _norms([small, huge], leaf_groups=[0, 1], num_groups=2)
   np.testing.assert_allclose(
     np.asarray(n.group_norms), [5e-20, _f64_norm(huge)], rtol=1e-6
@@ -155,7 +160,8 @@ def test_float16_gradients_never_trace_the_rescue():
 
 def test_no_leaves():
   n = _norm.reduce_norms([], [], num_groups=2)
-  assert float(n.norm) == 0.0 and not bool(n.overflow)
+  assert float(n.norm) == 0.0
+  assert not bool(n.overflow)
   np.testing.assert_array_equal(n.group_norms, [0.0, 0.0])
   assert n.leaf_nonfinite.shape == (0,)
 
@@ -176,9 +182,8 @@ def test_the_sums_derivative_is_2x_and_zero_where_not_finite():
   # d(sum x**2)/dx = 2x; the inf element contributes 0, not NaN.
   np.testing.assert_array_equal(grad, [2.0, -6.0, 0.0, 1.0])
   h = jnp.array([2.0, 100.0, INF], jnp.float16)
-  np.testing.assert_array_equal(
-    jax.grad(lambda h: _norm.leaf_sums([h])[0])(h), [4.0, 200.0, 0.0]
-  )
+  grad = jax.grad(lambda h: _norm.leaf_sums([h])[0])(h)
+  np.testing.assert_array_equal(grad, [4.0, 200.0, 0.0])
 
 
 def test_the_norms_gradient_is_finite_at_zero_and_x_over_norm_elsewhere():
@@ -241,7 +246,8 @@ def test_widen_sends_out_of_range_to_inf_and_keeps_the_rest():
   either way: the overflow verdict does not depend on the fold."""
   values = np.array([8e5, -8e5, 65504.0, 1e-7, np.nan], np.float32)
   expected = np.array([np.inf, -np.inf, 65504.0, 2.0**-23, np.nan], np.float32)
-  wide = np.asarray(jax.jit(_norm.widen)(jnp.asarray(values).astype("float16")))
+  halves = jnp.asarray(values).astype("float16")
+  wide = np.asarray(jax.jit(_norm.widen)(halves))
   np.testing.assert_array_equal(wide, expected)
   fold = jax.jit(lambda x: _norm.widen(x.astype(jnp.float16)))
   got = np.asarray(fold(jnp.asarray(values)))
@@ -279,7 +285,8 @@ def test_leaf_range_reads_the_largest_finite_magnitude_and_the_zeros():
   peaks, zeros = _norm.leaf_range(leaves, [()] * 4)
   np.testing.assert_array_equal(peaks, [3.0, 1.0, 0.5, 0.0])
   np.testing.assert_allclose(zeros, [0.5, 1 / 3, 0.0, 1.0])
-  assert peaks.dtype == zeros.dtype == jnp.float32
+  assert peaks.dtype == jnp.float32
+  assert zeros.dtype == jnp.float32
 
 
 def test_under_jit_the_same_values():
@@ -288,4 +295,5 @@ def test_under_jit_the_same_values():
   eager = _norms(leaves)
   for a, b in zip(n, eager):
     np.testing.assert_array_equal(a, b)
-  assert not bool(n.overflow) and float(n.norm) == pytest.approx(5e30)
+  assert not bool(n.overflow)
+  assert float(n.norm) == pytest.approx(5e30)

@@ -2,17 +2,16 @@
 
 A statement is an ``ast.stmt`` node, imports and docstrings aside: what the
 code does, however it is laid out. The limits: the package at most 2,250
-statements, no module over 160, no function over 35 (a function's statements are those of its body, nested functions
-included); benchmarks/ at most 1,950 (1,551 when the rule was set, and
-room for the step_cost and gpu_check rows then being added).
+statements, no module over 160, no function over 35 (a function's
+statements are those of its body, nested functions included);
+benchmarks/ at most 1,950 (1,551 when the rule was set, and room for the
+step_cost and gpu_check rows then being added).
 
 Density is AST nodes (every node of the module's tree) per code line, a
 code line being a line that holds a token other than a comment, outside
 docstrings. No package module is over 10 nodes per code line and no test
 file over 12.5; a module of fewer than 30 code lines is exempt (too few
-lines to average), and so are the data tables named in ``TABLES``. The
-test files still over 12.5 when the rule was set are in ``OVER_DENSITY``,
-each expected to fail until it is rewritten.
+lines to average), and so are the data tables named in ``TABLES``.
 
 The package's limit was 2,150 when the rule was set (2,066 statements
 then). Three changes made with it brought the package to 2,232: the checks
@@ -49,15 +48,6 @@ DENSITY_FROM = 30
 # Data tables: top-level assignments, by file and name, whose lines and
 # nodes a test file's density leaves out, each with why it is a table.
 TABLES = {}
-# Test files over 12.5 when the rule was set and not yet rewritten, each
-# with the figure it had and why it waits; each is expected to fail until it
-# is rewritten (strict: a file brought under the cap must leave this list).
-_OTHER_BRANCH = "being edited on another branch when the rule was set"
-OVER_DENSITY = {
-  "tests/test_value_and_grad.py": f"13.0, {_OTHER_BRANCH}",
-  "tests/test_norm.py": f"12.7, {_OTHER_BRANCH}",
-  "tests/peers/test_docs_porting_keras.py": f"12.8, {_OTHER_BRANCH}",
-}
 _SKIP = {
   tokenize.COMMENT,
   tokenize.NL,
@@ -154,9 +144,7 @@ def _relative(path: pathlib.Path) -> str:
 def _test_file_cases():
   cases = []
   for path in _test_files():
-    reason = OVER_DENSITY.get(_relative(path))
-    marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-    cases.append(pytest.param(path, marks=marks, id=_relative(path)))
+    cases.append(pytest.param(path, id=_relative(path)))
   return cases
 
 

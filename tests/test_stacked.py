@@ -119,7 +119,10 @@ def test_vmap_names_layer_5_in_the_member_that_overflowed():
     return state
 
   states = jax.jit(jax.vmap(step))(states, jnp.array([False, True]))
-  member = lambda i: jax.tree.map(lambda x: x[i], states)
+
+  def member(i):
+    return jax.tree.map(lambda x: x[i], states)
+
   assert not fs.overflow_report(member(0)).step_overflowed
   assert_names_layer_5(fs.overflow_report(member(1)))
   m = fs.scale_metrics(states)
@@ -271,9 +274,13 @@ def test_a_state_without_stacked_axes_restores_an_older_checkpoint():
 
 def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
   params = stacked_params(0)
-  build = lambda s, **kw: fs.chain(
-    fs.fp16_loss_scale(fs.static_scaler(1.0), stacked_axes=s, **kw)
-  ).init(params)[0]
+
+  def build(stacked_axes, **options):
+    scale = fs.fp16_loss_scale(
+      fs.static_scaler(1.0), stacked_axes=stacked_axes, **options
+    )
+    return fs.chain(scale).init(params)[0]
+
   with pytest.raises(TypeError, match="stacked_axes must be a pytree prefix"):
     fs.fp16_loss_scale(fs.static_scaler(1.0), stacked_axes={"layers": 0.5})
   with pytest.raises(
@@ -288,7 +295,8 @@ def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
   # Negative axes are normalised; fs.stacked_under gives the same layout.
   a = build({"layers": {"W": -3, "b": -2}, "out": None}).leaf_paths.stacked
   b = build(fs.stacked_under("layers")).leaf_paths.stacked
-  assert a.axes == b.axes == (0, 0, None) and a.layers == b.layers == L
+  assert a.axes == b.axes == (0, 0, None)
+  assert a.layers == b.layers == L
 
 
 def test_diagnostics_md_shows_the_by_layer_report_as_it_prints(capsys):

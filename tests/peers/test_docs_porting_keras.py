@@ -41,8 +41,10 @@ def _replay(step, state, batches, scale_of):
   log = []
   for x, y in batches:
     _, *state = step(*state, x, y)
-    trainable, non_trainable = ([np.asarray(a) for a in s] for s in state[:2])
-    log.append((float(scale_of(state[2])), trainable, non_trainable))
+    scale = float(scale_of(state[2]))
+    trainable = [np.asarray(a) for a in state[0]]
+    non_trainable = [np.asarray(a) for a in state[1]]
+    log.append((scale, trainable, non_trainable))
   return log
 
 
@@ -56,7 +58,8 @@ def test_porting_keras_page_runs_and_the_loops_agree():
     if i == 0:
       start = (ns["trainable"], ns["non_trainable"])
   # Each loop once more, step by step, with the page's own jitted steps.
-  optimizer, tx = ns["optimizer"], ns["tx"]
+  optimizer = ns["optimizer"]
+  tx = ns["tx"]
   at = [v.name for v in optimizer.variables].index("dynamic_scale")
   opt_vars = [v.value for v in optimizer.variables]
   theirs = _replay(
@@ -71,7 +74,8 @@ def test_porting_keras_page_runs_and_the_loops_agree():
   assert scales == [o[0] for o in ours]
   skips = [t < s for s, t in zip([2.0**15] + scales, scales)]
   print(f"\n{len(scales)} steps, skipped: {list(np.flatnonzero(skips))}")
-  assert skips[BAD] and 2 <= sum(skips) <= 10, sum(skips)
+  assert skips[BAD]
+  assert 2 <= sum(skips) <= 10, sum(skips)
   # The same trainable variables, bit for bit, after every step.
   for t, o in zip(theirs, ours):
     for a, b in zip(t[1], o[1]):
@@ -83,7 +87,8 @@ def test_porting_keras_page_runs_and_the_loops_agree():
   for a, b in zip(ours[BAD][2], ours[BAD - 1][2]):
     np.testing.assert_array_equal(a, b)
   # Inference with those statistics: NaN for Keras's run, finite for ours.
-  model, x = ns["model"], ns["batches"][0][0]
+  model = ns["model"]
+  x = ns["batches"][0][0]
   trainable, non_trainable, _ = ns["state"]
   pred = model.stateless_call(trainable, non_trainable, x)[0]
   k_trainable, k_non_trainable, _ = ns["keras_state"]
