@@ -411,10 +411,17 @@ def _layout_key(config: ScaleConfig) -> tuple:
 def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
   n = len(paths)
   rng = None
-  if grad_range:
-    # Per unit, a zero for each field: StackedRange adds each unit's norm.
-    kind = GradRange if paths.stacked is None else StackedRange
-    rng = kind(**{f: jnp.zeros([n], jnp.float32) for f in kind._fields})
+  if grad_range and paths.stacked is None:
+    rng = GradRange(
+      max_abs=jnp.zeros([n], jnp.float32),
+      zero_fraction=jnp.zeros([n], jnp.float32),
+    )
+  elif grad_range:
+    rng = StackedRange(
+      max_abs=jnp.zeros([n], jnp.float32),
+      zero_fraction=jnp.zeros([n], jnp.float32),
+      unit_norm=jnp.zeros([n], jnp.float32),
+    )
   # Every field its own buffer: a donating step gives each field's buffer
   # to its successor, and one buffer cannot be donated twice.
   return LossScaleState(
