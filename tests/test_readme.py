@@ -30,7 +30,8 @@ TEST_COMMAND = (
   "bash .ci/setup && .venv/bin/python -m pytest -q -n auto --dist loadfile"
 )
 FAST_LOOP = (
-  'pip install -e ".[test]" && python -m pytest -q -n auto -m "not peers"'
+  'pip install -e ".[test]" && '
+  'python -m pytest -q -n auto --dist loadfile -m "not peers"'
 )
 
 
@@ -71,12 +72,10 @@ def test_the_fast_loop_comes_next_and_leaves_pytorch_out():
   opening = _opening()
   blocks = re.findall(r"```bash\n(.*?)```", opening, re.S)
   assert len(blocks) == 2 and blocks[1].strip() == FAST_LOOP
-  # The paragraph before it says what it costs ("N": the lead measures it
-  # after merging, on the whole suite).
+  # The paragraph before it says what it costs (measured: 6 min 47 s on 2
+  # cores for 1,154 tests).
   before = opening[: opening.index(FAST_LOOP)].rsplit("\n\n", 2)[-2]
-  assert re.search(
-    r"without PyTorch \(about (\d+|N) minutes on \d+ cores", before
-  )
+  assert re.search(r"without PyTorch \(about \d+ minutes on \d+ cores", before)
   # The test extra has what the loop runs on, and no PyTorch.
   tomllib = pytest.importorskip("tomllib")  # Python 3.11+
   pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
