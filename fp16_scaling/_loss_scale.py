@@ -399,7 +399,10 @@ def check_state(config: ScaleConfig, state: LossScaleState) -> None:
     return
   if _without_init_scale(built_by.scaler) != _without_init_scale(config.scaler):
     what = f"another scaler ({_differences(built_by.scaler, config.scaler)})"
-  elif _layout_key(built_by) != _layout_key(config):
+  elif (built_by.partition_specs, built_by.stacked_axes) != (
+    config.partition_specs,
+    config.stacked_axes,
+  ):
     what = "other partition_specs or stacked_axes"
   else:
     return
@@ -425,16 +428,6 @@ def _differences(theirs: Scaler, mine: Scaler) -> str:
     for k in mine
     if k != "init_scale" and theirs[k] != mine[k]
   )
-
-
-def _layout_key(config: ScaleConfig) -> tuple:
-  """``config``'s ``partition_specs`` and ``stacked_axes`` as comparable
-  values."""
-  specs, treedef = jax.tree.flatten(
-    config.partition_specs, is_leaf=_sharding.is_spec
-  )
-  stacked = _stacked.check(config.stacked_axes, "fp16_loss_scale")
-  return tuple(specs), treedef, stacked
 
 
 def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:

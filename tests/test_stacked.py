@@ -348,3 +348,29 @@ def test_the_layout_is_resolved_once_by_init_and_kept_out_of_the_state(
   assert units.stacks == (("['layers']['W']", 0), ("['layers']['b']", L))
   assert len(units.paths) == len(units.sizes) == 2 * L + 1
   assert not any(isinstance(v, _stacked.Layout) for v in vars(units).values())
+
+
+def test_a_state_of_other_stacked_axes_or_specs_is_refused_where_it_enters():
+  """A state built with other ``stacked_axes`` (its units are other
+  layers) or other ``partition_specs`` is refused by the update it enters;
+  one of an equal configuration is not (``stacked_under`` specs compare by
+  value)."""
+  params = stacked_params(0)
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def tx(**kw):
+    return guarded(fs.static_scaler(1.0), optax.sgd(0.1), **kw)
+
+  under = tx(stacked_axes=fs.stacked_under("layers"))
+  state = under.init(params)
+  others = [
+    tx(),
+    tx(stacked_axes={"layers": 0, "out": None}),
+    tx(stacked_axes=fs.stacked_under("layers"), partition_specs=P()),
+  ]
+  for other in others:
+    with pytest.raises(ValueError, match="other partition_specs or stacked"):
+      other.update(grads, state, params)
+  same = tx(stacked_axes=fs.stacked_under("layers"))
+  _, state = same.update(grads, state, params)
+  assert len(state[0].leaf_paths.paths) == 2 * L + 1
