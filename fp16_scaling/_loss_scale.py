@@ -176,6 +176,8 @@ class ScaleConfig:
     grad_range: whether each leaf's :class:`GradRange` is recorded.
     log_overflows: whether overflow steps print a line.
     stacked_axes: the ``stacked_axes`` given, or None.
+    layouts: ``stacked_axes`` resolved (:meth:`layout`), by the tree
+      structure and leaf ranks they were resolved on: filled by ``tx.init``.
   """
 
   scaler: Scaler
@@ -183,11 +185,33 @@ class ScaleConfig:
   grad_range: bool = False
   log_overflows: bool = False
   stacked_axes: Any = None
+  layouts: dict = dataclasses.field(
+    default_factory=dict, init=False, repr=False, compare=False
+  )
+
+  def layout(self, tree) -> Optional[_stacked.Layout]:
+    """``stacked_axes`` resolved on ``tree`` (the params, or gradients of
+    their tree), or None without them. Resolved once per tree structure
+    and leaf ranks: by ``tx.init``, whose updates read it back; an update
+    of a state from elsewhere resolves it there, once.
+
+    Raises:
+      ValueError: ``stacked_axes`` do not fit ``tree`` (as ``tx.init``).
+    """
+    if self.stacked_axes is None:
+      return None
+    leaves, treedef = jax.tree.flatten(tree)
+    key = (treedef, tuple(np.ndim(x) for x in leaves))
+    if key not in self.layouts:
+      self.layouts[key] = _stacked.resolve(
+        self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
+      )
+    return self.layouts[key]
 
   def measure(self, grads, state, *, in_float16_range=False) -> Measurement:
     """The step's one :class:`Measurement` of ``grads``, made at the scale
-    of ``state`` (a :class:`LossScaleState`), per unit of its layout."""
-    layout = state.leaf_paths.stacked
+    of ``state`` (a :class:`LossScaleState`), per unit of their layout."""
+    layout = self.layout(grads)
     return _measure.measure(
       grads,
       state.scaler.loss_scale,
@@ -303,15 +327,20 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   _warn_float16_params(leaves)
   specs = config.partition_specs
   _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
-  # Resolved once, here: each update measures the units it names.
-  stacked = _stacked.resolve(
-    config.stacked_axes, params, specs, "fp16_loss_scale"
-  )
+  # Resolved once, here, and kept in the closure: each update measures the
+  # units it names.
+  layout = config.layout(params)
   sizes = [jnp.size(x) for x in leaves]
-  names, sizes = _stacked.unit_names(stacked, _names(params), sizes)
+  names, sizes, stacks = _stacked.unit_names(layout, _names(params), sizes)
   # Not stepped yet: sync_loss_scales refuses it until an update marks it.
   paths = LeafPaths(
-    names, sizes, stacked, built_by=config, stepped=False, scale_set=False
+    names,
+    sizes,
+    layers=None if layout is None else layout.layers,
+    stacks=stacks,
+    built_by=config,
+    stepped=False,
+    scale_set=False,
   )
   return _initial_state(config.scaler.init(), paths, config.grad_range)
 
@@ -339,7 +368,7 @@ def step_state(
   _warn_bfloat16_grads(leaves, scaler)
   grad_range_now = None
   if config.grad_range or scaler.needs_grad_max:
-    stacked = state.leaf_paths.stacked is not None
+    stacked = state.leaf_paths.layers is not None
     grad_range_now = _grad_range(leaves, measurement, stacked)
   new_state = _next_state(
     scaler,
@@ -370,7 +399,10 @@ def check_state(config: ScaleConfig, state: LossScaleState) -> None:
     return
   if _without_init_scale(built_by.scaler) != _without_init_scale(config.scaler):
     what = f"another scaler ({_differences(built_by.scaler, config.scaler)})"
-  elif _layout_key(built_by) != _layout_key(config):
+  elif (built_by.partition_specs, built_by.stacked_axes) != (
+    config.partition_specs,
+    config.stacked_axes,
+  ):
     what = "other partition_specs or stacked_axes"
   else:
     return
@@ -398,20 +430,10 @@ def _differences(theirs: Scaler, mine: Scaler) -> str:
   )
 
 
-def _layout_key(config: ScaleConfig) -> tuple:
-  """``config``'s ``partition_specs`` and ``stacked_axes`` as comparable
-  values."""
-  specs, treedef = jax.tree.flatten(
-    config.partition_specs, is_leaf=_sharding.is_spec
-  )
-  stacked = _stacked.check(config.stacked_axes, "fp16_loss_scale")
-  return tuple(specs), treedef, stacked
-
-
 def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
   n = len(paths)
   rng = None
-  if grad_range and paths.stacked is None:
+  if grad_range and paths.layers is None:
     rng = GradRange(
       max_abs=jnp.zeros([n], jnp.float32),
       zero_fraction=jnp.zeros([n], jnp.float32),

@@ -179,10 +179,8 @@ def scale_metrics(opt_state: optax.OptState) -> ScaleMetrics:
     "shared_grad_norm": shared,
     "suspect_unscaled_grads": suspect_unscaled_grads(ls),
   }
-  if ls.leaf_paths.stacked is not None:
-    leaves, layers = _stacked.count_nonfinite(
-      ls.leaf_nonfinite, ls.leaf_paths.stacked
-    )
+  if ls.leaf_paths.layers is not None:
+    leaves, layers = _stacked.count_nonfinite(ls.leaf_nonfinite, ls.leaf_paths)
     metrics.update(nonfinite_leaves=leaves, nonfinite_layers=layers)
   if ls.grad_range is not None:
     max_abs = ls.grad_range.max_abs
@@ -236,4 +234,4 @@ def layer_grad_norms(opt_state: optax.OptState) -> dict:
       "layer_grad_norms: build fp16_loss_scale with stacked_axes= and "
       "grad_range=True to record each layer's norm (docs/stacked.md)"
     )
-  return _stacked.per_leaf(norms, ls.leaf_paths.stacked)
+  return _stacked.per_leaf(norms, ls.leaf_paths)

@@ -2,9 +2,12 @@
 axis, and the state's per-leaf records become per *unit*: an unstacked leaf,
 or one layer of a stacked leaf (docs/stacked.md).
 
-A :class:`Layout` is ``stacked_axes`` resolved on the params, static in the
-state's treedef. The units are in leaf order, a stacked leaf's L layers in
-layer order; a state built without ``stacked_axes`` has one unit per leaf.
+A :class:`Layout` is ``stacked_axes`` resolved on the params, once, by
+``tx.init``, and kept in the closure (``ScaleConfig.layout``); the state
+holds only what it names (``LeafPaths``: the units' paths and sizes, and
+each stacked leaf's first unit). The units are in leaf order, a stacked
+leaf's L layers in layer order; a state built without ``stacked_axes`` has
+one unit per leaf.
 """
 
 import dataclasses
@@ -53,19 +56,13 @@ class Layout:
   Attributes:
     axes: per leaf, its layer axis (normalised, >= 0), or None.
     layers: L, the number of layers of every stacked leaf (0 if none).
-    names: the leaves' paths (``jax.tree_util.keystr``).
+    names: the leaves' paths (``jax.tree_util.keystr``), an nnx
+      ``Variable``'s with its ``.value``, as :func:`per_leaf` names them.
   """
 
   axes: tuple
   layers: int
   names: tuple
-
-  def layer_units(self) -> np.ndarray:
-    """[stacked leaves, L] int32: the units of each stacked leaf."""
-    counts = np.array([1 if a is None else self.layers for a in self.axes])
-    starts = np.cumsum(counts) - counts  # each leaf's first unit
-    stacked = [a is not None for a in self.axes]
-    return (starts[stacked][:, None] + np.arange(self.layers)).astype(np.int32)
 
 
 def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
@@ -184,20 +181,24 @@ def _check_named_axis(name, a: int, names, layer_names, what) -> None:
 
 
 def unit_names(layout: Optional[Layout], names, sizes) -> tuple:
-  """``(paths, sizes)`` per unit: a stacked leaf's layer ``l`` is its path
-  with ``[l]`` appended, of its size over L."""
+  """``(paths, sizes, stacks)`` per unit: a stacked leaf's layer ``l`` is its
+  path with ``[l]`` appended, of its size over L; ``stacks`` holds each
+  stacked leaf's path as the layout names it and its first unit
+  (``LeafPaths.stacks``)."""
   if layout is None:
-    return tuple(names), tuple(sizes)
+    return tuple(names), tuple(sizes), ()
   paths = []
   unit_sizes = []
-  for name, size, a in zip(names, sizes, layout.axes):
+  stacks = []
+  for name, size, a, keyed in zip(names, sizes, layout.axes, layout.names):
     if a is None:
       paths.append(name)
       unit_sizes.append(size)
     else:
+      stacks.append((keyed, len(paths)))
       paths += [f"{name}[{k}]" for k in range(layout.layers)]
       unit_sizes += [size // layout.layers] * layout.layers
-  return tuple(paths), tuple(unit_sizes)
+  return tuple(paths), tuple(unit_sizes), tuple(stacks)
 
 
 def summed_axes(x, axis: Optional[int]) -> tuple:
@@ -325,11 +326,11 @@ def stacked_under(*names: Any, axis: int = 0) -> StackedUnder:
   return StackedUnder(tuple(sorted(set(flat))), int(axis))
 
 
-def count_nonfinite(flags, layout: Layout) -> tuple:
+def count_nonfinite(flags, units) -> tuple:
   """``(leaves, layers)``: of the per-unit ``flags`` (batch axes first),
   how many leaves held an inf or NaN, and how many layers did in any
-  stacked leaf."""
-  layer_units = layout.layer_units()
+  stacked leaf; ``units`` is the state's ``LeafPaths``."""
+  layer_units = units.layer_units()
   stacked = flags[..., layer_units]  # [..., stacked leaves, L]
   unstacked = np.setdiff1d(np.arange(flags.shape[-1]), layer_units)
   leaves = stacked.any(-1).sum(-1) + flags[..., unstacked].sum(-1)
@@ -337,17 +338,19 @@ def count_nonfinite(flags, layout: Layout) -> tuple:
   return leaves.astype(np.int32), layers.astype(np.int32)
 
 
-def per_leaf(values, layout: Layout) -> dict:
-  """``{path: values[..., L]}`` per stacked leaf, of a per-unit vector."""
-  names = [n for n, a in zip(layout.names, layout.axes) if a is not None]
-  rows = [values[..., units] for units in layout.layer_units()]
+def per_leaf(values, units) -> dict:
+  """``{path: values[..., L]}`` per stacked leaf, of a per-unit vector;
+  ``units`` is the state's ``LeafPaths``."""
+  names = [name for name, _ in units.stacks]
+  rows = [values[..., row] for row in units.layer_units()]
   return dict(zip(names, rows))
 
 
-def by_layer(counts, flags, layout: Layout) -> tuple:
+def by_layer(counts, flags, units) -> tuple:
   """``({layer: most steps of any of its stacked leaves}, layers flagged on
-  the last step)`` from the per-unit counts and flags (host numpy)."""
-  rows = layout.layer_units()
+  the last step)`` from the per-unit counts and flags (host numpy);
+  ``units`` is the state's ``LeafPaths``."""
+  rows = units.layer_units()
   most = np.asarray(counts)[rows].max(0, initial=0)
   flagged = np.asarray(flags, bool)[rows].any(0)
   most_by_layer = {k: int(n) for k, n in enumerate(most) if n}

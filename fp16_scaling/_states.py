@@ -6,6 +6,7 @@ import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
+import numpy as np
 
 from fp16_scaling._scaler import ScalerState
 
@@ -17,16 +18,19 @@ KINDS = ("none", "unknown", "forward", "backward", "persistent")
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
   """What a :class:`LossScaleState`'s reports read of its leaves, held
-  statically in its treedef, and marks read at trace time. No copy of the
-  configuration: that stays in the closure (``built_by`` points to it).
+  statically in its treedef: their names and sizes, and marks read at trace
+  time. No configuration: that stays in the closure (``built_by`` points
+  to it), and so does the stacked layout, resolved once by ``tx.init``.
 
   Attributes:
     paths: the units' paths (``jax.tree_util.keystr``), in tree order. A
-      unit is a gradient leaf, or one layer of a leaf that ``stacked``
+      unit is a gradient leaf, or one layer of a leaf that ``stacked_axes``
       names (its path ends in the layer's index, ``['layers']['W'][5]``).
     sizes: the units' element counts, in the same order.
-    stacked: the ``_stacked.Layout`` of the units (``stacked_axes``
-      resolved on the params once, by ``tx.init``), or None.
+    layers: L, the number of layers of each stacked leaf, for a state
+      built with ``stacked_axes`` (0 if it names no leaf); None without.
+    stacks: per stacked leaf in tree order, ``(its path, the index of its
+      first unit)``: its L units follow in layer order.
     built_by: the ``ScaleConfig`` of the ``fp16_loss_scale`` that built or
       last stepped the state (not a copy: the closure's own), or None where
       the builder does not say. ``fs.chain``'s update compares
@@ -55,7 +59,8 @@ class LeafPaths:
     self,
     paths,
     sizes,
-    stacked=None,
+    layers=None,
+    stacks=(),
     *,
     built_by=None,
     stepped=None,
@@ -63,10 +68,16 @@ class LeafPaths:
   ):
     self.paths = tuple(paths)
     self.sizes = tuple(int(n) for n in sizes)
-    self.stacked = stacked  # a _stacked.Layout, or None
+    self.layers = layers
+    self.stacks = tuple(stacks)
     self.built_by = built_by
     self.stepped = stepped
     self.scale_set = scale_set
+
+  def layer_units(self) -> np.ndarray:
+    """[stacked leaves, L] int32: the units of each stacked leaf."""
+    firsts = np.array([first for _, first in self.stacks], np.int32)
+    return firsts.reshape(-1, 1) + np.arange(self.layers or 0, dtype=np.int32)
 
   def replace(self, **marks) -> "LeafPaths":
     """This node with the marks given (``built_by``, ``stepped``,
@@ -78,7 +89,9 @@ class LeafPaths:
     }
     if all(now[k] is v for k, v in marks.items()):
       return self
-    return LeafPaths(self.paths, self.sizes, self.stacked, **{**now, **marks})
+    return LeafPaths(
+      self.paths, self.sizes, self.layers, self.stacks, **{**now, **marks}
+    )
 
   def tree_flatten(self):
     return (), self  # the node itself is the treedef's metadata

@@ -71,7 +71,11 @@ def test_stacked_under_takes_a_list_and_equal_calls_are_one_spec():
   # And under accumulate_gradients, which reads the chain's.
   tx = fs.accumulate_gradients(chain(stacked_axes=a), 2)
   inner = tx.init(params).inner_state[0]
-  assert inner.leaf_paths.stacked.axes == (None, 0, 0)  # head, b, w
+  assert inner.leaf_paths.built_by.layout(params).axes == (
+    None,
+    0,
+    0,
+  )  # head, b, w
 
 
 # --------------------------- 2: a layer axis the partition names contradict
@@ -106,7 +110,7 @@ def test_a_layer_axis_the_partition_names_contradict_is_refused():
   assert "('embed', 'layers', 'mlp') put 'layers' on axis 1" in msg
   assert "Pass axis=1" in msg
   state = chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(params)
-  assert state[0].leaf_paths.stacked.axes == (1,)
+  assert state[0].leaf_paths.built_by.layout(params).axes == (1,)
 
 
 # ------------------------------------- 3: nnx optimizers synced in place
@@ -298,7 +302,7 @@ def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
       "head": jnp.zeros((D, 1)),
     }
     chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(maxtext)
-  assert state[0].leaf_paths.stacked.axes == (1, 1)  # b, w
+  assert state[0].leaf_paths.built_by.layout(mixed).axes == (1, 1)  # b, w
 
 
 @pytest.mark.parametrize(

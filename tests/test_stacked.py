@@ -293,8 +293,10 @@ def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
     specs = {"layers": P("stage"), "out": P()}
     build({"layers": 0, "out": None}, partition_specs=specs)
   # Negative axes are normalised; fs.stacked_under gives the same layout.
-  a = build({"layers": {"W": -3, "b": -2}, "out": None}).leaf_paths.stacked
-  b = build(fs.stacked_under("layers")).leaf_paths.stacked
+  # The layout stays in the closure: the state names the config that has it.
+  a = build({"layers": {"W": -3, "b": -2}, "out": None}).leaf_paths.built_by
+  b = build(fs.stacked_under("layers")).leaf_paths.built_by
+  a, b = a.layout(params), b.layout(params)
   assert a.axes == b.axes == (0, 0, None)
   assert a.layers == b.layers == L
 
@@ -309,3 +311,66 @@ def test_diagnostics_md_shows_the_by_layer_report_as_it_prints(capsys):
   code, shown = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)[:2]
   exec(compile(code, "diagnostics.md, by layer", "exec"), {})
   assert capsys.readouterr().out == shown
+
+
+def test_the_layout_is_resolved_once_by_init_and_kept_out_of_the_state(
+  monkeypatch,
+):
+  """``stacked_axes`` are resolved on the params once, by ``tx.init``: the
+  updates (two traces here, float32 and float16 gradients) read the
+  closure's layout back, and the state's treedef holds the units' names
+  and sizes, no layout."""
+  from fp16_scaling import _stacked
+
+  calls = []
+  resolve = _stacked.resolve
+
+  def counted(*args):
+    calls.append(args[0])
+    return resolve(*args)
+
+  monkeypatch.setattr(_stacked, "resolve", counted)
+  params = stacked_params(0)
+  tx = guarded(
+    fs.static_scaler(1.0),
+    optax.sgd(0.1),
+    stacked_axes=fs.stacked_under("layers"),
+  )
+  state = tx.init(params)
+  assert len(calls) == 1
+  step = jax.jit(tx.update)
+  for dtype in (jnp.float32, jnp.float16):
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, dtype), params)
+    _, state = step(grads, state, params)
+  assert len(calls) == 1  # no update resolved it again
+  units = state[0].leaf_paths
+  assert units.layers == L
+  assert units.stacks == (("['layers']['W']", 0), ("['layers']['b']", L))
+  assert len(units.paths) == len(units.sizes) == 2 * L + 1
+  assert not any(isinstance(v, _stacked.Layout) for v in vars(units).values())
+
+
+def test_a_state_of_other_stacked_axes_or_specs_is_refused_where_it_enters():
+  """A state built with other ``stacked_axes`` (its units are other
+  layers) or other ``partition_specs`` is refused by the update it enters;
+  one of an equal configuration is not (``stacked_under`` specs compare by
+  value)."""
+  params = stacked_params(0)
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def tx(**kw):
+    return guarded(fs.static_scaler(1.0), optax.sgd(0.1), **kw)
+
+  under = tx(stacked_axes=fs.stacked_under("layers"))
+  state = under.init(params)
+  others = [
+    tx(),
+    tx(stacked_axes={"layers": 0, "out": None}),
+    tx(stacked_axes=fs.stacked_under("layers"), partition_specs=P()),
+  ]
+  for other in others:
+    with pytest.raises(ValueError, match="other partition_specs or stacked"):
+      other.update(grads, state, params)
+  same = tx(stacked_axes=fs.stacked_under("layers"))
+  _, state = same.update(grads, state, params)
+  assert len(state[0].leaf_paths.paths) == 2 * L + 1
