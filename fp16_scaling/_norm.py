@@ -221,8 +221,6 @@ def reduce_norms(
     leaf_groups = (0,) * n
   if leaf_axes is None:
     leaf_axes = ((),) * n
-  leaf_groups = tuple(leaf_groups)
-  leaf_axes = tuple(leaf_axes)
   if n == 0:
     return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
