@@ -177,18 +177,13 @@ def discard_if(overflow: jax.Array, leaves: Sequence[jax.Array]) -> tuple:
 def _grouped(
   values, leaf_groups, leaf_axes, num_groups, *, combine, collective
 ):
-  """Combines per-leaf scalars into one value per group, across the mesh."""
-  buckets = {}
-  for v, g, axes in zip(values, leaf_groups, leaf_axes):
-    buckets.setdefault((g, axes), []).append(v)
-  per_group = [[] for _ in range(num_groups)]
-  for (g, axes), vs in buckets.items():
-    v = combine(jnp.stack(vs)) if len(vs) > 1 else vs[0]
-    if axes:
-      v = collective(v, axes)
-    per_group[g].append(v)
+  """Combines per-leaf scalars into one value per group, across the mesh:
+  each leaf's across its mesh axes, then each group's (0.0 for an empty
+  group, the values being at least 0)."""
+  per_leaf = leaf_vector(values, leaf_axes, collective)
+  groups = np.asarray(leaf_groups, np.int32)
   return jnp.stack(
-    [combine(jnp.stack(vs)) if vs else jnp.float32(0) for vs in per_group]
+    [combine(jnp.where(groups == g, per_leaf, 0.0)) for g in range(num_groups)]
   )
 
 
@@ -226,8 +221,6 @@ def reduce_norms(
     leaf_groups = (0,) * n
   if leaf_axes is None:
     leaf_axes = ((),) * n
-  leaf_groups = tuple(leaf_groups)
-  leaf_axes = tuple(leaf_axes)
   if n == 0:
     return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
