@@ -229,11 +229,10 @@ class _Losses(NamedTuple):
       return cls(state.loss_sum, state.loss_nonfinite, None)
     value = _validate.scalar_loss(value).astype(jnp.float32)
     loss_sum = state.loss_sum + value * window.inv_k
-    if drop:
-      loss_sum = jnp.where(window.bad, state.loss_sum, loss_sum)
     nonfinite = state.loss_nonfinite | ~jnp.isfinite(_norm.widen(value))
     if not drop:
       return cls(loss_sum, nonfinite, loss_sum)
+    loss_sum = jnp.where(window.bad, state.loss_sum, loss_sum)
     # Mean of the clean microbatches' losses; with none, only whether a
     # loss was not finite matters (the window is skipped).
     window_loss = jnp.where(
