@@ -64,8 +64,11 @@ class DeepSpeedFP16(NamedTuple):
     Returns:
       The step, an ``optax.GradientTransformationExtraArgs``.
     """
-    kw = dict(partition_specs=partition_specs, stacked_axes=stacked_axes)
-    parts = [fp16_loss_scale(self.scaler, **kw)]
+    parts = [
+      fp16_loss_scale(
+        self.scaler, partition_specs=partition_specs, stacked_axes=stacked_axes
+      )
+    ]
     if self.max_norm is not None:
       parts.append(
         clip_by_unscaled_norm(self.max_norm, expert_mask=expert_mask)
