@@ -227,10 +227,9 @@ def reduce_norms(
   if per_leaf is None:
     mark = functools.partial(_marked, cap=needs_rescue)
     per_leaf = leaf_vector(sums, leaf_axes, lax.psum, prepare=mark)
-  unit_groups = leaf_groups
-  if per_leaf.shape[0] != n:  # per unit: each stacked leaf's group per layer
-    units_per_leaf = [np.size(s) for s in sums]
-    unit_groups = tuple(np.repeat(leaf_groups, units_per_leaf))
+  # Per unit (a leaf, or a layer of a stacked leaf), its leaf's group.
+  units_per_leaf = [np.size(s) for s in sums]
+  unit_groups = tuple(np.repeat(leaf_groups, units_per_leaf))
   common, total = _group_sums(per_leaf, unit_groups, num_groups)
   # The rescue reads the leaves again: their groups are the per-leaf ones.
   if needs_rescue and not in_float16_range:
