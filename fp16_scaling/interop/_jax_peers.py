@@ -31,16 +31,30 @@ _COUNTING = (
 # that went through jit holds min_loss_scale 1.0 whatever was set (jmp#44).
 
 
+# Its configuration fields a state may hold: (jmp's name, the Scaler field it
+# sets, its check, the check's range).
+_JMP_CONFIG = (
+  ("period", "growth_interval", _validate.integer, {"low": 1}),
+  ("min_loss_scale", "min_scale", _validate.scale, {}),
+  ("factor", "growth_factor", _validate.positive, {}),
+)
+
+
+def _jmp_config(d: Mapping) -> dict:
+  """The configuration fields ``d`` holds, checked, by jmp's names."""
+  return {
+    key: read_entry(d, key, check, **kw)
+    for key, _, check, kw in _JMP_CONFIG
+    if key in d
+  }
+
+
 def _jmp_implies(d: Mapping) -> dict:
-  out = {"growth_delay": 0, "hysteresis": 1}
-  if "period" in d:
-    out["growth_interval"] = read_int(d, "period", low=1)
-  if "min_loss_scale" in d:
-    out["min_scale"] = read_scale(d, "min_loss_scale")
-  if "factor" in d:
-    factor = read_entry(d, "factor", _validate.positive)
-    out.update(growth_factor=factor, backoff_factor=1.0 / factor)
-  return out
+  config = _jmp_config(d)
+  out = {f: config[key] for key, f, _, _ in _JMP_CONFIG if key in config}
+  if "factor" in config:
+    out["backoff_factor"] = 1.0 / config["factor"]
+  return {"growth_delay": 0, "hysteresis": 1, **out}
 
 
 def _jmp_from_own(c: Counters, scaler: Scaler) -> dict:
@@ -63,13 +77,7 @@ def _jmp_from_own(c: Counters, scaler: Scaler) -> dict:
 
 
 def _jmp_preset(d: Mapping, overrides: dict) -> Scaler:
-  kw = {"loss_scale": read_scale(d, "loss_scale")}
-  if "period" in d:
-    kw["period"] = read_int(d, "period", low=1)
-  if "factor" in d:
-    kw["factor"] = read_entry(d, "factor", _validate.positive)
-  if "min_loss_scale" in d:
-    kw["min_loss_scale"] = read_scale(d, "min_loss_scale")
+  kw = {"loss_scale": read_scale(d, "loss_scale"), **_jmp_config(d)}
   return jmp_scaler(**{**kw, **overrides})
 
 
