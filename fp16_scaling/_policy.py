@@ -22,9 +22,16 @@ _NAMES = {
 _DTYPE_OF = {name: d for d, names in _NAMES.items() for name in names}
 _DTYPE_OF["half"] = jnp.dtype(jnp.float16)  # on every device (get_policy)
 DTYPE_NAMES = tuple(_DTYPE_OF)  # what get_policy reads as a dtype
-KEYS = ("p", "params", "c", "compute", "o", "output")
-_FIELD_OF = {k: f for f in ("param", "compute", "output") for k in (f[0], f)}
-_FIELD_OF["params"] = _FIELD_OF.pop("param")
+# jmp's keys, each with the dtype it names (of the param, compute or output).
+_FIELD_OF = {
+  "p": "param",
+  "params": "param",
+  "c": "compute",
+  "compute": "compute",
+  "o": "output",
+  "output": "output",
+}
+KEYS = tuple(_FIELD_OF)  # what get_policy reads as a key
 _FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
 
