@@ -248,11 +248,10 @@ class Scaler:
     grad_max = jnp.asarray(grad_max, jnp.float32)
     if self.history == 1:
       return grad_max, ()
-    ring, position, window_max = self._window(state, overflow, grad_max)
-    return window_max, (ring, position)
+    return self._window(state, overflow, grad_max)
 
   def _window(self, state: ScalerState, overflow, grad_max: jax.Array):
-    """``(ring, position, window_max)`` after a step: a clean step writes
+    """``(window_max, (ring, position))`` after a step: a clean step writes
     ``grad_max`` into the ring's oldest slot; an overflow leaves it."""
     # Read within range, whatever a checkpoint held: an entry that is not a
     # finite magnitude counts as no step, a position wraps into the ring.
@@ -262,7 +261,7 @@ class Scaler:
     written = ring.at[position].set(grad_max)
     ring = jnp.where(overflow, ring, written)
     position = jnp.where(overflow, position, (position + 1) % self.history)
-    return ring, position.astype(jnp.int32), jnp.max(written)
+    return jnp.max(written), (ring, position.astype(jnp.int32))
 
   def _headroom_scale(self, scale: jax.Array, grad_max: jax.Array, capped):
     """The next scale after a clean step, from the largest gradient (of
