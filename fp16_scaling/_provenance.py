@@ -24,6 +24,9 @@ library made, keyed by its :func:`token`. Its makers and readers:
   as synced.
 - :func:`set_loss_scale` and :func:`load_scaler_state_dict` record what
   they return as set; the latter checks the scaler given against ``by``.
+
+``_select`` keeps two tables of its own: the states :func:`value_and_grad`
+was given and what its forward pass wrote, for :func:`select_on_overflow`.
 """
 
 import operator
