@@ -1,6 +1,5 @@
 """Where a value came from, known by its identity: the history that a few
-slips show and a state's arrays do not (docs/design.md, "What a state's
-history tells").
+slips show and a state's arrays do not (docs/history.md).
 
 A :class:`Records` table maps objects, by identity, to what the library
 knows of them, for as long as each object lives (a weak reference keeps

@@ -96,11 +96,10 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   It reads each state's own record of the last step (its overflow flag and
   its scale after it), so a second call on its own results would change
   nothing. Where a state's history is known (made or given in this eager
-  code, or in the same trace: docs/design.md, "What a state's history
-  tells"), a state from before ``tx.update`` (given to it, or not stepped
-  since ``tx.init`` or the last sync), whose sync would freeze the scale,
-  is refused. Leaving the call out leaves every optimizer with its own
-  scale, which still trains.
+  code, or in the same trace: docs/history.md), a state from before
+  ``tx.update`` (given to it, or not stepped since ``tx.init`` or the last
+  sync), whose sync would freeze the scale, is refused. Leaving the call
+  out leaves every optimizer with its own scale, which still trains.
 
   ``nnx.Optimizer`` s are synced in place, as ``opt.update(model, grads)``
   acts (their loss-scale Variables are written), and returned too.

@@ -252,8 +252,7 @@ def load_scaler_state_dict(
     ValueError: an unknown state, a scale that is not a normal float32, a
       configuration that disagrees with ``scaler``, or an optimizer state
       known to be built with another scaler (made by ``tx.init`` or
-      ``tx.update`` outside ``jit``; docs/design.md, "What a state's
-      history tells").
+      ``tx.update`` outside ``jit``; docs/history.md).
   """
   scaler = check_scaler(scaler)
   old = _lookup.loss_scale_state(opt_state)
