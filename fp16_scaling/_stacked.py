@@ -65,13 +65,11 @@ class Layout:
   names: tuple
 
 
-def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
-  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim
-  and where its partition names (if any) put ``"layers"``, one L for all,
-  and (under ``shard_map``) not split over a mesh axis; a
+def resolve(stacked_axes, tree, partition_specs, what: str) -> Layout:
+  """``stacked_axes`` (not None) on ``tree``: each layer axis within its
+  leaf's ndim and where its partition names (if any) put ``"layers"``, one
+  L for all, and (under ``shard_map``) not split over a mesh axis; a
   :class:`StackedUnder` whose names match no leaf is refused."""
-  if stacked_axes is None:
-    return None
   under = isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
