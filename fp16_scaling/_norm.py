@@ -55,8 +55,7 @@ def check_float_leaves(
   paths = [None] * len(leaves)
   if tree is not None:
     with_paths = jax.tree_util.tree_leaves_with_path(tree)
-    if len(with_paths) == len(leaves):
-      paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+    paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
   for i, (x, path) in enumerate(zip(leaves, paths)):
     leaf = f"leaf {i} ({path})" if path else f"leaf {i}"
     is_number = isinstance(x, (int, float, complex))
