@@ -347,7 +347,8 @@ def per_leaf(values, units) -> dict:
 def by_layer(counts, flags, units) -> tuple:
   """``({layer: most steps of any of its stacked leaves}, layers flagged on
   the last step)`` from the per-unit counts and flags (host numpy);
-  ``units`` is the state's ``LeafPaths``."""
+  ``units`` is the state's ``LeafPaths``. ``({}, ())`` without stacked
+  leaves."""
   rows = units.layer_units()
   most = np.asarray(counts)[rows].max(0, initial=0)
   flagged = np.asarray(flags, bool)[rows].any(0)
