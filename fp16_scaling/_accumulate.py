@@ -281,22 +281,26 @@ def _end_window_if(ends, mean_of, step, operands, extra_args, *, in_range):
   (the accumulated gradients, the inner state, params)."""
 
   def run_inner(acc, inner_state, params):
-    # The step on the window's mean, measured once inside it.
-    out = step.run(
+    # The step on the window's mean, measured once inside it: an Outcome.
+    return step.run(
       mean_of(acc),
       inner_state,
       params,
       extra=extra_args,
       in_float16_range=in_range,
     )
-    return (out.updates, out.state), out.overflow
 
-  (out_shape, _), _ = jax.eval_shape(run_inner, *operands)
+  out_shape = jax.eval_shape(run_inner, *operands).updates
 
   def final(acc, inner_state, params):
-    (new_updates, new_inner), overflow = run_inner(acc, inner_state, params)
+    out = run_inner(acc, inner_state, params)
     # Replaced, never multiplied by 0, which would keep a NaN.
-    return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc), overflow
+    return (
+      out.updates,
+      out.state,
+      jax.tree.map(jnp.zeros_like, acc),
+      out.overflow,
+    )
 
   def middle(acc, inner_state, params):
     del params
