@@ -256,8 +256,7 @@ class StackedUnder:
       return self.axis if keys & wanted else None
 
     axes = jax.tree_util.tree_map_with_path(axis_of, params)
-    per_leaf = jax.tree.leaves(axes, is_leaf=_is_none)
-    if all(a is None for a in per_leaf):
+    if not found & wanted:  # no leaf under a key named one of names
       raise ValueError(self._no_match(sorted(found)))
     return axes
 
