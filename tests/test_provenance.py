@@ -65,23 +65,25 @@ def test_an_object_with_no_identity_to_keep_is_not_recorded():
 def test_what_made_each_state_of_a_synced_step():
   scaler = fs.torch_scaler(init_scale=8.0)
   tx0, tx1 = (
-    fs.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0)) for _ in "ab"
+    fs.chain(fs.fp16_loss_scale(scaler), optax.sgd(1.0)) for _ in range(2)
   )
   p = jnp.ones(2)
   s0, s1 = tx0.init(p), tx1.init(p)
   config0 = tx0.config.scale
-  assert _provenance.made(s0[0]) == Made(config0, False, False, False)
+  init = Made(by=config0, stepped=False, scale_set=False, consumed=False)
+  stepped = init._replace(stepped=True)
+  assert _provenance.made(s0[0]) == init
   _, n0 = tx0.update(jnp.ones(2), s0, p)
   _, n1 = tx1.update(jnp.ones(2), s1, p)
   assert _provenance.made(s0[0]).consumed  # from before the update
-  assert _provenance.made(n0[0]) == Made(config0, True, False, False)
+  assert _provenance.made(n0[0]) == stepped
   set0 = fs.set_loss_scale(n0, 16.0)
-  assert _provenance.made(set0[0]) == Made(config0, True, True, False)
+  assert _provenance.made(set0[0]) == stepped._replace(scale_set=True)
   assert _provenance.made(n0[0]).scale_set is False  # not the one set
   m0, m1 = fs.sync_loss_scales(n0, n1)
   # One new scale for both, told apart by their own skipped-step counts.
   assert m0[0].scaler.loss_scale is m1[0].scaler.loss_scale
-  assert _provenance.made(m0[0]) == Made(config0, False, False, False)
+  assert _provenance.made(m0[0]) == init  # synced: not stepped since
   assert _provenance.made(m1[0]).by is tx1.config.scale
 
 
