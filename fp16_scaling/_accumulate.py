@@ -141,7 +141,11 @@ def accumulate_gradients(
       ends,
       functools.partial(_mean_of, window=window, drop=drop),
       step,
-      (jax.tree.unflatten(jax.tree.structure(updates), summed), state, params),
+      (
+        jax.tree.unflatten(jax.tree.structure(updates), summed),
+        state.inner_state,
+        params,
+      ),
       extra_args,
       in_range=all(jnp.result_type(g) == jnp.float16 for g in leaves),
     )
@@ -273,32 +277,34 @@ def _mean_of(acc, window: _Window, drop: bool):
 def _end_window_if(ends, mean_of, step, operands, extra_args, *, in_range):
   """``(updates, inner_state, acc_grads, overflow)``: the ``step`` (a
   :class:`StepConfig`) on the window's mean, and the accumulator reset,
-  when ``ends``; else ``-0.0`` updates."""
-  summed, state, params = operands
+  when ``ends``; else ``-0.0`` updates. ``operands`` are the ``lax.cond``'s:
+  (the accumulated gradients, the inner state, params)."""
 
   def run_inner(acc, inner_state, params):
-    # The step on the window's mean, measured once inside it.
-    out = step.run(
+    # The step on the window's mean, measured once inside it: an Outcome.
+    return step.run(
       mean_of(acc),
       inner_state,
       params,
       extra=extra_args,
       in_float16_range=in_range,
     )
-    return (out.updates, out.state), out.overflow
 
-  (out_shape, _), _ = jax.eval_shape(
-    run_inner, summed, state.inner_state, params
-  )
+  out_shape = jax.eval_shape(run_inner, *operands).updates
 
   def final(acc, inner_state, params):
-    (new_updates, new_inner), overflow = run_inner(acc, inner_state, params)
+    out = run_inner(acc, inner_state, params)
     # Replaced, never multiplied by 0, which would keep a NaN.
-    return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc), overflow
+    return (
+      out.updates,
+      out.state,
+      jax.tree.map(jnp.zeros_like, acc),
+      out.overflow,
+    )
 
   def middle(acc, inner_state, params):
     del params
     skip = jax.tree.map(_skip_like, out_shape)
     return skip, inner_state, acc, jnp.bool_(False)
 
-  return lax.cond(ends, final, middle, summed, state.inner_state, params)
+  return lax.cond(ends, final, middle, *operands)

@@ -301,10 +301,7 @@ def overflow_report(opt_state: Any, *, top: int = 10) -> OverflowReport:
       p: LeafRange(float(m), float(b), float(z))
       for p, m, b, z in zip(paths, max_abs, bits, zeros)
     }
-  units = ls.leaf_paths
-  by_layer = ({}, ())
-  if units.layers is not None:
-    by_layer = _stacked.by_layer(counts, flags, units)
+  by_layer = _stacked.by_layer(counts, flags, ls.leaf_paths)
   return OverflowReport(
     step_overflowed=bool(host.overflow),
     nonfinite_leaves=tuple(p for p, bad in zip(paths, flags) if bad),

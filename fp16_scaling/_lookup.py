@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fp16_scaling import _provenance
 from fp16_scaling import _validate
 from fp16_scaling._scaler import ScalerState
 from fp16_scaling._states import AccumulationState
@@ -197,18 +198,15 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
   )
 
 
-def mark_loss_scale_state(opt_state: Any, **marks: Any) -> Any:
-  """``opt_state`` with its loss-scale state's static marks changed
-  (``LeafPaths.replace``)."""
-
-  def marked(x):
-    if not isinstance(x, LossScaleState):
-      return x
-    return x._replace(leaf_paths=x.leaf_paths.replace(**marks))
-
-  return jax.tree.map(
-    marked, opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
-  )
+def replace_set_scale(
+  opt_state: Any, old: LossScaleState, new: LossScaleState
+) -> Any:
+  """:func:`replace_loss_scale_state` with ``new``, the loss-scale state
+  ``old`` of ``opt_state`` with its scale set: recorded as set
+  (``_provenance``), so that :func:`sync_loss_scales` refuses to sync it
+  with a state whose scale was not, which would undo it."""
+  _provenance.record(new, _provenance.made(old)._replace(scale_set=True))
+  return replace_loss_scale_state(opt_state, new)
 
 
 def set_loss_scale(opt_state: Any, scale: Any) -> Any:
@@ -239,6 +237,4 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   old = loss_scale_state(opt_state)
   loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
   new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))
-  # Marked: a sync with a state whose scale was not set would undo it.
-  new_state = replace_loss_scale_state(opt_state, new)
-  return mark_loss_scale_state(new_state, scale_set=True)
+  return replace_set_scale(opt_state, old, new)

@@ -16,10 +16,12 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _measure
 from fp16_scaling import _norm
+from fp16_scaling import _provenance
 from fp16_scaling import _sharding
 from fp16_scaling import _stacked
 from fp16_scaling import _validate
 from fp16_scaling._measure import Measurement
+from fp16_scaling._provenance import Made
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
 from fp16_scaling._states import BACKWARD
@@ -332,17 +334,16 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   layout = config.layout(params)
   sizes = [jnp.size(x) for x in leaves]
   names, sizes, stacks = _stacked.unit_names(layout, _names(params), sizes)
-  # Not stepped yet: sync_loss_scales refuses it until an update marks it.
   paths = LeafPaths(
     names,
     sizes,
     layers=None if layout is None else layout.layers,
     stacks=stacks,
-    built_by=config,
-    stepped=False,
-    scale_set=False,
   )
-  return _initial_state(config.scaler.init(), paths, config.grad_range)
+  state = _initial_state(config.scaler.init(), paths, config.grad_range)
+  # Not stepped yet: sync_loss_scales refuses it until an update steps it.
+  _provenance.record(state, Made(by=config, stepped=False, scale_set=False))
+  return state
 
 
 def step_state(
@@ -382,19 +383,23 @@ def step_state(
     _log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
   new_state = _donation.written_over(state, new_state)
-  # Marked after the tree.map, which keeps its first tree's static part;
-  # this chain's own from now on (check_state compares no more).
-  paths = new_state.leaf_paths.replace(built_by=config, stepped=True)
-  return new_state._replace(leaf_paths=paths)
+  # This chain's own from now on (check_state compares no more); the state
+  # given is one from before the update, which a sync refuses.
+  before = _provenance.made(state)
+  _provenance.record(state, before._replace(consumed=True))
+  _provenance.record(
+    new_state, Made(by=config, stepped=True, scale_set=before.scale_set)
+  )
+  return new_state
 
 
 def check_state(config: ScaleConfig, state: LossScaleState) -> None:
-  """Raises ValueError when ``state`` was built by another configuration,
-  before anything is read with ``config``. A state this configuration
-  built or stepped is not compared again; one that entered from
-  elsewhere (another chain's, a copy) is, until this one steps it. Under
-  ``jit`` it runs when the update is traced, as the marks are read."""
-  built_by = state.leaf_paths.built_by
+  """Raises ValueError when ``state`` was made by another configuration,
+  before anything is read with ``config``. Only a state known to come
+  from another chain (``_provenance``: made by its ``tx.init`` or
+  ``tx.update``, eagerly or in the same trace) is compared, at its first
+  update here; one this configuration made, or one not known, is not."""
+  built_by = _provenance.made(state).by
   if built_by is config or built_by is None:
     return
   if _without_init_scale(built_by.scaler) != _without_init_scale(config.scaler):

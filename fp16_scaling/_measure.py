@@ -102,9 +102,9 @@ def measure(
       mesh axes its spec splits it over.
     in_float16_range: see :class:`Measurement`.
     what: the transformation named in error messages.
-    layer_axes: per leaf in tree order, its layer axis (an int) or None; a
-      leaf with one is measured per layer (docs/stacked.md). None: no leaf
-      is stacked.
+    layer_axes: per leaf of ``grads`` in tree order (a layout resolved on
+      their tree), its layer axis (an int) or None; a leaf with one is
+      measured per layer (docs/stacked.md). None: no leaf is stacked.
 
   Returns:
     The :class:`Measurement`.
@@ -116,8 +116,6 @@ def measure(
   leaves = tuple(jax.tree.leaves(grads))
   _norm.check_float_leaves(leaves, f"{what} gradients", grads)
   leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
-  if layer_axes is not None and len(layer_axes) != len(leaves):
-    layer_axes = None  # not the params' tree: _loss_scale._leaf_fitter warns
   sums = tuple(_norm.leaf_sums(leaves, layer_axes))
   norms = _norm.reduce_norms(
     sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range

@@ -55,8 +55,7 @@ def check_float_leaves(
   paths = [None] * len(leaves)
   if tree is not None:
     with_paths = jax.tree_util.tree_leaves_with_path(tree)
-    if len(with_paths) == len(leaves):
-      paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+    paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
   for i, (x, path) in enumerate(zip(leaves, paths)):
     leaf = f"leaf {i} ({path})" if path else f"leaf {i}"
     is_number = isinstance(x, (int, float, complex))
@@ -221,8 +220,6 @@ def reduce_norms(
     leaf_groups = (0,) * n
   if leaf_axes is None:
     leaf_axes = ((),) * n
-  if n == 0:
-    return _no_norms(num_groups)
   needs_rescue = any(_is_wide(x) for x in leaves)
   if per_leaf is None:
     mark = functools.partial(_marked, cap=needs_rescue)
@@ -266,17 +263,6 @@ def _group_sums(per_leaf, leaf_groups, num_groups) -> tuple:
   ]
   common = jnp.stack(sums)
   return common, jnp.sum(common)
-
-
-def _no_norms(num_groups: int) -> Norms:
-  """The norms of a tree without leaves."""
-  return Norms(
-    norm=jnp.float32(0),
-    group_norms=jnp.zeros([num_groups], jnp.float32),
-    overflow=jnp.bool_(False),
-    leaf_nonfinite=jnp.zeros([0], jnp.bool_),
-    leaf_sums=jnp.zeros([0], jnp.float32),
-  )
 
 
 def _marked(local: jax.Array, *, cap: bool) -> jax.Array:

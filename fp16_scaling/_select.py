@@ -4,7 +4,6 @@ statistics, an EMA of the parameters) follows the optimizer's skip
 """
 
 from typing import Any
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,16 +11,18 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling import _metrics
+from fp16_scaling import _provenance
 from fp16_scaling._lookup import is_nnx_variable
+from fp16_scaling._provenance import Records
 
-# What fs.value_and_grad saw, by identity (weak references: nothing is kept
-# alive), so that select_on_overflow can name two slips it could not tell
-# apart from the documented call otherwise. Read and written while Python
-# runs, once a trace under jit: no cost in the compiled step.
+# What fs.value_and_grad saw, by identity (_provenance.Records), so that
+# select_on_overflow can name two slips it could not tell apart from the
+# documented call otherwise. Read and written while Python runs, once a
+# trace under jit: no cost in the compiled step.
 # A token of each state the gradients were computed with:
-_GRADIENTS_FROM = weakref.WeakValueDictionary()
+_GRADIENTS_FROM = Records()
 # The leaves the latest forward pass wrote (its aux, an NNX module's state):
-_FORWARD_WROTE = weakref.WeakValueDictionary()
+_FORWARD_WROTE = Records()
 
 _PRE_UPDATE = (
   "select_on_overflow: opt_state is the state the gradients were computed "
@@ -48,19 +49,6 @@ _LIVE = (
 )
 
 
-def _remember(table: weakref.WeakValueDictionary, x) -> None:
-  """Records ``x`` in ``table`` by identity, until ``x`` is freed."""
-  try:
-    table[id(x)] = x
-  except TypeError:  # a numpy scalar, a Python number: no identity to keep
-    pass
-
-
-def _seen(table: weakref.WeakValueDictionary, x) -> bool:
-  """Whether ``table`` records this very object ``x``."""
-  return table.get(id(x)) is x
-
-
 def _token(opt_state) -> Any:
   """An array every update makes anew: the state's identity for
   :func:`note_gradients` (the microbatch count under accumulation, whose
@@ -68,17 +56,17 @@ def _token(opt_state) -> Any:
   acc = _lookup.accumulation_state(opt_state)
   if acc is not None:
     return acc.microbatches
-  return _lookup.loss_scale_state(opt_state).skipped_steps
+  return _provenance.token(_lookup.loss_scale_state(opt_state))
 
 
 def note_gradients(opt_state, wrote) -> None:
   """Called by ``fs.value_and_grad``: gradients were computed with
   ``opt_state`` (the optax state), and the forward pass wrote ``wrote``
   (leaves that were not among its arguments)."""
-  _remember(_GRADIENTS_FROM, _token(opt_state))
+  _GRADIENTS_FROM.put(_token(opt_state), True)
   _FORWARD_WROTE.clear()
   for x in wrote:
-    _remember(_FORWARD_WROTE, x)
+    _FORWARD_WROTE.put(x, True)
 
 
 def _refuse_slips(opt_state, new, old) -> None:
@@ -90,11 +78,11 @@ def _refuse_slips(opt_state, new, old) -> None:
     live = [jax.tree_util.keystr(p) for p, x in paths if is_nnx_variable(x)]
     if live:
       raise ValueError(_LIVE.format(name, live[0] or "the root"))
-  if _seen(_GRADIENTS_FROM, _token(opt_state)):
+  if _GRADIENTS_FROM.get(_token(opt_state)):
     raise ValueError(_PRE_UPDATE)
   news = {id(n) for n in jax.tree.leaves(new)}  # alive: ids are unique
   for path, o in jax.tree_util.tree_leaves_with_path(old):
-    if _seen(_FORWARD_WROTE, o) and id(o) not in news:
+    if _FORWARD_WROTE.get(o) and id(o) not in news:
       raise ValueError(_SWAPPED.format(jax.tree_util.keystr(path) or "root"))
 
 

@@ -57,9 +57,9 @@ def is_spec(s) -> bool:
 def varying_axes(t, *, unreduced: bool = False) -> AxisNames:
   """Manual mesh axes over which a value of type ``t`` may differ (and with
   ``unreduced``, hold partial sums), as ``shard_map``'s ``check_vma`` says."""
-  mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9
-  if mat is None:
-    return tuple(sorted(set(getattr(t, "vma", ()))))
+  mat = getattr(t, "manual_axis_type", None)
+  if mat is None:  # a ShapeDtypeStruct made outside shard_map
+    return ()
   axes = set(mat.varying) | (set(mat.unreduced) if unreduced else set())
   return tuple(sorted(axes))
 
@@ -132,7 +132,7 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
   specs = leaf_specs(partition_specs, tree, what)
   mesh = jax.sharding.get_abstract_mesh()
   mesh_axes = tuple(mesh.axis_names)
-  manual = frozenset(mesh.manual_axes) if mesh_axes else frozenset()
+  manual = frozenset(mesh.manual_axes)
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   axes = []
   for (path, x), spec in zip(with_paths, specs):

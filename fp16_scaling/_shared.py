@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from fp16_scaling import _lookup
+from fp16_scaling import _provenance
 from fp16_scaling._states import LossScaleState
 
 
@@ -25,35 +26,21 @@ def _member(opt_state: Any, i: int) -> LossScaleState:
       "between windows its state reports the last window's overflow"
     )
   ls = _lookup.loss_scale_state(opt_state, what)
-  if _in_variables(opt_state):
-    # nnx writes its Variables in place and keeps the state's static part
-    # as tx.init built it: its marks say nothing of the steps since.
-    unknown = ls.leaf_paths.replace(stepped=None, scale_set=None)
-    return ls._replace(leaf_paths=unknown)
-  if ls.leaf_paths.stepped is False:
+  made = _provenance.made(ls)
+  if made.consumed or made.stepped is False:
+    why = (
+      "was given to tx.update, which returned the state that follows it"
+      if made.consumed
+      else "has not stepped since tx.init or the last sync_loss_scales"
+    )
     raise ValueError(
-      f"sync_loss_scales: optimizer state {i} has not stepped since tx.init "
-      "or the last sync_loss_scales: these are the states from before "
-      "tx.update, and keeping their sync would freeze the scale and drop "
-      "the step's skips. Sync the states tx.update returned, once per step: "
-      "_, s0 = tx0.update(g0, s0, p0); _, s1 = tx1.update(g1, s1, p1); "
-      "s0, s1 = fs.sync_loss_scales(s0, s1)"
+      f"sync_loss_scales: optimizer state {i} {why}: these are the states "
+      "from before tx.update, and keeping their sync would freeze the "
+      "scale and drop the step's skips. Sync the states tx.update "
+      "returned, once per step: _, s0 = tx0.update(g0, s0, p0); _, s1 = "
+      "tx1.update(g1, s1, p1); s0, s1 = fs.sync_loss_scales(s0, s1)"
     )
   return ls
-
-
-def _scaler_of(ls: LossScaleState) -> Any:
-  """The :class:`Scaler` that built ``ls``, or None where its builder does
-  not say."""
-  built_by = ls.leaf_paths.built_by
-  return None if built_by is None else built_by.scaler
-
-
-def _in_variables(opt_state: Any) -> bool:
-  """Whether ``opt_state``'s loss-scale state holds nnx Variables."""
-  held = _lookup.all_with_path(opt_state, LossScaleState)[0][1]
-  leaves = jax.tree.leaves(held, is_leaf=_lookup.is_nnx_variable)
-  return any(map(_lookup.is_nnx_variable, leaves))
 
 
 def _set_in_place(opt: Any, new: LossScaleState) -> None:
@@ -72,10 +59,11 @@ def _set_in_place(opt: Any, new: LossScaleState) -> None:
       )
 
 
-def _check_scales_set(found: list) -> None:
+def _check_scales_set(made: list) -> None:
   """Raises when the scale of some states was set since their last sync
-  and that of others was not: the sync would undo it."""
-  marks = [ls.leaf_paths.scale_set for ls in found]
+  and that of others was not (``made``: their :class:`Made` records, in
+  order): the sync would undo it."""
+  marks = [m.scale_set for m in made]
   if True in marks and False in marks:
     i, j = marks.index(True), marks.index(False)
     raise ValueError(
@@ -107,10 +95,11 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
 
   It reads each state's own record of the last step (its overflow flag and
   its scale after it), so a second call on its own results would change
-  nothing; where the states say whether they stepped since ``tx.init`` or
-  the last sync, a state that did not (the states from before
-  ``tx.update``, whose sync would freeze the scale) is refused. Leaving the
-  call out leaves every optimizer with its own scale, which still trains.
+  nothing. Where a state's history is known (made or given in this eager
+  code, or in the same trace: docs/history.md), a state from before
+  ``tx.update`` (given to it, or not stepped since ``tx.init`` or the last
+  sync), whose sync would freeze the scale, is refused. Leaving the call
+  out leaves every optimizer with its own scale, which still trains.
 
   ``nnx.Optimizer`` s are synced in place, as ``opt.update(model, grads)``
   acts (their loss-scale Variables are written), and returned too.
@@ -127,8 +116,10 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
 
   Raises:
     ValueError: no state, a state without a loss-scale state or under
-      :func:`accumulate_gradients`, states built with other scalers, or a
-      state that has not stepped since ``tx.init`` or the last sync.
+      :func:`accumulate_gradients`; where their history is known, states
+      built with other scalers, a state given to ``tx.update`` or not
+      stepped since ``tx.init`` or the last sync, or a state whose scale
+      was set since the last sync beside one whose scale was not.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -149,7 +140,8 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   if not opt_states:
     raise ValueError("sync_loss_scales needs the optimizer states it syncs")
   found = [_member(s, i) for i, s in enumerate(opt_states)]
-  scalers = [_scaler_of(ls) for ls in found]
+  made = [_provenance.made(ls) for ls in found]
+  scalers = [None if m.by is None else m.by.scaler for m in made]
   for i, scaler in enumerate(scalers[1:], 1):
     if None not in (scaler, scalers[0]) and scaler != scalers[0]:
       raise ValueError(
@@ -158,7 +150,7 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
         "follows one scaler's rules. Build every optimizer that shares it "
         "with the same Scaler"
       )
-  _check_scales_set(found)
+  _check_scales_set(made)
   overflow, scaler = found[0].overflow, found[0].scaler
   for ls in found[1:]:
     lower = ls.scaler.loss_scale < scaler.loss_scale
@@ -179,16 +171,13 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
       )
     )
   out = []
-  for s, ls in zip(opt_states, found):
+  for s, ls, m in zip(opt_states, found, made):
     new = ls._replace(scaler=scaler)
+    # Synced: not stepped since, no scale set since.
+    _provenance.record(new, m._replace(stepped=False, scale_set=False))
     if _lookup.is_nnx_optimizer(s):
       _set_in_place(s, new)
       out.append(s)
-      continue
-    s = _lookup.replace_loss_scale_state(s, new)
-    if ls.leaf_paths.stepped:
-      # Marked as synced: not stepped since, no scale set since. One that
-      # does not say stays unmarked.
-      s = _lookup.mark_loss_scale_state(s, stepped=False, scale_set=False)
-    out.append(s)
+    else:
+      out.append(_lookup.replace_loss_scale_state(s, new))
   return tuple(out)

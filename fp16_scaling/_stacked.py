@@ -65,13 +65,11 @@ class Layout:
   names: tuple
 
 
-def resolve(stacked_axes, tree, partition_specs, what: str) -> Optional[Layout]:
-  """``stacked_axes`` on ``tree``: each layer axis within its leaf's ndim
-  and where its partition names (if any) put ``"layers"``, one L for all,
-  and (under ``shard_map``) not split over a mesh axis; a
+def resolve(stacked_axes, tree, partition_specs, what: str) -> Layout:
+  """``stacked_axes`` (not None) on ``tree``: each layer axis within its
+  leaf's ndim and where its partition names (if any) put ``"layers"``, one
+  L for all, and (under ``shard_map``) not split over a mesh axis; a
   :class:`StackedUnder` whose names match no leaf is refused."""
-  if stacked_axes is None:
-    return None
   under = isinstance(stacked_axes, StackedUnder)
   try:
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
@@ -258,8 +256,7 @@ class StackedUnder:
       return self.axis if keys & wanted else None
 
     axes = jax.tree_util.tree_map_with_path(axis_of, params)
-    per_leaf = jax.tree.leaves(axes, is_leaf=_is_none)
-    if all(a is None for a in per_leaf):
+    if not found & wanted:  # no leaf under a key named one of names
       raise ValueError(self._no_match(sorted(found)))
     return axes
 
@@ -349,7 +346,8 @@ def per_leaf(values, units) -> dict:
 def by_layer(counts, flags, units) -> tuple:
   """``({layer: most steps of any of its stacked leaves}, layers flagged on
   the last step)`` from the per-unit counts and flags (host numpy);
-  ``units`` is the state's ``LeafPaths``."""
+  ``units`` is the state's ``LeafPaths``. ``({}, ())`` without stacked
+  leaves."""
   rows = units.layer_units()
   most = np.asarray(counts)[rows].max(0, initial=0)
   flagged = np.asarray(flags, bool)[rows].any(0)

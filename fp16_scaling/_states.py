@@ -18,9 +18,10 @@ KINDS = ("none", "unknown", "forward", "backward", "persistent")
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
   """What a :class:`LossScaleState`'s reports read of its leaves, held
-  statically in its treedef: their names and sizes, and marks read at trace
-  time. No configuration: that stays in the closure (``built_by`` points
-  to it), and so does the stacked layout, resolved once by ``tx.init``.
+  statically in its treedef: their names and sizes, and nothing else. The
+  configuration stays in the closure (the stacked layout too, resolved
+  once by ``tx.init``), and what is known of a state's history is kept by
+  the identity of its arrays (``_provenance``), not here.
 
   Attributes:
     paths: the units' paths (``jax.tree_util.keystr``), in tree order. A
@@ -31,22 +32,6 @@ class LeafPaths:
       built with ``stacked_axes`` (0 if it names no leaf); None without.
     stacks: per stacked leaf in tree order, ``(its path, the index of its
       first unit)``: its L units follow in layer order.
-    built_by: the ``ScaleConfig`` of the ``fp16_loss_scale`` that built or
-      last stepped the state (not a copy: the closure's own), or None where
-      the builder does not say. ``fs.chain``'s update compares
-      configurations only when it is not its own: a state that enters
-      from elsewhere.
-    stepped: whether the state has stepped since it was built or last
-      synced (:func:`sync_loss_scales` refuses one that has not): True
-      after ``tx.update``, False after ``tx.init`` or a sync, None where
-      the builder does not say.
-    scale_set: whether its scale was set (:func:`set_loss_scale`,
-      :func:`load_scaler_state_dict`) since it was built or last synced
-      (:func:`sync_loss_scales` refuses to sync it with one whose scale was
-      not, which would undo it); None where the builder does not say.
-
-  ``built_by``, ``stepped`` and ``scale_set`` are marks read at trace time,
-  never saved; a new node is made to change one (:meth:`replace`).
 
   Every ``LeafPaths`` equals every other and hashes alike: the treedef of
   a state is that of its arrays, so that ``optax.tree_map_params``'
@@ -55,43 +40,16 @@ class LeafPaths:
   ``jit`` compares nothing here on a call.
   """
 
-  def __init__(
-    self,
-    paths,
-    sizes,
-    layers=None,
-    stacks=(),
-    *,
-    built_by=None,
-    stepped=None,
-    scale_set=None,
-  ):
+  def __init__(self, paths, sizes, layers=None, stacks=()):
     self.paths = tuple(paths)
     self.sizes = tuple(int(n) for n in sizes)
     self.layers = layers
     self.stacks = tuple(stacks)
-    self.built_by = built_by
-    self.stepped = stepped
-    self.scale_set = scale_set
 
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
     firsts = np.array([first for _, first in self.stacks], np.int32)
     return firsts.reshape(-1, 1) + np.arange(self.layers or 0, dtype=np.int32)
-
-  def replace(self, **marks) -> "LeafPaths":
-    """This node with the marks given (``built_by``, ``stepped``,
-    ``scale_set``) changed; itself when none changes."""
-    now = {
-      "built_by": self.built_by,
-      "stepped": self.stepped,
-      "scale_set": self.scale_set,
-    }
-    if all(now[k] is v for k, v in marks.items()):
-      return self
-    return LeafPaths(
-      self.paths, self.sizes, self.layers, self.stacks, **{**now, **marks}
-    )
 
   def tree_flatten(self):
     return (), self  # the node itself is the treedef's metadata

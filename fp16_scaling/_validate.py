@@ -46,7 +46,7 @@ def scalar_loss(
 _LIBRARIES = ("fp16_scaling", "optax", "jax", "jaxlib", "flax", "equinox")
 
 
-def warn(message: str, category: type = UserWarning) -> None:
+def warn(message: str) -> None:
   """``warnings.warn`` pointing at the caller's code: the first frame of
   the stack outside this package and the libraries it runs under."""
   roots = tuple(
@@ -57,7 +57,7 @@ def warn(message: str, category: type = UserWarning) -> None:
   frame, level = sys._getframe(1), 1
   while frame is not None and frame.f_code.co_filename.startswith(roots):
     frame, level = frame.f_back, level + 1
-  warnings.warn(message, category, stacklevel=level + 1)
+  warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
 def real(name: str, value) -> float:

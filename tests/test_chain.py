@@ -32,6 +32,7 @@ import pytest
 
 import fp16_scaling as fs
 from fp16_scaling import _lookup
+from fp16_scaling import _loss_scale
 
 DATA = pathlib.Path(__file__).parent / "data"
 # Made at scale 8: true [1, 2, -1, .5].
@@ -222,6 +223,33 @@ def test_update_walks_no_state_tree(monkeypatch):
   for t, state in zip(txs, states):
     for update in (t.update, jax.jit(t.update)):
       update(GRADS, state, jnp.zeros(4))
+
+
+def test_update_compares_the_configuration_of_another_chains_state_once(
+  monkeypatch,
+):
+  """A state this chain made is never compared with its configuration,
+  eager or traced, step after step; one another chain made is compared
+  (both scalers read) at its first update here, and not again."""
+  read = []
+  without_init_scale = _loss_scale._without_init_scale
+
+  def counted(scaler):
+    read.append(scaler)
+    return without_init_scale(scaler)
+
+  monkeypatch.setattr(_loss_scale, "_without_init_scale", counted)
+  tx, other = (fs.chain(_scale(), optax.sgd(1.0)) for _ in range(2))
+  state = tx.init(jnp.zeros(4))
+  for update in (tx.update, tx.update, jax.jit(tx.update)):
+    _, state = update(GRADS, state, jnp.zeros(4))
+  _, mine = tx.update(GRADS, tx.init(jnp.zeros(4)), jnp.zeros(4))
+  jax.jit(lambda s: tx.update(GRADS, tx.update(GRADS, s)[1])[1])(mine)
+  assert read == []
+  _, theirs = other.update(GRADS, mine, jnp.zeros(4))
+  assert len(read) == 2  # this scaler and the other's
+  other.update(GRADS, theirs, jnp.zeros(4))
+  assert len(read) == 2
 
 
 # --------------------------------------------------------------------------

@@ -103,11 +103,20 @@ def test_deepspeed_state_restored_into_a_torch_target_follows_torch(tmp_path):
 def test_deepspeed_state_given_to_a_torch_chain_is_refused():
   """D3: the DeepSpeed chain's own state (not restored into the torch
   target) passed to the torch chain's update: its counters follow other
-  rules, and the message names each scaler field that differs."""
-  _, state = run(PARAMS, TX.init(PARAMS), [C, O], 0)
+  rules, and the message names each scaler field that differs. Known as
+  the DeepSpeed chain's where it was made: by a call outside jit, or in
+  the same program (a jitted call's result is a new, unknown state)."""
   grads = jax.tree.map(jnp.ones_like, PARAMS)
+  _, state = TX.update(grads, TX.init(PARAMS), PARAMS)
   with pytest.raises(ValueError, match="built with another scaler") as err:
     TORCH_TX.update(grads, state, PARAMS)
+
+  def mixed(state):
+    _, state = TX.update(grads, state, PARAMS)
+    return TORCH_TX.update(grads, state, PARAMS)
+
+  with pytest.raises(ValueError, match="built with another scaler"):
+    jax.jit(mixed)(TX.init(PARAMS))  # at trace time
   message = str(err.value)
   fields = ["growth_delay=1, here 0", "min_scale=1.0, here 1.17549"]
   fields += ["hysteresis=2, here 1", "raise_at_min_scale=True, here False"]

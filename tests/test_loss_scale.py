@@ -239,7 +239,9 @@ def test_the_states_treedef_holds_names_and_sizes_not_the_configuration():
   paths = states[0][0].leaf_paths
   assert (paths.paths, paths.sizes) == (("['b']", "['w']"), (2, 4))
   assert len({hash(s[0].leaf_paths) for s in states}) == 1
-  assert not hasattr(paths, "scaler") and not hasattr(paths, "partition_specs")
+  # Names and sizes (and a stacked build's units), nothing else: no
+  # configuration, no mark of the state's history.
+  assert set(vars(paths)) == {"paths", "sizes", "layers", "stacks"}
   # The placeholder's state (no leaves) maps onto the real one.
   shapes = optax.tree_map_params(
     txs[0], lambda p: p.shape, states[0], transform_non_params=lambda _: None

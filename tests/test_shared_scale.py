@@ -500,12 +500,21 @@ def test_one_state_left_out_keeps_that_optimizers_own_scale():
 
 
 def test_sync_on_the_states_before_tx_update_is_refused():
-  """Refused: at the start of a step the states are tx.init's (or the last
-  sync's), which did not step; sync what tx.update returned."""
+  """Refused: the states tx.init returned (or the last sync), which did
+  not step, and in a step the states given to tx.update, whose successors
+  it returned; sync what tx.update returned."""
   tx0, tx1 = _pair(TORCH)
   p = jnp.array([1.0, 2.0, 3.0])
   with pytest.raises(ValueError, match="Sync the states tx.update returned"):
-    jax.jit(fs.sync_loss_scales)(tx0.init(p), tx1.init(p))
+    fs.sync_loss_scales(tx0.init(p), tx1.init(p))
+
+  def step(s0, s1):
+    _, new0 = tx0.update(jnp.ones(3), s0, p)
+    _, new1 = tx1.update(jnp.ones(3), s1, p)
+    return fs.sync_loss_scales(s0, s1)  # not new0, new1
+
+  with pytest.raises(ValueError, match="state 0 was given to tx.update"):
+    jax.jit(step)(tx0.init(p), tx1.init(p))  # at trace time
 
 
 def test_states_of_another_scaler_are_refused():
@@ -614,7 +623,7 @@ def test_a_loaded_or_set_scale_is_used_when_put_into_every_state():
   for one in (loaded_into_one, set_into_one):
     after = _clean_step(txs, one, p)
     with pytest.raises(ValueError, match="would undo the one set") as e:
-      jax.jit(fs.sync_loss_scales)(*after)  # at trace time
+      fs.sync_loss_scales(*after)
     assert "Set it into every state that shares the scale" in str(e.value)
   # Loaded into the other one too, before the sync: both at 16.
   after[0] = fs.load_scaler_state_dict(after[0], sd, scaler)

@@ -15,7 +15,6 @@ import optax
 import pytest
 
 import fp16_scaling as fs
-from fp16_scaling import _lookup
 
 L, D = 8, 16
 
@@ -68,14 +67,12 @@ def test_stacked_under_takes_a_list_and_equal_calls_are_one_spec():
   grads = jax.tree.map(jnp.ones_like, params)
   _, state = chain(stacked_axes=b).update(grads, state, params)
   assert len(state[0].leaf_paths.paths) == 2 * L + 1
-  # And under accumulate_gradients, which reads the chain's.
-  tx = fs.accumulate_gradients(chain(stacked_axes=a), 2)
-  inner = tx.init(params).inner_state[0]
-  assert inner.leaf_paths.built_by.layout(params).axes == (
-    None,
-    0,
-    0,
-  )  # head, b, w
+  # And under accumulate_gradients, which runs the chain's: the layout its
+  # closure resolved, and the units it names in the state.
+  step = chain(stacked_axes=a)
+  inner = fs.accumulate_gradients(step, 2).init(params).inner_state[0]
+  assert step.config.scale.layout(params).axes == (None, 0, 0)  # head, b, w
+  assert len(inner.leaf_paths.paths) == 2 * L + 1
 
 
 # --------------------------- 2: a layer axis the partition names contradict
@@ -109,8 +106,9 @@ def test_a_layer_axis_the_partition_names_contradict_is_refused():
   msg = str(e.value)
   assert "('embed', 'layers', 'mlp') put 'layers' on axis 1" in msg
   assert "Pass axis=1" in msg
-  state = chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(params)
-  assert state[0].leaf_paths.built_by.layout(params).axes == (1,)
+  tx = chain(stacked_axes=fs.stacked_under("layers", axis=1))
+  tx.init(params)
+  assert tx.config.scale.layout(params).axes == (1,)
 
 
 # ------------------------------------- 3: nnx optimizers synced in place
@@ -136,10 +134,13 @@ def test_sync_of_nnx_optimizers_acts_in_place():
   # Outside nnx.jit too, and the optimizers themselves come back.
   out = fs.sync_loss_scales(*opts)
   assert out[0] is opts[0] and out[1] is opts[1]
-  # nnx writes the Variables in place and keeps the static part as tx.init
-  # built it, so a mark there (as tx.init is to set) is not refused.
-  for o in opts:
-    o.opt_state = _lookup.mark_loss_scale_state(o.opt_state, stepped=False)
+  # The Variables now hold what that sync wrote, which has not stepped
+  # since: a second sync is refused, as for plain states; after an update
+  # each, the two sync again.
+  with pytest.raises(ValueError, match="has not stepped since"):
+    fs.sync_loss_scales(*opts)
+  for m, o in zip(models, opts):
+    o.update(m, jax.tree.map(jnp.ones_like, nnx.state(m, nnx.Param)))
   fs.sync_loss_scales(*opts)
 
 
@@ -155,17 +156,21 @@ def test_a_second_sync_of_states_that_did_not_step_is_refused():
   s0, s1 = fs.sync_loss_scales(s0, s1)
   assert float(fs.current_scale(s0)) == float(fs.current_scale(s1)) == 512.0
   with pytest.raises(ValueError) as e:
-    jax.jit(fs.sync_loss_scales)(s0, s1)  # refused at trace time
+    fs.sync_loss_scales(s0, s1)
   msg = str(e.value)
   assert "has not stepped since tx.init or the last sync_loss_scales" in msg
   assert "Sync the states tx.update returned" in msg
+  # In one program too, when it is traced, whatever states it is given.
+  twice = jax.jit(lambda a, b: fs.sync_loss_scales(*fs.sync_loss_scales(a, b)))
+  with pytest.raises(ValueError, match="has not stepped since tx.init"):
+    twice(s0, s1)
   # The states tx.update returns from a synced state sync again.
   _, s0 = tx0.update(jnp.array([1.0, 2.0]), s0, p)
   _, s1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
   fs.sync_loss_scales(s0, s1)
 
 
-def test_stale_sync_is_refused_once_init_and_update_mark():
+def test_a_stale_sync_is_refused_whatever_states_it_is_given():
   tx0, tx1 = chain(), chain()
   p = jnp.ones(2)
 
@@ -189,8 +194,13 @@ def test_stale_sync_is_refused_once_init_and_update_mark():
     jnp.array([False, True]),
   )
   assert float(fs.current_scale(c0)) == 512.0
-  with pytest.raises(ValueError, match="Sync the states tx.update returned"):
+  with pytest.raises(ValueError, match="was given to tx.update") as e:
     stale(tx0.init(p), tx1.init(p))  # the newcomer's program, at trace time
+  assert "Sync the states tx.update returned" in str(e.value)
+  # The program is refused, not the states: given states that stepped,
+  # which a mark of the states would let through, it is refused alike.
+  with pytest.raises(ValueError, match="was given to tx.update"):
+    stale(s0, s1)
 
 
 # ---------------------- 5: a cast audit of a checkpoint that holds an inf
@@ -294,7 +304,8 @@ def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
     chain(stacked_axes=fs.stacked_under("layers")).init(params)
     # Axis 0 of another size on one leaf: axis 1 is the only reading.
     mixed = {"w": jnp.zeros((4, L, D)), "b": jnp.zeros((3, L))}
-    state = chain(stacked_axes={"w": 1, "b": 1}).init(mixed)
+    mixed_tx = chain(stacked_axes={"w": 1, "b": 1})
+    mixed_tx.init(mixed)
     # MaxText's [embed, layers, mlp] (docs/stacked.md): axis 0 fits every
     # stacked leaf, but the head has its size: a model width, not layers.
     maxtext = {
@@ -302,7 +313,7 @@ def test_a_layer_axis_of_matching_size_other_than_0_warns_when_0_fits():
       "head": jnp.zeros((D, 1)),
     }
     chain(stacked_axes=fs.stacked_under("layers", axis=1)).init(maxtext)
-  assert state[0].leaf_paths.built_by.layout(mixed).axes == (1, 1)  # b, w
+  assert mixed_tx.config.scale.layout(mixed).axes == (1, 1)  # b, w
 
 
 @pytest.mark.parametrize(

@@ -293,9 +293,15 @@ def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
     specs = {"layers": P("stage"), "out": P()}
     build({"layers": 0, "out": None}, partition_specs=specs)
   # Negative axes are normalised; fs.stacked_under gives the same layout.
-  # The layout stays in the closure: the state names the config that has it.
-  a = build({"layers": {"W": -3, "b": -2}, "out": None}).leaf_paths.built_by
-  b = build(fs.stacked_under("layers")).leaf_paths.built_by
+  # The layout stays in the closure, the transformation's configuration.
+  a = {"layers": {"W": -3, "b": -2}, "out": None}
+  b = fs.stacked_under("layers")
+  for stacked_axes in (a, b):
+    build(stacked_axes)  # both fit
+  a, b = (
+    fs.fp16_loss_scale(fs.static_scaler(1.0), stacked_axes=axes).config
+    for axes in (a, b)
+  )
   a, b = a.layout(params), b.layout(params)
   assert a.axes == b.axes == (0, 0, None)
   assert a.layers == b.layers == L

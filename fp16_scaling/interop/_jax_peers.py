@@ -13,8 +13,8 @@ from fp16_scaling._jax_presets import keras_scaler
 from fp16_scaling._scaler import Scaler
 from fp16_scaling.interop._peers import Counters
 from fp16_scaling.interop._peers import Peer
-from fp16_scaling.interop._peers import read_entry
-from fp16_scaling.interop._peers import read_int
+from fp16_scaling.interop._peers import implied
+from fp16_scaling.interop._peers import read_config
 from fp16_scaling.interop._peers import read_scale
 from fp16_scaling.interop._peers import read_tracker
 
@@ -31,8 +31,8 @@ _COUNTING = (
 # that went through jit holds min_loss_scale 1.0 whatever was set (jmp#44).
 
 
-# Its configuration fields a state may hold: (jmp's name, the Scaler field it
-# sets, its check, the check's range).
+# Its configuration fields a state may hold, a read_config table: (jmp's
+# name, the Scaler field it sets, its check, the check's range).
 _JMP_CONFIG = (
   ("period", "growth_interval", _validate.integer, {"low": 1}),
   ("min_loss_scale", "min_scale", _validate.scale, {}),
@@ -40,20 +40,10 @@ _JMP_CONFIG = (
 )
 
 
-def _jmp_config(d: Mapping) -> dict:
-  """The configuration fields ``d`` holds, checked, by jmp's names."""
-  return {
-    key: read_entry(d, key, check, **kw)
-    for key, _, check, kw in _JMP_CONFIG
-    if key in d
-  }
-
-
 def _jmp_implies(d: Mapping) -> dict:
-  config = _jmp_config(d)
-  out = {f: config[key] for key, f, _, _ in _JMP_CONFIG if key in config}
-  if "factor" in config:
-    out["backoff_factor"] = 1.0 / config["factor"]
+  out = implied(d, _JMP_CONFIG)
+  if "growth_factor" in out:
+    out["backoff_factor"] = 1.0 / out["growth_factor"]
   return {"growth_delay": 0, "hysteresis": 1, **out}
 
 
@@ -77,7 +67,10 @@ def _jmp_from_own(c: Counters, scaler: Scaler) -> dict:
 
 
 def _jmp_preset(d: Mapping, overrides: dict) -> Scaler:
-  kw = {"loss_scale": read_scale(d, "loss_scale"), **_jmp_config(d)}
+  kw = {
+    "loss_scale": read_scale(d, "loss_scale"),
+    **read_config(d, _JMP_CONFIG),
+  }
   return jmp_scaler(**{**kw, **overrides})
 
 
@@ -100,6 +93,11 @@ JMP = Peer(
 # step_counter is the tracker here. dynamic_growth_steps is configuration,
 # not a variable: the optimizer object and get_config() hold it.
 
+# The configuration a state may hold, a read_config table.
+_KERAS_CONFIG = (
+  ("dynamic_growth_steps", "growth_interval", _validate.integer, {"low": 1}),
+)
+
 
 def _keras_scale(d: Mapping) -> float:
   try:
@@ -113,22 +111,21 @@ def _keras_scale(d: Mapping) -> float:
 
 
 def _keras_implies(d: Mapping) -> dict:
-  out = {
+  return {
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
     "growth_delay": 0,
     "hysteresis": 1,
+    **implied(d, _KERAS_CONFIG),
   }
-  if "dynamic_growth_steps" in d:
-    out["growth_interval"] = read_int(d, "dynamic_growth_steps", low=1)
-  return out
 
 
 def _keras_preset(d: Mapping, overrides: dict) -> Scaler:
-  kw = {"initial_scale": _keras_scale(d)}
-  if "dynamic_growth_steps" in d:
-    kw["dynamic_growth_steps"] = read_int(d, "dynamic_growth_steps", low=1)
-  kw.update(overrides)
+  kw = {
+    "initial_scale": _keras_scale(d),
+    **read_config(d, _KERAS_CONFIG),
+    **overrides,
+  }
   if "dynamic_growth_steps" not in kw:
     raise ValueError(
       "Keras's optimizer variables hold no dynamic_growth_steps: pass the "

@@ -39,6 +39,23 @@ def read_tracker(d: Mapping, key: str, scaler: Scaler) -> int:
   return read_int(d, key, low=low, high=high, why=why)
 
 
+def read_config(d: Mapping, table: tuple) -> dict:
+  """The configuration entries of ``table`` that ``d`` holds, checked, by
+  the peer's names; a row of ``table`` is (the peer's name, the Scaler field
+  it sets, its check, the check's range)."""
+  return {
+    key: read_entry(d, key, check, **kw)
+    for key, _, check, kw in table
+    if key in d
+  }
+
+
+def implied(d: Mapping, table: tuple) -> dict:
+  """:func:`read_config`'s entries by the Scaler fields they set."""
+  config = read_config(d, table)
+  return {field: config[key] for key, field, _, _ in table if key in config}
+
+
 def config(scaler: Scaler) -> dict:
   """Every field of ``scaler``, by name."""
   return {f.name: getattr(scaler, f.name) for f in dataclasses.fields(Scaler)}
@@ -216,20 +233,14 @@ MEGATRON = Peer(
 # with k = cur_iter - last_overflow_iter - 1, the tracker here is -1 when
 # k == 0, else (k - 1) % scale_window; cur_hysteresis is hysteresis_left + 1.
 
-# What a ZeRO loss_scaler adds: (attribute, Scaler field, check). Old
-# releases lack raise_error_at_min_scale.
+# What a ZeRO loss_scaler adds: (attribute, Scaler field, check, the check's
+# range), a read_config table. Old releases lack raise_error_at_min_scale.
 _DS_ZERO = (
-  ("min_scale", "min_scale", _validate.number),
-  ("delayed_shift", "hysteresis", _validate.integer),
-  ("consecutive_hysteresis", "consecutive_hysteresis", _validate.boolean),
-  ("raise_error_at_min_scale", "raise_at_min_scale", _validate.boolean),
+  ("min_scale", "min_scale", _validate.number, {}),
+  ("delayed_shift", "hysteresis", _validate.integer, {}),
+  ("consecutive_hysteresis", "consecutive_hysteresis", _validate.boolean, {}),
+  ("raise_error_at_min_scale", "raise_at_min_scale", _validate.boolean, {}),
 )
-
-
-def _ds_zero(d: Mapping) -> dict:
-  return {
-    key: read_entry(d, key, check) for key, _, check in _DS_ZERO if key in d
-  }
 
 
 def _ds_implies(d: Mapping) -> dict:
@@ -243,9 +254,7 @@ def _ds_implies(d: Mapping) -> dict:
 
 
 def _ds_loss_scaler_implies(d: Mapping) -> dict:
-  zero = {
-    f: read_entry(d, key, check) for key, f, check in _DS_ZERO if key in d
-  }
+  zero = implied(d, _DS_ZERO)
   return {**_ds_implies(d), **zero}
 
 
@@ -274,7 +283,7 @@ def _ds_from_own(c: Counters, scaler: Scaler) -> dict:
     "scale_factor": 2.0,
     "scale_window": scaler.growth_interval,
     "cur_hysteresis": c.hysteresis_left + 1,
-    **{key: getattr(scaler, field) for key, field, _ in _DS_ZERO},
+    **{key: getattr(scaler, field) for key, field, _, _ in _DS_ZERO},
   }
 
 
@@ -320,7 +329,7 @@ DS_LOSS_SCALER = Peer(
   from_own=_ds_from_own,
   needs=_DS_NEEDS,
   preset=lambda d, overrides: _ds_preset(
-    d, overrides, {"raise_error_at_min_scale": True, **_ds_zero(d)}
+    d, overrides, {"raise_error_at_min_scale": True, **read_config(d, _DS_ZERO)}
   ),
 )
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _lookup
+from fp16_scaling import _provenance
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
@@ -214,9 +215,9 @@ def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
 
 def _check_built_with(state: Any, scaler: Scaler) -> None:
   """Raises unless ``state`` (a LossScaleState) was built with ``scaler``
-  (its initial scale aside), where the state says which it was built
-  with: the counters loaded follow the rules of the scaler given."""
-  built_by = state.leaf_paths.built_by
+  (its initial scale aside), where that is known (``_provenance``): the
+  counters loaded follow the rules of the scaler given."""
+  built_by = _provenance.made(state).by
   if built_by is None:
     return
   built = _peers.config(built_by.scaler)
@@ -250,7 +251,8 @@ def load_scaler_state_dict(
   Raises:
     ValueError: an unknown state, a scale that is not a normal float32, a
       configuration that disagrees with ``scaler``, or an optimizer state
-      built with another scaler.
+      known to be built with another scaler (made by ``tx.init`` or
+      ``tx.update`` outside ``jit``; docs/history.md).
   """
   scaler = check_scaler(scaler)
   old = _lookup.loss_scale_state(opt_state)
@@ -260,9 +262,7 @@ def load_scaler_state_dict(
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
   new = _put_own(old, fields, values)
-  # Marked: a sync with a state whose scale was not set would undo it.
-  new_state = _lookup.replace_loss_scale_state(opt_state, new)
-  return _lookup.mark_loss_scale_state(new_state, scale_set=True)
+  return _lookup.replace_set_scale(opt_state, old, new)
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:

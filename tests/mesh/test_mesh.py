@@ -586,11 +586,11 @@ def test_specs_with_wrong_structure_are_refused():
       ValueError, match=f"{name}: partition_specs must have the structure"
     ):
       tx.init(init_params(layout))
-  # At update, a state built with other specs is refused before anything is
-  # read with them (the step checks the specs once, in the measurement, with
-  # the state's own, which init checked).
+  # At update, given a state built with the right specs (placed on the
+  # mesh: a new object, whose maker the update does not know), the step's
+  # one measurement checks its own specs before it reads anything with them.
   with pytest.raises(
-    ValueError, match="fp16_loss_scale: this state was built with other part"
+    ValueError, match="fp16_loss_scale: partition_specs must have the structure"
   ):
     _shard_map_update(layout, make_tx(layout, wrong))
   with pytest.raises(
@@ -607,10 +607,12 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
     **layout.specs,
     "expert": {"w_in": P("experts"), "w_out": P("expert", None, "data")},
   }
-  # A state built with other specs is refused before they are read (a state
-  # built with the typo has it read, and refused, by the measurement; the
-  # clip's own specs below get the mesh-axis message).
-  with pytest.raises(ValueError, match="this state was built with other"):
+  # The step's measurement reads its specs under shard_map and names the
+  # axis the mesh lacks, whatever state it is given (here one built with
+  # the right specs); so does a clip of its own, below.
+  with pytest.raises(
+    ValueError, match="names mesh axis 'experts'; the mesh has axes"
+  ):
     _shard_map_update(layout, make_tx(layout, typo))
   # A clip of its own (not right after the scale, where it has no specs of
   # its own) reads its specs under shard_map, and names the missing axis.
