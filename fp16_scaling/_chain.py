@@ -209,6 +209,10 @@ def chain(*transforms: optax.GradientTransformation) -> Step:
   ``-0.0`` updates and the rest's state unchanged, so ``params + updates``
   keeps every bit of ``params``.
 
+  ``init`` and ``update`` are pure, as optax's are: nothing marks a state
+  given to ``update`` as used, so given it again ``update`` returns the same
+  result (``tests/test_refusals.py``); keep the state it returns.
+
   Args:
     *transforms: :func:`fp16_loss_scale` first; then optionally
       :func:`clip_by_unscaled_norm`, which clips by the true norm; then any

@@ -339,3 +339,31 @@ def test_masked_fs_chain_is_refused_and_the_fix_is_exact():
     got, _ = tx.update(scaled, tx.init(params), params)
     want, _ = plain.update(true, plain.init(params), params)
     assert bits(got) == bits(want)
+
+
+def _module_containers() -> dict:
+  """Every module-level list, dict and set of the package, by module and
+  name, as its repr."""
+  out = {}
+  for name, module in sorted(sys.modules.items()):
+    if name.split(".")[0] != "fp16_scaling":
+      continue
+    for attr, value in vars(module).items():
+      if isinstance(value, (list, dict, set)) and not attr.startswith("__"):
+        out[f"{name}.{attr}"] = repr(value)
+  return out
+
+
+def test_no_module_level_container_changes_and_no_guard_outlives_a_call():
+  """Running every case above, in every placement, leaves each module-level
+  list, dict and set of the package as it was (the tables of constants are
+  read, never written), and the per-call guard of fs.value_and_grad reset."""
+  from fp16_scaling import _metrics
+
+  before = _module_containers()
+  assert before  # the package's constant tables are seen
+  for case in CASES:
+    for placement in PLACEMENTS:
+      _answer(case, placement)
+  assert _module_containers() == before
+  assert getattr(_metrics._IN_FUN, "scales", ()) == ()
