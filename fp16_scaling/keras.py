@@ -6,16 +6,23 @@ Keras's JAX backend (docs/frameworks.md, "Keras 3").
 a model built elsewhere) make Keras's own JAX ``train_step`` keep the
 non-trainable variables (BatchNorm's statistics) and the metrics of a skipped
 step, and log the scale. This module imports Keras: ``import fp16_scaling``
-does not import it, ``fs.keras`` does, when first used.
+does not import it, ``fs.keras`` does, when first used. Imported before
+Keras is, it sets ``KERAS_BACKEND=jax`` unless the variable is set: Keras
+reads it once, and would come up on TensorFlow.
 """
 
 import functools
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
-import keras
 import optax
+
+if "keras" not in sys.modules:
+  os.environ.setdefault("KERAS_BACKEND", "jax")
+import keras  # noqa: E402
 
 from fp16_scaling import _chain
 from fp16_scaling import _lookup

@@ -255,6 +255,8 @@ def test_fit_runs_the_callbacks_metrics_and_validation(
     callbacks=[
       keras.callbacks.TerminateOnNaN(),
       keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5),
+      # Halves the rate when the loss did not fall by 1e9: after epoch 2.
+      keras.callbacks.ReduceLROnPlateau("loss", 0.5, patience=0, min_delta=1e9),
       keras.callbacks.ModelCheckpoint(checkpoints),
       stopper,
     ],
@@ -277,19 +279,22 @@ def test_fit_runs_the_callbacks_metrics_and_validation(
     assert np.isfinite(history[key]).all(), key
   assert history["skipped_steps"] == [1.0, 2.0]
   assert history["loss_scale"] == [2.0**14, 2.0**13]
-  # LearningRateScheduler halved the chain's rate each epoch, in its state.
-  rates = [np.float32(1e-2) * 0.5, np.float32(1e-2) * 0.25]
-  assert history["learning_rate"] == [float(np.float32(r)) for r in rates]
-  assert model.optimizer.learning_rate == np.float32(rates[-1])
+  # LearningRateScheduler halved the chain's rate as each epoch began (the
+  # logged rates), and ReduceLROnPlateau once more after the second.
+  rate = np.float32(1e-2)
+  assert history["learning_rate"] == [float(rate / 2), float(rate / 4)]
+  assert model.optimizer.learning_rate == rate / 8
   hyperparams = model.optimizer.opt_state[1].hyperparams
-  assert hyperparams["learning_rate"] == np.float32(rates[-1])
+  assert hyperparams["learning_rate"] == rate / 8
   # Each skipped step's logs: the metrics of the step before it, kept.
   for i in (1, 9):
     assert batches[i]["overflow_kind"] == FORWARD
     for key in ("loss", "accuracy"):
       assert batches[i][key] == batches[i - 1][key], (i, key)
   # evaluate: the last validation's figures, the same weights and program.
-  scores = model.evaluate(x_val, y_val, batch_size=BATCH, return_dict=True)
+  scores = model.evaluate(
+    x_val, y_val, batch_size=BATCH, return_dict=True, verbose=0
+  )
   assert scores["loss"] == history["val_loss"][-1]
   assert scores["accuracy"] == history["val_accuracy"][-1]
   assert _finite([model.predict(x_val, verbose=0)])
