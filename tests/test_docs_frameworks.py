@@ -181,11 +181,18 @@ def test_haiku():
   )
 
 
-def test_keras():
+@pytest.fixture(scope="module")
+def keras_section():
+  """The Keras section run once (its two blocks, fit's and the loop's), for
+  the two tests below."""
   keras = pytest.importorskip("keras")
   if keras.backend.backend() != "jax":
     pytest.skip(f"keras was imported with {keras.backend.backend()} first")
-  ns = _run("## Keras 3 (JAX backend)")
+  return _run("## Keras 3 (JAX backend)")
+
+
+def test_keras(keras_section):
+  ns = keras_section
 
   def step(state, x, y):
     return ns["keras_step"](*state, x, y)[:3]
@@ -215,11 +222,8 @@ def test_keras():
   np.testing.assert_array_equal(model(x, training=False), pred)
 
 
-def test_keras_fit():
-  keras = pytest.importorskip("keras")
-  if keras.backend.backend() != "jax":
-    pytest.skip(f"keras was imported with {keras.backend.backend()} first")
-  ns = _run("## Keras 3 (JAX backend)")
+def test_keras_fit(keras_section):
+  ns = keras_section
   model, history = ns["fit_model"], ns["history"].history
   # One epoch of the page's twelve batches: the bad one skipped, torch's
   # scale halved once, the logged loss finite (the skip left out).
