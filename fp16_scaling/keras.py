@@ -87,6 +87,14 @@ _NO_LEARNING_RATE = (
   "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
 )
 
+_SCHEDULE = (
+  "fs.keras.Optimizer: optimizer.learning_rate sets a number, in a chain "
+  "that holds one as a number (optax.inject_hyperparams(optax.adam)("
+  "learning_rate=1e-3)). A schedule goes into the chain as an optax "
+  "schedule (learning_rate=optax.cosine_decay_schedule(1e-3, 10_000)), "
+  "which sets the rate at every step: a rate set here would not last."
+)
+
 
 def _check_backend(what: str) -> None:
   """Raises RuntimeError, naming the fix, when Keras runs another backend
@@ -116,10 +124,11 @@ class Optimizer(keras.optimizers.Optimizer):
   ``fit``, ``model.save`` and callbacks carry it; :attr:`opt_state` reads it
   back as the optax state, for ``fs.scale_metrics`` and
   ``fs.overflow_report``. ``iterations`` counts the applied steps, as under
-  Keras's ``LossScaleOptimizer``. ``learning_rate`` reads and sets the
-  chain's learning rate where its state holds one
-  (``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``), as
-  ``LearningRateScheduler`` and ``ReduceLROnPlateau`` do.
+  Keras's ``LossScaleOptimizer``. ``learning_rate`` reads the chain's
+  learning rate where its state holds one, and sets it where it holds a
+  number (``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``), as
+  ``LearningRateScheduler`` and ``ReduceLROnPlateau`` do; a schedule goes
+  into the chain as an optax schedule.
 
   A saved model holds the state; ``keras.models.load_model`` takes the chain
   back as ``custom_objects={"fp16_scaling>tx": tx}``.
@@ -135,6 +144,9 @@ class Optimizer(keras.optimizers.Optimizer):
       ``LossScaleOptimizer`` (compile without ``auto_scale_loss=False``
       under ``mixed_float16``); stepped under a model whose ``train_step``
       is not :class:`KeepStateOnSkip`'s.
+    AttributeError: ``learning_rate`` of a chain that holds none.
+    TypeError: ``learning_rate`` set to a schedule, or in a chain whose
+      rate follows an optax schedule.
   """
 
   def __init__(self, tx, name=None):
@@ -218,23 +230,27 @@ class Optimizer(keras.optimizers.Optimizer):
     state = _lookup.replace_loss_scale_state(state, ls)
     return [optimizer_variables[0], *jax.tree.leaves(state)]
 
-  def _state_with_rate(self):
-    """:attr:`opt_state`, refused (AttributeError, naming the fix) when it
-    holds no learning rate."""
-    state = self.opt_state
-    if optax.tree_utils.tree_get(state, "learning_rate") is None:
-      raise AttributeError(_NO_LEARNING_RATE)
-    return state
-
   @property
   def learning_rate(self):
     """The learning rate in the chain's state (AttributeError, naming the
     fix, when it holds none)."""
-    return optax.tree_utils.tree_get(self._state_with_rate(), "learning_rate")
+    rate = optax.tree_utils.tree_get(
+      self.opt_state, "learning_rate", filtering=_is_array
+    )
+    if rate is None:
+      raise AttributeError(_NO_LEARNING_RATE)
+    return rate
 
   @learning_rate.setter
   def learning_rate(self, value):
-    state = self._state_with_rate()
+    state = self.opt_state
+    found = optax.tree_utils.tree_get_all_with_path(state, "learning_rate")
+    if not found:
+      raise AttributeError(_NO_LEARNING_RATE)
+    # A Keras schedule given, or an optax one in the chain (inject_hyperparams
+    # names its state as the rate it sets).
+    if callable(value) or not all(_is_array(*pair) for pair in found):
+      raise TypeError(_SCHEDULE)
     state = optax.tree_utils.tree_set(state, learning_rate=value)
     for variable, leaf in zip(self.variables[1:], jax.tree.leaves(state)):
       variable.assign(leaf)
@@ -262,6 +278,13 @@ class Optimizer(keras.optimizers.Optimizer):
     if tx is None:
       raise ValueError(f"fs.keras.Optimizer: {_LOAD}")
     return cls(tx, **config)
+
+
+def _is_array(path, value) -> bool:
+  """Whether ``value`` is an array: a learning rate, not the state of the
+  schedule that sets it (optax names both ``learning_rate``)."""
+  del path
+  return isinstance(value, jax.Array)
 
 
 def _constant(value, shape, dtype):

@@ -325,6 +325,26 @@ def test_keras_own_fit_stops_at_the_skip_under_terminate_on_nan(
   assert len(batches) == 2 and np.isnan(batches[1]["loss"])
 
 
+def test_an_optax_schedule_counts_the_applied_steps(digits, mixed_float16):
+  x, y, _, _ = _small(digits, rows=256)  # 4 batches, the second one bad
+  schedule = optax.exponential_decay(1e-2, transition_steps=1, decay_rate=0.5)
+  model = _model(Classifier)
+  model.compile(
+    optimizer=_tx(optax.inject_hyperparams(optax.adam)(learning_rate=schedule)),
+    loss=LOSS,
+  )
+  _fit(model, x, y, epochs=1)
+  # The chain keeps the skipped step's Adam state, its count too: the rate
+  # of the third applied step (inject_hyperparams reads the count first).
+  assert model.optimizer.learning_rate == schedule(2)
+  # A rate set here would not last: the schedule sets it at every step.
+  with pytest.raises(TypeError, match="optax schedule"):
+    model.optimizer.learning_rate = 0.1
+  keras_schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 1, 0.5)
+  with pytest.raises(TypeError, match="optax schedule"):
+    model.optimizer.learning_rate = keras_schedule
+
+
 def _one_epoch(model, x, y, **compile_kwargs):
   model.compile(optimizer=_tx(), loss=LOSS, **compile_kwargs)
   history, _ = _fit(model, x, y, epochs=1)
