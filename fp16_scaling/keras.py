@@ -147,6 +147,16 @@ class Optimizer(keras.optimizers.Optimizer):
     AttributeError: ``learning_rate`` of a chain that holds none.
     TypeError: ``learning_rate`` set to a schedule, or in a chain whose
       rate follows an optax schedule.
+
+  Examples:
+    >>> import keras, optax, fp16_scaling as fs
+    >>> tx = fs.chain(fs.fp16_loss_scale(fs.keras_scaler(initial_scale=8.0)),
+    ...               optax.sgd(0.1))
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> optimizer = fs.keras.Optimizer(tx)
+    >>> optimizer.build(model.trainable_variables)
+    >>> print(fs.current_scale(optimizer.opt_state))
+    8.0
   """
 
   def __init__(self, tx, name=None):
@@ -365,6 +375,21 @@ class KeepStateOnSkip:
       JAX.
     ValueError: at ``fit``, the model was compiled with another optimizer
       than an ``fs.chain``.
+
+  Examples:
+    >>> import keras, numpy as np, optax, fp16_scaling as fs
+    >>> class Model(fs.keras.KeepStateOnSkip, keras.Sequential):
+    ...   pass
+    >>> model = Model([keras.Input((2,)),
+    ...                keras.layers.Dense(1, dtype="mixed_float16")])
+    >>> tx = fs.chain(fs.fp16_loss_scale(fs.keras_scaler(initial_scale=8.0)),
+    ...               optax.sgd(0.1))
+    >>> model.compile(optimizer=tx, loss="mse")
+    >>> x = np.full((4, 2), 1e5, np.float32)  # float16's forward overflows
+    >>> logs = model.train_on_batch(x, np.zeros(4), return_dict=True)
+    >>> kind = fs.OVERFLOW_KINDS[int(logs["overflow_kind"])]
+    >>> print(logs["skipped_steps"], logs["loss_scale"], kind)
+    1.0 4.0 forward
   """
 
   def __init_subclass__(cls, **kwargs):
@@ -416,6 +441,15 @@ def keep_state_on_skip(model):
   Raises:
     TypeError: ``model`` is not a ``keras.Model``.
     RuntimeError: Keras runs another backend than JAX.
+
+  Examples:
+    >>> import keras, optax, fp16_scaling as fs
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model = fs.keras.keep_state_on_skip(model)
+    >>> model.compile(optimizer=fs.chain(fs.fp16_loss_scale(fs.keras_scaler()),
+    ...                                  optax.sgd(0.1)), loss="mse")
+    >>> type(model.optimizer) is fs.keras.Optimizer
+    True
   """
   _check_backend("fs.keras.keep_state_on_skip")
   if not isinstance(model, keras.Model):
