@@ -1,7 +1,10 @@
 """fp16_scaling: float16 loss scaling for JAX, as optax transformations.
 
-README.md has the quickstart; docs/design.md, the design.
+README.md has the quickstart; docs/design.md, the design. ``fs.keras``
+(Keras 3's ``compile`` and ``fit``) imports Keras when first used, not here.
 """
+
+import importlib
 
 from fp16_scaling._accumulate import accumulate_gradients
 from fp16_scaling._cast import cast_report
@@ -50,6 +53,15 @@ from fp16_scaling.interop import scaler_state_dict
 from fp16_scaling.interop import to_peer_state_dict
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  """``fs.keras``, imported on first use: it imports Keras, which
+  ``import fp16_scaling`` does not."""
+  if name == "keras":
+    return importlib.import_module("fp16_scaling.keras")
+  raise AttributeError(f"module 'fp16_scaling' has no attribute {name!r}")
+
 
 __all__ = [
   "AccumulationState",

@@ -153,6 +153,17 @@ def _overflow_kind(overflow, value, at_floor) -> jax.Array:
   return jnp.where(overflow, kind, jnp.int32(NONE))
 
 
+def with_value(state: LossScaleState, value) -> LossScaleState:
+  """``state``, from an update given no ``value=``, with the overflow kind
+  that update records given the loss ``value`` (a floating scalar,
+  traceable): given no loss, an overflow's kind is PERSISTENT exactly when
+  its scale sat at the floor, the one other thing the kind reads."""
+  at_floor = state.overflow_kind == PERSISTENT
+  value = _validate.scalar_loss(value)
+  kind = _overflow_kind(state.overflow, value, at_floor)
+  return state._replace(overflow_kind=kind)
+
+
 def _log_overflow(paths, skipped, kind, old, new, nonfinite):
   """Prints the overflow line (a host callback)."""
   # Plain numpy first: iterating a jax.Array dispatches a computation, which

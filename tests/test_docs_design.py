@@ -120,6 +120,15 @@ def test_no_core_module_imports_the_interop_subpackage():
     assert not wing, (module, wing)
 
 
+def test_no_module_imports_the_keras_wing():
+  # fp16_scaling/keras.py imports Keras: the package reaches it only
+  # through fs.keras (__init__'s __getattr__, by name, on first use).
+  assert {"_chain", "_select"} <= _imports("keras")  # the reader sees it
+  for module in _modules():
+    assert "keras" not in _imports(module), module
+  assert "keras" not in _imports("__init__")
+
+
 def test_the_import_reader_sees_the_interop_subpackage():
   # The check above reads these forms; a reader that missed one would pass
   # it vacuously.

@@ -181,11 +181,18 @@ def test_haiku():
   )
 
 
-def test_keras():
+@pytest.fixture(scope="module")
+def keras_section():
+  """The Keras section run once (its two blocks, fit's and the loop's), for
+  the two tests below."""
   keras = pytest.importorskip("keras")
   if keras.backend.backend() != "jax":
     pytest.skip(f"keras was imported with {keras.backend.backend()} first")
-  ns = _run("## Keras 3 (JAX backend)")
+  return _run("## Keras 3 (JAX backend)")
+
+
+def test_keras(keras_section):
+  ns = keras_section
 
   def step(state, x, y):
     return ns["keras_step"](*state, x, y)[:3]
@@ -215,6 +222,42 @@ def test_keras():
   np.testing.assert_array_equal(model(x, training=False), pred)
 
 
+def test_keras_fit(keras_section):
+  ns = keras_section
+  model, history = ns["fit_model"], ns["history"].history
+  # One epoch of the page's twelve batches: the bad one skipped, torch's
+  # scale halved once, the logged loss finite (the skip left out).
+  assert history["skipped_steps"] == [1.0]
+  assert history["loss_scale"] == [2.0**9]
+  assert np.isfinite(history["loss"]).all()
+  optimizer = model.optimizer
+  assert isinstance(optimizer, fs.keras.Optimizer)
+  weights = list(model.weights)
+
+  def step(state, x, y):
+    # From the values ``state`` holds, one train_on_batch, read back. The
+    # variables get copies: train_on_batch donates their buffers.
+    for v, value in zip([*weights, *optimizer.variables], state):
+      v.assign(np.array(value))
+    model.train_on_batch(x, y)
+    return [v.value for v in [*weights, *optimizer.variables]]
+
+  def model_state(state):
+    values = jax.device_get(state[: len(weights)])
+    params = [a for v, a in zip(weights, values) if v.trainable]
+    stats = [a for v, a in zip(weights, values) if not v.trainable]
+    assert len(stats) == 2  # BatchNorm's moving mean and variance
+    return params, stats
+
+  _check_skip_and_step(
+    lambda s: optimizer.stateless_opt_state(s[len(weights) :]),
+    step,
+    [v.value for v in [*weights, *optimizer.variables]],
+    ns["batches"],
+    model_state,
+  )
+
+
 def test_every_section_is_run_here():
   text = (docs_snippets.DOCS / PAGE).read_text()
   headings = [h for h in text.splitlines() if h.startswith("## ")]
@@ -227,7 +270,10 @@ def test_every_section_is_run_here():
     "## Haiku",
     "## Keras 3 (JAX backend)",
   ]
-  # One block a section: every block is one of those the tests above run.
-  assert len(docs_snippets.blocks(PAGE)) == len(headings)
+  # One block a section, and Keras's two (compile + fit, then the custom
+  # loop): every block is one of those the tests above run.
+  keras = "## Keras 3 (JAX backend)"
+  assert len(docs_snippets.blocks(PAGE)) == len(headings) + 1
   for heading in headings:
-    assert len(docs_snippets.section_blocks(PAGE, heading)) == 1, heading
+    count = len(docs_snippets.section_blocks(PAGE, heading))
+    assert count == 1 + (heading == keras), heading

@@ -17,6 +17,7 @@ import pytest
 
 import fp16_scaling as fs
 import fp16_scaling.interop
+import fp16_scaling.keras  # Keras, on its JAX backend unless set otherwise
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api.md"
@@ -25,11 +26,19 @@ _DIRECTIVE = re.compile(
 )
 
 
+_KERAS_DIRECTIVE = re.compile(
+  r"^\.\. auto(function|class):: fp16_scaling\.keras\.(\w+)$", re.M
+)
+
+
 def public_names():
-  """Every public name's full path, ``fp16_scaling.interop.*`` included."""
-  return {f"fp16_scaling.{n}" for n in fs.__all__} | {
-    f"fp16_scaling.interop.{n}" for n in fp16_scaling.interop.__all__
-  }
+  """Every public name's full path, ``fp16_scaling.interop.*`` and
+  ``fp16_scaling.keras.*`` included."""
+  return (
+    {f"fp16_scaling.{n}" for n in fs.__all__}
+    | {f"fp16_scaling.interop.{n}" for n in fp16_scaling.interop.__all__}
+    | {f"fp16_scaling.keras.{n}" for n in fp16_scaling.keras.__all__}
+  )
 
 
 def read_inventory(path):
@@ -55,6 +64,14 @@ def test_the_api_page_documents_every_public_name_once():
   assert sorted(documented) == sorted(fs.__all__)
   # The interop names are documented as the top-level objects they are.
   assert set(fp16_scaling.interop.__all__) <= set(documented)
+
+
+def test_the_api_page_documents_each_keras_name_once_by_its_kind():
+  kinds = [m.groups() for m in _KERAS_DIRECTIVE.finditer(API.read_text())]
+  assert sorted(name for _, name in kinds) == sorted(fp16_scaling.keras.__all__)
+  for kind, name in kinds:
+    obj = getattr(fp16_scaling.keras, name)
+    assert kind == ("class" if isinstance(obj, type) else "function"), name
 
 
 def test_the_api_page_documents_each_with_the_directive_of_its_kind():

@@ -1,9 +1,13 @@
 """What the package exports is reachable under its public name."""
 
+import os
 import pathlib
 import pickle
 import re
+import subprocess
+import sys
 
+import helpers
 import pytest
 
 import fp16_scaling as fs
@@ -59,3 +63,35 @@ def test_the_version_lives_in_one_place():
     "Version 2.0, January 2004",
     "http://www.apache.org/licenses/",
   ]
+
+
+def test_fs_keras_is_imported_on_first_use():
+  # import fp16_scaling imports no Keras; fs.keras does, on Keras's JAX
+  # backend when KERAS_BACKEND is unset, and exports its three names. A
+  # fresh process: Keras reads its backend once.
+  pytest.importorskip("keras")
+  script = (
+    "import sys\n"
+    "import fp16_scaling as fs\n"
+    "assert 'keras' not in sys.modules\n"
+    "names = fs.keras.__all__\n"
+    "import keras\n"
+    "print(keras.backend.backend(), sorted(names))\n"
+    "print([getattr(fs.keras, n).__module__ for n in names])\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+  out = subprocess.run(
+    [sys.executable, "-c", script],
+    env=env,
+    cwd=helpers.ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.splitlines()
+  assert out == [
+    "jax ['KeepStateOnSkip', 'Optimizer', 'keep_state_on_skip']",
+    str(["fp16_scaling.keras"] * 3),
+  ]
+  assert "keras" not in fs.__all__  # no star import pulls Keras in
+  with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+    _ = fs.not_a_name
