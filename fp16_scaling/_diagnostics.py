@@ -65,6 +65,12 @@ _ADVICE = {
   ),
 }
 
+# After an overflow step's advice: the tool that names the op.
+_LOCATE = (
+  " To find the op that overflowed (its line and module, forward or "
+  "backward): print(fs.locate_overflow(loss_fn, opt_state)(*batch)) with "
+  'this step\'s batch, on the host (docs/diagnostics.md, "Which op").'
+)
 
 _SELECT_NOTE = (
   "The step was skipped: params and optimizer state are kept. Model state "
@@ -158,7 +164,8 @@ class OverflowReport:
     return text or "none"
 
   def advice(self) -> str:
-    """What to do about the last overflow (or the run's, if it was clean)."""
+    """What to do about the last overflow (or the run's, if it was clean);
+    after an overflow, how to find the op that made it."""
     if self.suspect_unscaled_grads:
       return _ADVICE["unscaled"].format(scale=_fmt_scale(self.next_scale))
     if self.kind == "none" and self.skipped_steps:
@@ -166,9 +173,12 @@ class OverflowReport:
         "The last step was clean; earlier skipped steps were the scaler "
         "probing for its scale unless the counts above keep growing."
       )
+    advice = _ADVICE[self.kind]
     if self.kind == "backward" and not self.next_scale < self.scale:
-      return _ADVICE["absorbed"]
-    return _ADVICE[self.kind]
+      advice = _ADVICE["absorbed"]
+    if self.step_overflowed:
+      advice += _LOCATE
+    return advice
 
   def __str__(self) -> str:
     last = f"OVERFLOWED ({self.kind})" if self.step_overflowed else "clean"

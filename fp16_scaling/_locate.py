@@ -43,8 +43,8 @@ def _argument(path, x, nums, count):
   origin = None
   if not finite(x):
     name = ("args" if in_args else "kwargs") + keystr(path[1:])
-    origin = Origin(False, next(count), None, [], False, None, False, (), name)
-  return Val(x, origin, False, module, param)
+    origin = Origin(seq=next(count), path=name)
+  return Val(value=x, origin=origin, module=module, param=param)
 
 
 def _at_scale(state, scale):

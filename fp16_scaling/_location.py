@@ -1,6 +1,6 @@
 """``OverflowLocation``: what :func:`locate_overflow` found, and what to do
-about it; and how one equation of its run is described (its source line,
-name scope, float32 magnitude), from the public attributes of the
+about it; and how one op of its run is described (its module, source
+line, name scope, float32 magnitude), from the public attributes of the
 equations ``jax.make_jaxpr`` returns."""
 
 import dataclasses
@@ -39,6 +39,21 @@ def bind(eqn, values, params=None) -> list:
   subfuns = params.pop("subfuns", ())  # a call primitive's, as it binds
   out = eqn.primitive.bind(*subfuns, *values, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def module_of(floats):
+  """``(module, fed, view)`` of an op with the floating inputs ``floats``
+  (``_locator`` values): the module of the parameters among them, else
+  the nearest of its forward inputs' (a cotangent comes from the modules
+  after the op); whether parameters feed it; whether its output is a view
+  of them (casts, reshapes and slices of parameters: constants aside)."""
+  params = [i for i in floats if i.param]
+  forward = [i for i in floats if i.module is not None and not i.back]
+  paths = [i.module for i in params or forward]
+  module = os.path.commonprefix(paths) if paths else None
+  fed = bool(params)
+  neutral = [i.param is not False for i in floats]
+  return module, fed, fed and all(neutral)
 
 
 def _fmt_scale(s: float) -> str:
@@ -106,9 +121,19 @@ class OverflowLocation:
   step_scale: Optional[float] = None
   input_path: Optional[str] = None
 
+  def source(self) -> str:
+    """``file:line`` of the op (the file relative to the working directory
+    when it lies under it), or "" without a line of the user's."""
+    if self.filename is None:
+      return ""
+    name = self.filename
+    if name.startswith(os.getcwd() + os.sep):
+      name = os.path.relpath(name)
+    return f"{name}:{self.lineno}"
+
   def advice(self) -> str:
     """What to do about it."""
-    at = f" at {self.filename}:{self.lineno}" if self.filename else ""
+    at = f" at {self.source()}" if self.filename else ""
     if self.kind == "none":
       return (
         "If the step overflowed, it was on another batch: pass the one it "
@@ -178,7 +203,7 @@ class OverflowLocation:
     dims = ",".join(map(str, self.shape))
     where = "  at no source line of yours (JAX's or fp16_scaling's own)"
     if self.filename:
-      where = f"  at {self.filename}:{self.lineno} in {self.function}"
+      where = f"  at {self.source()} in {self.function}"
     return [
       f"First inf/NaN at loss scale {scale}, in the {self.kind} pass: "
       f"{self.primitive} -> {self.dtype}[{dims}]",

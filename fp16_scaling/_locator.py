@@ -8,7 +8,6 @@ scale (the backward pass does, the forward pass does not) and the path of
 the module whose parameters are nearest upstream.
 """
 
-import os
 from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import numpy as np
 from fp16_scaling._location import bind
 from fp16_scaling._location import finite
 from fp16_scaling._location import floating
+from fp16_scaling._location import module_of
 
 # Evaluated whole, not entered: a while loop (its body runs any number of
 # times) and the per-device bodies of the mapped calls.
@@ -41,14 +41,14 @@ class Origin(NamedTuple):
     path: for an argument leaf, its path (``args[1]['x']``).
   """
 
-  constant: bool
-  seq: int
-  eqn: Any
-  ins: list
-  back: bool
-  module: Optional[tuple]
-  direct: bool
-  layers: tuple
+  constant: bool = False
+  seq: int = 0
+  eqn: Any = None
+  ins: tuple = ()
+  back: bool = False
+  module: Optional[tuple] = None
+  direct: bool = False
+  layers: tuple = ()
   path: str = ""
 
 
@@ -186,33 +186,19 @@ def first(origins):
   return min(filter(None, origins), default=None)
 
 
-def _nearest(floats):
-  """``(module, fed, view)`` of an op with the floating inputs ``floats``:
-  the module of the parameters among them, else the nearest of its
-  forward inputs' (a cotangent comes from the modules after the op);
-  whether parameters feed it; whether its output is a view of them."""
-  params = [i for i in floats if i.param]
-  forward = [i for i in floats if i.module is not None and not i.back]
-  paths = [i.module for i in params or forward]
-  module = os.path.commonprefix(paths) if paths else None
-  fed = bool(params)
-  neutral = [i.param is not False for i in floats]  # constants are
-  return module, fed, fed and all(neutral)
-
-
 def _mark(eqn, ins, outs, count, layers):
   """``outs`` as :class:`Val` s: backward if an input is, of the nearest
   module, each non-finite one with its origin."""
   floats = [i for i in ins if floating(i.value)]
-  module, fed, view = _nearest(floats)
+  module, fed, view = module_of(floats)
   back = any(i.back for i in ins)
   vals = []
   for out in outs:
     origin = None
     if not finite(out):
-      where = (back, module, fed, layers)
+      where = dict(back=back, module=module, direct=fed, layers=layers)
       origin = _origin(eqn, ins, out, count, where)
-    vals.append(Val(out, origin, back, module, view))
+    vals.append(Val(out, origin, back, module=module, param=view))
   return vals
 
 
@@ -240,6 +226,6 @@ def _origin(eqn, ins, out, count, where):
   found = [i.origin for i in ins]
   new = _fresh(ins, out)
   if new or not any(found):
-    made = Origin(not new, next(count), eqn, ins, *where)
+    made = Origin(constant=not new, seq=next(count), eqn=eqn, ins=ins, **where)
     found.append(made)
   return first(found)
