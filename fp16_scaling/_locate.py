@@ -119,9 +119,10 @@ def locate_overflow(
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
     >>> tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(1024.0)),
     ...               optax.sgd(0.1))
-    >>> w = jnp.array([300.0, 1.0], jnp.float16)
-    >>> loss = lambda w: jnp.sum(jnp.exp(w).astype(jnp.float32))
-    >>> found = fs.locate_overflow(loss, tx.init(w))(w)
+    >>> w = jnp.array([20.0, 1.0])  # exp(20) is past float16's 65504
+    >>> loss = lambda w: jnp.sum(jnp.exp(w))
+    >>> state = tx.init(w)
+    >>> found = fs.locate_overflow(loss, state, policy="p=f32,c=f16,o=f32")(w)
     >>> found.kind, found.primitive
     ('forward', 'exp')
   """

@@ -77,7 +77,8 @@ class OverflowLocation:
     dtype: its output's dtype.
     max_input: the largest finite ``|x|`` among its floating inputs.
     float32_max: the largest ``|y|`` of its output computed in float32 from
-      the same inputs (inf: float32 overflows too).
+      the same inputs (inf: float32 overflows too; nan: the op refused
+      float32 inputs).
     constant: the inf was no op's result but a constant the op wrote (a
       mask filled with ``-inf``), and nothing else overflowed.
     filename: the file of the user's source line of the op: the innermost
@@ -150,7 +151,7 @@ class OverflowLocation:
         "loss or the gradients: a row masked entirely? Mask with a large "
         "finite negative (jnp.finfo(dtype).min) instead."
       )
-    if not math.isfinite(self.float32_max):
+    if math.isinf(self.float32_max):
       return (
         "The op overflows in float32 too: its inputs are out of any range "
         "(a diverged parameter or activation). Check the batch and the "
@@ -183,8 +184,8 @@ class OverflowLocation:
       lines = [f"Nothing overflows at loss scale {scale} on this batch."]
     elif self.kind == "input":
       lines = [
-        f"At loss scale {scale}, the input already holds an inf or NaN, "
-        f"at {self.input_path}: a bad batch, before any op."
+        f"At loss scale {scale}, an argument already holds an inf or NaN "
+        f"before any op, at {self.input_path}."
       ]
     else:
       lines = self._op_lines(scale)
@@ -214,7 +215,7 @@ class OverflowLocation:
 
 
 def described(origin: Any, scale: float) -> OverflowLocation:
-  """The :class:`OverflowLocation` of an op ``origin`` (a ``_locate``
+  """The :class:`OverflowLocation` of an op ``origin`` (a ``_locator``
   origin: its equation, inputs, module and scan iterations)."""
   eqn = origin.eqn
   aval = eqn.outvars[0].aval
@@ -223,7 +224,10 @@ def described(origin: Any, scale: float) -> OverflowLocation:
     np.abs(x[np.isfinite(x)]) for x in map(np.asarray, values) if floating(x)
   ]
   frame = _user_frame(eqn)
-  widened = _widened_max(eqn, values)
+  try:
+    widened = _widened_max(eqn, values)
+  except Exception:  # a primitive that refuses float32: magnitude unknown
+    widened = math.nan
   safe = None
   if origin.back and 0 < widened < math.inf:
     safe = scale * 2.0 ** math.floor(math.log2(F16_MAX / widened))

@@ -87,8 +87,9 @@ def test_a_linen_mlp_forward_overflow_is_named_by_module_and_line():
 
 
 def test_a_backward_only_overflow_names_the_op_and_the_scale_that_fits():
-  # The forward pass stays finite; the cotangent of Dense_1's input,
-  # S / 8 * kernel, leaves float16's range at 2^12.
+  # The forward pass stays finite; the cotangent of Dense_1's input, the
+  # loss's S / 32 (a mean of 8 x 4 outputs) times a row of the kernel,
+  # summed (4 x 300), leaves float16's range at 2^12.
   model, params, x = linen_mlp()
   params["params"]["Dense_1"]["kernel"] = jnp.full((16, 4), 300.0)
 
@@ -114,9 +115,9 @@ def test_a_backward_only_overflow_names_the_op_and_the_scale_that_fits():
   # largest power of two that brings it under 65504.
   assert found.float32_max == 153600.0
   assert found.safe_scale == 2.0**10
-  # There the next op overflows: Dense_0's bias gradient sums the rows'
-  # 38400s (at 2^10) of the units ReLU lets through, the whole step
-  # fitting only at 2^7.
+  # There the next op overflows: Dense_0's bias gradient sums, over the
+  # batch's 8 rows, the 38400s (at 2^10) that ReLU lets through: 7 rows
+  # for one unit in this draw, 268800, which fits at 2^7, as the step does.
   second = locate(2.0**10)
   assert (second.kind, second.primitive, second.scope, second.module) == (
     "backward",
@@ -124,13 +125,14 @@ def test_a_backward_only_overflow_names_the_op_and_the_scale_that_fits():
     "MLP/Dense_0",
     None,
   )
+  assert second.float32_max == 7 * 38400.0
   assert found.step_scale == second.safe_scale == second.step_scale == 2.0**7
   assert locate(2.0**7).kind == "none"
   assert locate(2.0**8).kind == "backward"
   assert "init_scale=128" in str(found)
 
 
-def test_a_bad_batch_is_blamed_on_the_input_and_a_clean_one_on_nothing():
+def test_a_bad_batch_or_parameter_is_named_as_the_input_a_clean_one_not():
   model, params, x = linen_mlp()
 
   def loss(params, batch):
@@ -146,6 +148,14 @@ def test_a_bad_batch_is_blamed_on_the_input_and_a_clean_one_on_nothing():
     None,
   )
   assert "bad batch" in str(bad)
+  diverged = jax.tree.map(lambda a: a, params)  # a copy of the dicts
+  kernel = diverged["params"]["Dense_0"]["kernel"]
+  diverged["params"]["Dense_0"]["kernel"] = kernel.at[0, 0].set(jnp.inf)
+  found = locate(diverged, {"x": x})
+  assert (found.kind, found.input_path) == (
+    "input",
+    "args[0]['params']['Dense_0']['kernel']",
+  )
   clean = locate(params, {"x": x})
   assert (clean.kind, clean.scale, clean.primitive) == ("none", 2.0**15, None)
   assert str(clean).startswith("Nothing overflows at loss scale 2^15 ")
@@ -352,13 +362,14 @@ def _amplify_bwd(_, g):
 amplify_grad.defvjp(_amplify_fwd, _amplify_bwd)
 
 
-def test_plain_jax_nested_jit_custom_vjp_and_scan_are_entered():
+def test_plain_jax_nested_jit_custom_vjp_cond_and_scan_are_entered():
   def loss(params, x):
     def layer(h, w):
       return jax.checkpoint(jnp.tanh)(h @ w), None
 
     h, _ = jax.lax.scan(layer, x, params["layers"])
-    y = exp_inside_jit(amplify_grad(h) * params["gain"])  # vjp-call
+    g = amplify_grad(h) * params["gain"]  # vjp-call
+    y = jax.lax.cond(jnp.all(h > 0), exp_inside_jit, jnp.negative, g)
     return mean_square(y)
 
   x = jnp.ones((4, 8), jnp.float16)
@@ -372,3 +383,83 @@ def test_plain_jax_nested_jit_custom_vjp_and_scan_are_entered():
   assert_at(found, "vjp-call", kind="backward", primitive="mul", module=None)
   found = locate(dict(params, gain=jnp.float16(32.0)), x)
   assert_at(found, "jit-exp", kind="forward", primitive="exp", module=None)
+
+
+def test_a_while_loop_runs_whole_as_one_op():
+  def loss(w):
+    h = jax.lax.fori_loop(0, 3, lambda i, h: h * w, w)  # while-loop
+    return mean_square(h)
+
+  w = jnp.full(2, 100.0, jnp.float16)  # 100^4 is past 65504
+  found = fs.locate_overflow(loss, state_at(1.0))(w)
+  assert_at(found, "while-loop", kind="forward", primitive="while")
+
+
+def test_a_stack_the_report_names_whole_is_named_by_its_layer():
+  # A forward overflow in layer 2 of a lax.scan stack: every layer's
+  # gradient is non-finite, so the report, by layer (stacked_under), names
+  # all four; the locator names layer 2, at the line of its matmul.
+  def loss(params, x):
+    def layer(h, w):
+      return jax.nn.relu(h @ w), None  # stack-matmul
+
+    h, _ = jax.lax.scan(layer, x, params["layers"]["w"])
+    return mean_square(h @ params["head"])
+
+  w = jnp.full((4, 8, 8), 0.5, jnp.float16).at[2].set(3e3)
+  params = {"layers": {"w": w}, "head": jnp.ones((8, 2), jnp.float16)}
+  x = jnp.ones((2, 8), jnp.float16)
+  tx = fs.chain(
+    fs.fp16_loss_scale(
+      fs.torch_scaler(init_scale=2.0**8),
+      stacked_axes=fs.stacked_under("layers"),
+    ),
+    optax.sgd(0.1),
+  )
+
+  @jax.jit
+  def step(params, opt_state, x):
+    value, grads = fs.value_and_grad(loss, opt_state)(params, x)
+    return tx.update(grads, opt_state, params, value=value)[1]
+
+  with pytest.warns(UserWarning, match="some params are float16"):
+    opt_state = step(params, tx.init(params), x)
+  report = fs.overflow_report(opt_state)
+  assert (report.kind, report.nonfinite_layers) == ("forward", (0, 1, 2, 3))
+  assert (report.scale, report.next_scale) == (2.0**8, 2.0**7)
+  assert "fs.locate_overflow(loss_fn, opt_state)(*batch)" in str(report)
+  found = fs.locate_overflow(loss, opt_state)(params, x)
+  assert_at(
+    found,
+    "stack-matmul",
+    kind="forward",
+    primitive="dot_general",
+    module="['layers']",
+    layers=(2,),
+    scale=2.0**8,  # the step's scale, not the next one
+  )
+
+
+def test_only_a_report_of_an_overflow_step_points_to_the_locator():
+  tx = fs.chain(fs.fp16_loss_scale(fs.static_scaler(4.0)), optax.sgd(0.1))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  clean = tx.update({"w": jnp.ones(2)}, state, params)[1]
+  bad = tx.update({"w": jnp.array([jnp.inf, 1.0])}, clean, params)[1]
+  pointer = "print(fs.locate_overflow(loss_fn, opt_state)(*batch))"
+  assert pointer not in str(fs.overflow_report(clean))
+  assert pointer in str(fs.overflow_report(bad))
+  with pytest.raises(fs.MinLossScaleError, match="fs.locate_overflow"):
+    fs.raise_if_min_scale_reached(bad, max_floor_overflows=1)
+
+
+def test_bad_arguments_are_refused_by_name():
+  def loss(w):
+    return jnp.sum(w)
+
+  with pytest.raises(ValueError, match="locate_overflow: scale must be"):
+    fs.locate_overflow(loss, state_at(1.0), scale=-1.0)
+  with pytest.raises(ValueError, match="no fp16_loss_scale state"):
+    fs.locate_overflow(loss, {"w": jnp.ones(1)})
+  with pytest.raises(TypeError, match="locate_overflow runs on the host"):
+    jax.jit(lambda state: fs.locate_overflow(loss, state))(state_at(1.0))
