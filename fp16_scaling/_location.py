@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling._diagnostics import fmt_scale
 from fp16_scaling._scaler import F16_MAX
 
 # The packages whose frames are not the user's source line.
@@ -54,12 +55,6 @@ def module_of(floats):
   fed = bool(params)
   neutral = [i.param is not False for i in floats]
   return module, fed, fed and all(neutral)
-
-
-def _fmt_scale(s: float) -> str:
-  """``s`` as ``2^k`` when it is a power of two."""
-  k = math.log2(s)
-  return f"2^{int(k)}" if k == int(k) else f"{s:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,15 +166,15 @@ class OverflowLocation:
         "the batch and the parameters."
       )
     return (
-      f"At loss scale {_fmt_scale(self.safe_scale)} this op's cotangent "
-      f"fits float16, and at {_fmt_scale(self.step_scale)} the whole "
+      f"At loss scale {fmt_scale(self.safe_scale)} this op's cotangent "
+      f"fits float16, and at {fmt_scale(self.step_scale)} the whole "
       "step's. A dynamic scaler backs off there by itself: act only if it "
       f"keeps doing so. Start lower (init_scale={self.step_scale:g}), or "
       f"compute the op{at} in float32 (fs.float32)."
     )
 
   def __str__(self) -> str:
-    scale = _fmt_scale(self.scale)
+    scale = fmt_scale(self.scale)
     if self.kind == "none":
       lines = [f"Nothing overflows at loss scale {scale} on this batch."]
     elif self.kind == "input":
