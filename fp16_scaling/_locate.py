@@ -43,7 +43,7 @@ def _argument(path, x, nums, count):
   origin = None
   if not finite(x):
     name = ("args" if in_args else "kwargs") + keystr(path[1:])
-    origin = Origin(seq=next(count), path=name)
+    origin = Origin(seq=next(count), input_path=name)
   return Val(value=x, origin=origin, module=module, param=param)
 
 
@@ -190,7 +190,9 @@ def _locate(step, scale, nums, *args, **kwargs):
   if origin is None:
     return OverflowLocation(kind="none", scale=scale)
   if origin.eqn is None:
-    return OverflowLocation(kind="input", scale=scale, input_path=origin.path)
+    return OverflowLocation(
+      kind="input", scale=scale, input_path=origin.input_path
+    )
   found = _location.described(origin, scale)
   if found.kind != "backward":
     return found

@@ -218,7 +218,8 @@ def described(origin: Any, scale: float) -> OverflowLocation:
   finite_abs = [
     np.abs(x[np.isfinite(x)]) for x in map(np.asarray, values) if floating(x)
   ]
-  frame = _user_frame(eqn)
+  calls = [p for p in origin.path if not isinstance(p, int)]
+  frame = _user_frame([eqn, *reversed(calls)])
   try:
     widened = _widened_max(eqn, values)
   except Exception:  # a primitive that refuses float32: magnitude unknown
@@ -241,7 +242,7 @@ def described(origin: Any, scale: float) -> OverflowLocation:
     module="".join(origin.module) if origin.module else None,
     direct=origin.direct,
     scope=_scope(eqn),
-    layers=origin.layers,
+    layers=tuple(p for p in origin.path if isinstance(p, int)),
     safe_scale=safe,
   )
 
@@ -263,9 +264,11 @@ def _widened_max(eqn, values) -> float:
   )
 
 
-def _user_frame(eqn) -> Optional[Any]:
-  """The innermost frame of ``eqn``'s traceback outside JAX, the
-  frameworks, fp16_scaling and Python's own library, or None."""
+def _user_frame(eqns) -> Optional[Any]:
+  """The innermost frame outside JAX, the frameworks, fp16_scaling and
+  Python's own library in the traceback of the first of ``eqns`` that has
+  one (an op, then the calls it lies in: the traceback of an op in a
+  jitted library function ends where the function does), or None."""
   modules = [sys.modules.get(n) for n in (*_LIBRARIES, "fp16_scaling")]
   skip = tuple(
     os.path.dirname(m.__file__) + os.sep
@@ -273,12 +276,13 @@ def _user_frame(eqn) -> Optional[Any]:
     if getattr(m, "__file__", None)
   )
   stdlib = sysconfig.get_paths()["stdlib"]
-  tb = eqn.source_info.traceback
-  for frame in tb.frames if tb is not None else ():
-    name = frame.file_name
-    python = name.startswith(stdlib) and "-packages" not in name
-    if not python and not name.startswith(skip):
-      return frame
+  tracebacks = [e.source_info.traceback for e in eqns]
+  for tb in filter(None, tracebacks):
+    for frame in tb.frames:
+      name = frame.file_name
+      python = name.startswith(stdlib) and "-packages" not in name
+      if not python and not name.startswith(skip):
+        return frame
   return None
 
 

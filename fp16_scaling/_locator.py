@@ -37,8 +37,9 @@ class Origin(NamedTuple):
     back: the equation is of the backward pass.
     module: the module's path (in pieces) of the parameters nearest it.
     direct: those parameters feed the equation itself.
-    layers: the scan iterations around it, outermost first.
-    path: for an argument leaf, its path (``args[1]['x']``).
+    path: what the op lies in, outermost first: each call's equation (a
+      ``jit``, ``cond``, ``scan``...) and each scan's iteration (an int).
+    input_path: for an argument leaf, its path (``args[1]['x']``).
   """
 
   constant: bool = False
@@ -48,8 +49,8 @@ class Origin(NamedTuple):
   back: bool = False
   module: Optional[tuple] = None
   direct: bool = False
-  layers: tuple = ()
-  path: str = ""
+  path: tuple = ()
+  input_path: str = ""
 
 
 class Val(NamedTuple):
@@ -69,14 +70,14 @@ def _open(j):
   return jaxpr, consts
 
 
-def run(j, args, count, layers=()):
+def run(j, args, count, path=()):
   """The outputs of jaxpr ``j`` on ``args``, as :class:`Val` s.
 
   Args:
     j: a jaxpr, closed or open.
     args: a :class:`Val` per input.
     count: an ``itertools.count`` that numbers the origins.
-    layers: the iterations of the scans around ``j``.
+    path: the calls (equations) and scan iterations (ints) ``j`` lies in.
 
   Returns:
     A :class:`Val` per output.
@@ -92,7 +93,7 @@ def run(j, args, count, layers=()):
 
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    outs = _eqn(eqn, ins, count, layers)
+    outs = _eqn(eqn, ins, count, path)
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
@@ -113,21 +114,22 @@ def _inner(eqn):
   return None
 
 
-def _eqn(eqn, ins, count, layers):
+def _eqn(eqn, ins, count, path):
   """The outputs of one equation, entered if it calls a jaxpr."""
   name = eqn.primitive.name
+  inside = (*path, eqn)
   if name == "scan":
-    return _scan(eqn, ins, count, layers)
+    return _scan(eqn, ins, count, inside)
   if name == "cond":
     taken = int(ins[0].value)
     branch = eqn.params["branches"][taken]
-    return run(branch, ins[1:], count, layers)
+    return run(branch, ins[1:], count, inside)
   inner = _inner(eqn)
   if inner is not None:
-    return run(inner, ins, count, layers)
+    return run(inner, ins, count, inside)
   values = [i.value for i in ins]
   outs = bind(eqn, values)
-  return _mark(eqn, ins, outs, count, layers)
+  return _mark(eqn, ins, outs, count, path)
 
 
 def _with_layer_axis(outer, inner):
@@ -153,7 +155,7 @@ def _scan_parts(eqn, ins):
   return consts, carry, xs
 
 
-def _scan(eqn, ins, count, layers):
+def _scan(eqn, ins, count, path):
   """A ``scan``'s outputs, its body run one iteration (a layer) at a time."""
   consts, carry, xs = _scan_parts(eqn, ins)
   body = eqn.params["jaxpr"]
@@ -166,7 +168,7 @@ def _scan(eqn, ins, count, layers):
   for i in order:
     sliced = [x._replace(value=x.value[i]) for x in xs]
     args = consts + carry + sliced
-    out = run(body, args, count, (*layers, i))
+    out = run(body, args, count, (*path, i))
     carry = out[:n_carry]
     ys[i] = out[n_carry:]
   columns = zip(*ys)  # per output, its value at each iteration
@@ -186,7 +188,7 @@ def first(origins):
   return min(filter(None, origins), default=None)
 
 
-def _mark(eqn, ins, outs, count, layers):
+def _mark(eqn, ins, outs, count, path):
   """``outs`` as :class:`Val` s: backward if an input is, of the nearest
   module, each non-finite one with its origin."""
   floats = [i for i in ins if floating(i.value)]
@@ -196,7 +198,7 @@ def _mark(eqn, ins, outs, count, layers):
   for out in outs:
     origin = None
     if not finite(out):
-      where = dict(back=back, module=module, direct=fed, layers=layers)
+      where = dict(back=back, module=module, direct=fed, path=path)
       origin = _origin(eqn, ins, out, count, where)
     vals.append(Val(out, origin, back, module=module, param=view))
   return vals

@@ -234,6 +234,20 @@ def test_a_minus_inf_that_an_op_carries_is_not_blamed_for_its_overflow():
   )
 
 
+def test_a_row_masked_whole_is_blamed_on_its_constant_inf():
+  # A row of -inf only: softmax's x - max(x) is -inf - -inf, a NaN that
+  # reaches the loss from the mask alone.
+  def loss(w, x):
+    rows = jnp.arange(4)[:, None] > 0  # row 0 masked whole
+    s = jnp.where(rows, x * w, -jnp.inf)  # mask-all
+    return mean_square(jax.nn.softmax(s))
+
+  x = jnp.ones((4, 4), jnp.float16)
+  found = fs.locate_overflow(loss, state_at(1.0))(jnp.float16(1.0), x)
+  assert_at(found, "mask-all", kind="forward", constant=True)
+  assert "a row masked entirely?" in found.advice()
+
+
 # Equinox: an MLP whose last layer overflows, applied with jax.vmap.
 
 
