@@ -123,6 +123,10 @@ class Config:
   # Stack the blocks' params on a layer axis and apply them with nn.scan;
   # fp16_loss_scale(stacked_axes=...) then records overflows per layer.
   scan: bool = False
+  # Compute each block's attention in float32 (its logits, q . k, leave
+  # float16's range when q and k grow): the fix of docs/diagnostics.md's
+  # worked case, where fs.locate_overflow names the attention's logits.
+  float32_attention: bool = False
 
   def __post_init__(self):
     if self.accumulate < 1:
@@ -204,19 +208,24 @@ class Block(nn.Module):
   init_std: float
   out_std: float
   dtype: jnp.dtype
+  float32_attention: bool = False
 
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
     kw = dict(dtype=self.dtype, param_dtype=jnp.float32)
+    attention_dtype = jnp.float32 if self.float32_attention else self.dtype
     h = nn.LayerNorm(**kw)(x)
-    x = x + nn.MultiHeadDotProductAttention(
+    attention = nn.MultiHeadDotProductAttention(
       self.heads,
       kernel_init=nn.initializers.normal(self.init_std),
       out_kernel_init=nn.initializers.normal(self.out_std),
       force_fp32_for_softmax=True,
-      **kw,
-    )(h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2], bool)))
+      dtype=attention_dtype,
+      param_dtype=jnp.float32,
+    )
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], bool))
+    x = x + attention(h, mask=mask).astype(x.dtype)
     h = nn.LayerNorm(**kw)(x)
     h = nn.Dense(
       4 * d, kernel_init=nn.initializers.normal(self.init_std), **kw
@@ -234,10 +243,12 @@ class ScannedBlock(nn.Module):
   init_std: float
   out_std: float
   dtype: jnp.dtype
+  float32_attention: bool = False
 
   @nn.compact
   def __call__(self, x, _):
-    block = Block(self.heads, self.init_std, self.out_std, self.dtype)
+    args = (self.heads, self.init_std, self.out_std, self.dtype)
+    block = Block(*args, self.float32_attention)
     return block(x), None
 
 
@@ -251,6 +262,7 @@ class Transformer(nn.Module):
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float16
   scan: bool = False  # the blocks stacked under "blocks", axis 0
+  float32_attention: bool = False  # each block's attention in float32
 
   @nn.compact
   def __call__(self, tokens):
@@ -260,6 +272,8 @@ class Transformer(nn.Module):
     x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
     # GPT-2's scaling of the residual projections: 1 / sqrt(2 * layers).
     out_std = self.init_std / math.sqrt(2 * self.layers)
+    args = (self.heads, self.init_std, out_std, self.dtype)
+    args += (self.float32_attention,)
     if self.scan:
       blocks = nn.scan(
         ScannedBlock,
@@ -267,10 +281,9 @@ class Transformer(nn.Module):
         split_rngs={"params": True},
         length=self.layers,
       )
-      args = (self.heads, self.init_std, out_std, self.dtype)
       x, _ = blocks(*args, name="blocks")(x, None)
     for _ in range(0 if self.scan else self.layers):
-      x = Block(self.heads, self.init_std, out_std, self.dtype)(x)
+      x = Block(*args)(x)
     x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32)(x)
     return embed.attend(x)  # logits, in the compute dtype
 
@@ -284,6 +297,7 @@ def make_model(cfg: Config, dtype=None) -> Transformer:
     cfg.init_std,
     cfg.dtype if dtype is None else dtype,
     cfg.scan,
+    cfg.float32_attention,
   )
 
 
@@ -489,6 +503,11 @@ def add_config_args(p: argparse.ArgumentParser):
     if f.name == "scan":
       help = "stack the blocks, apply them with nn.scan"
       p.add_argument("--scan", action="store_const", const=True, help=help)
+      continue
+    if f.name == "float32_attention":
+      help = "compute each block's attention in float32"
+      flag = "--float32-attention"
+      p.add_argument(flag, action="store_const", const=True, help=help)
       continue
     p.add_argument(
       "--" + f.name.replace("_", "-"),

@@ -18,6 +18,8 @@ from fp16_scaling._float32 import float32
 from fp16_scaling._grad import value_and_grad
 from fp16_scaling._jax_presets import jmp_scaler
 from fp16_scaling._jax_presets import keras_scaler
+from fp16_scaling._locate import locate_overflow
+from fp16_scaling._location import OverflowLocation
 from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
@@ -71,6 +73,7 @@ __all__ = [
   "LossScaleState",
   "MinLossScaleError",
   "OVERFLOW_KINDS",
+  "OverflowLocation",
   "OverflowReport",
   "Policy",
   "ScaleMetrics",
@@ -87,6 +90,7 @@ __all__ = [
   "flax_scaler",
   "float32",
   "load_scaler_state_dict",
+  "locate_overflow",
   "fp16_loss_scale",
   "from_deepspeed_config",
   "get_policy",

@@ -65,6 +65,12 @@ _ADVICE = {
   ),
 }
 
+# After an overflow step's advice: the tool that names the op.
+_LOCATE = (
+  " To find the op that overflowed (its line and module, forward or "
+  "backward): print(fs.locate_overflow(loss_fn, opt_state)(*batch)) with "
+  'this step\'s batch, on the host (docs/diagnostics.md, "Which op").'
+)
 
 _SELECT_NOTE = (
   "The step was skipped: params and optimizer state are kept. Model state "
@@ -159,23 +165,27 @@ class OverflowReport:
     return text or "none"
 
   def advice(self) -> str:
-    """What to do about the last overflow (or the run's, if it was clean)."""
+    """What to do about the last overflow (or the run's, if it was clean);
+    after an overflow, how to find the op that made it."""
     if self.suspect_unscaled_grads:
-      return _ADVICE["unscaled"].format(scale=_fmt_scale(self.next_scale))
+      return _ADVICE["unscaled"].format(scale=fmt_scale(self.next_scale))
     if self.kind == "none" and self.skipped_steps:
       return (
         "The last step was clean; earlier skipped steps were the scaler "
         "probing for its scale unless the counts above keep growing."
       )
+    advice = _ADVICE[self.kind]
     if self.kind == "backward" and not self.next_scale < self.scale:
-      return _ADVICE["absorbed"]
-    return _ADVICE[self.kind]
+      advice = _ADVICE["absorbed"]
+    if self.step_overflowed:
+      advice += _LOCATE
+    return advice
 
   def __str__(self) -> str:
     last = f"OVERFLOWED ({self.kind})" if self.step_overflowed else "clean"
     lines = [
-      f"Last step {last} at loss scale {_fmt_scale(self.scale)}; next scale "
-      f"{_fmt_scale(self.next_scale)}.",
+      f"Last step {last} at loss scale {fmt_scale(self.scale)}; next scale "
+      f"{fmt_scale(self.next_scale)}.",
       f"Skipped steps so far: {self.skipped_steps}; overflows at the "
       f"scale's floor: {self.floor_overflows}.",
     ]
@@ -207,7 +217,7 @@ class OverflowReport:
     if self.grad_range:
       lines.append(
         f"Gradient range of the last step, least headroom first (top "
-        f"{self.top}): max|g|, headroom bits at {_fmt_scale(self.scale)}, "
+        f"{self.top}): max|g|, headroom bits at {fmt_scale(self.scale)}, "
         "zero fraction"
       )
       lines += self._range_rows()
@@ -241,7 +251,7 @@ class OverflowReport:
     return [f"  ... and {n - self.top}{what}"] if n > self.top else []
 
 
-def _fmt_scale(s: float) -> str:
+def fmt_scale(s: float) -> str:
   """``s`` as ``2^k`` when it is a power of two."""
   if s > 0 and math.isfinite(s):
     k = math.log2(s)
