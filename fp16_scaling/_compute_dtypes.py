@@ -21,11 +21,24 @@ KINDS = {
   "log_plus_one": "log",
   "rsqrt": "rsqrt",
 }
-_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
-_DTYPES["f64"] = "float64"
+_PRODUCTS = ("matmul", "convolution")  # the kinds whose FLOPs are counted
+# The rows of the table: the kinds, a sum in the backward pass apart.
+_ROWS = (
+  "matmul",
+  "convolution",
+  "sum",
+  "backward sum",
+  "exp",
+  "log",
+  "rsqrt",
+)
+_DTYPES = {
+  "f16": "float16",
+  "bf16": "bfloat16",
+  "f32": "float32",
+  "f64": "float64",
+}
 _HALF = ("float16", "bfloat16")
-_ROWS = ("matmul", "convolution", "sum", "backward sum", "exp", "log")
-_ROWS += ("rsqrt",)
 _FRAMES = 4  # the source lines first_float32 names, innermost first
 _NAME = r'@("[^"]+"|[\w.$-]+)\('  # a function's, quoted if need be
 _FUNC = re.compile(r"^\s*func\.func \w+ " + _NAME)
@@ -33,9 +46,29 @@ _CALL = re.compile(r"= (?:func\.)?call " + _NAME)
 _OP = re.compile(r"= stablehlo\.(\w+)[ (]")
 _SIGNATURE = re.compile(r" : \(?tensor<")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+_CONV_KERNEL = re.compile(r"x\[([^\]]*)\]->")  # a convolution's rhs layout
+_CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
+_LOC_NAME = re.compile(r'"([^"]*)"\(')  # an op's name stack
 _FILE_LINE = re.compile(r'"([^"]*)":(\d+):\d+.*')
+
+
+class _Op(NamedTuple):
+  """A counted op of the lowered program."""
+
+  kind: str
+  dtype: str
+  flops: int
+  loc: Optional[str]  # its location's reference, "#loc12"
+  text: str  # its name and operand types
+
+
+class _Call(NamedTuple):
+  """A call of a function of the lowered program."""
+
+  function: str
+  loc: Optional[str]
 
 
 class ComputeDtypes(NamedTuple):
@@ -45,10 +78,13 @@ class ComputeDtypes(NamedTuple):
     counts: op kind -> dtype name -> how many ops of that kind the program
       runs in that dtype (floating ones only; an op's dtype is its first
       operand's). The kinds: ``matmul`` (``dot_general``), ``convolution``,
-      ``sum`` (a reduce that adds: statistics, a softmax's denominator, a
-      loss's mean, and in the backward pass a bias's gradient), ``exp``
-      (``exp``, ``expm1``), ``log`` (``log``, ``log1p``) and ``rsqrt``
-      (a norm's scale). Every kind is a key, an empty dict if none ran.
+      ``sum`` (a reduce that adds, in the forward pass: statistics, a
+      softmax's denominator, a loss's mean, an optimizer's norms),
+      ``backward sum`` (one in the backward pass, which JAX names
+      ``transpose``: a bias's gradient, summed in its layer's dtype),
+      ``exp`` (``exp``, ``expm1``), ``log`` (``log``, ``log1p``) and
+      ``rsqrt`` (a norm's scale). Every kind is a key, an empty dict if none
+      ran.
     flops: dtype name -> the FLOPs of the matmuls and convolutions in that
       dtype (2 per multiply-add, as the op's shapes give them).
     first_float32: the first matmul or convolution in program order (the
@@ -68,6 +104,8 @@ class ComputeDtypes(NamedTuple):
     return self.flops.get(dtype, 0) / total if total else 0.0
 
   def __str__(self) -> str:
+    """The FLOPs' shares, a table of the counts (a row a kind, a column a
+    dtype) and the first float32 product, if any."""
     dtypes = [*_HALF, "float32"]
     dtypes += [d for d in self.flops if d not in dtypes]
     shares = ", ".join(f"{self.share(d):.1%} {d}" for d in dtypes)
@@ -91,19 +129,22 @@ def _flops(op: str, line: str, shapes: list) -> int:
   """The FLOPs of a matmul or convolution ``line``, from its operand and
   result ``shapes``: 2 per multiply-add."""
   lhs, rhs, out = shapes[:3]
-  if op == "convolution":  # each output sums over the kernel, but for "o"
-    spec = re.search(r"x\[([^\]]*)\]->", line)[1].replace(" ", "").split(",")
-    inner = math.prod(rhs) // rhs[spec.index("o")]
+  if op == "convolution":
+    # Each output sums over the whole kernel but its output features.
+    layout = _CONV_KERNEL.search(line)[1].replace(" ", "").split(",")
+    terms = math.prod(rhs) // rhs[layout.index("o")]
   else:
-    dims = re.search(r"contracting_dims = \[([\d, ]*)\]", line)
-    axes = [len(lhs) - 1] if dims is None else dims[1].split(",")
-    inner = math.prod(lhs[int(a)] for a in axes if str(a).strip())
-  return 2 * math.prod(out) * inner
+    dims = _CONTRACTING.search(line)
+    axes = [len(lhs) - 1]  # a plain dot contracts the last axis
+    if dims is not None:
+      axes = [int(a) for a in dims[1].split(",") if a.strip()]
+    terms = math.prod(lhs[a] for a in axes)
+  return 2 * math.prod(out) * terms
 
 
-def _op(line: str) -> Optional[tuple]:
-  """``(kind, dtype, flops, loc, line)`` for an op ``KINDS`` counts, or
-  None (another op, a reduce that does not add, a non-floating one)."""
+def _op(line: str) -> Optional[_Op]:
+  """The :class:`_Op` of ``line``, or None: another op, a reduce that does
+  not add, a non-floating one."""
   op = _OP.search(line)
   signature = _SIGNATURE.search(line)
   if op is None or op[1] not in KINDS or signature is None:
@@ -115,27 +156,49 @@ def _op(line: str) -> Optional[tuple]:
   if dtype is None:
     return None
   kind, flops = KINDS[op[1]], 0
-  if kind in ("matmul", "convolution"):
+  if kind in _PRODUCTS:
     shapes = [[int(d) for d in dims.split("x") if d] for dims, _ in types]
     flops = _flops(op[1], line, shapes)
   loc = _LOC_REF.search(line)
-  text = line[signature.start() + 3 : loc.start() if loc else None].strip()
-  return kind, dtype, flops, loc and loc[1], f"{op[1]} {text}"
+  end = loc.start() if loc else None
+  text = line[signature.start() + 3 : end].strip()
+  return _Op(
+    kind=kind,
+    dtype=dtype,
+    flops=flops,
+    loc=loc and loc[1],
+    text=f"{op[1]} {text}",
+  )
+
+
+def _functions(text: str) -> dict:
+  """``{function name: [its _Op and _Call entries, in order]}``."""
+  functions, body = {}, []
+  for line in text.splitlines():
+    func, call, op = _FUNC.match(line), _CALL.search(line), _op(line)
+    loc = _LOC_REF.search(line)
+    if func:
+      body = functions.setdefault(func[1], [])
+    elif call:
+      body.append(_Call(call[1], loc and loc[1]))
+    elif op:
+      body.append(op)
+  return functions
 
 
 def _ops(functions: dict, locs: dict, name: str, backward: bool = False):
-  """The counted ops of function ``name`` in program order, each called
-  function's inlined at its call (a function called twice, twice); a sum
-  in the backward pass (JAX names it ``transpose(...)``) as ``backward
-  sum``."""
-  for kind, dtype, flops, loc, text in functions.get(name, ()):
-    named = re.match(r'"([^"]*)"\(', locs.get(loc, ""))
+  """The :class:`_Op`s of function ``name`` in program order, each called
+  function's at its call (a function called twice, twice); a sum in the
+  backward pass (JAX names it ``transpose(...)``) as ``backward sum``."""
+  for entry in functions.get(name, ()):
+    named = _LOC_NAME.match(locs.get(entry.loc, ""))
     back = backward or bool(named and "transpose(" in named[1])
-    if kind == "call":
-      yield from _ops(functions, locs, dtype, back)
+    if isinstance(entry, _Call):
+      yield from _ops(functions, locs, entry.function, back)
+    elif back and entry.kind == "sum":
+      yield entry._replace(kind="backward sum")
     else:
-      kind = "backward sum" if back and kind == "sum" else kind
-      yield kind, dtype, flops, loc, text
+      yield entry
 
 
 def _frames(locs: dict, ref: str) -> list:
@@ -202,23 +265,14 @@ def compute_dtypes(fun: Callable[..., Any], *args, **kwargs) -> ComputeDtypes:
   """
   text = _lowered_text(fun, args, kwargs)
   locs = dict(_LOC_DEF.findall(text))
-  functions, body = {}, None
-  for line in text.splitlines():
-    func, call, op = _FUNC.match(line), _CALL.search(line), _op(line)
-    if func:
-      body = functions.setdefault(func[1], [])
-    elif body is not None and call:
-      loc = _LOC_REF.search(line)
-      body.append(("call", call[1], 0, loc and loc[1], ""))
-    elif body is not None and op:
-      body.append(op)
   counts = {kind: {} for kind in _ROWS}
   flops, first = {}, None
-  for kind, dtype, n, loc, line in _ops(functions, locs, "main"):
-    counts[kind][dtype] = counts[kind].get(dtype, 0) + 1
-    if kind in ("matmul", "convolution"):
-      flops[dtype] = flops.get(dtype, 0) + n
-      if first is None and dtype not in _HALF:
-        frames = _frames(locs, loc)[:_FRAMES]
-        first = line + "".join(f"\n  at {f}" for f in frames)
+  for op in _ops(_functions(text), locs, "main"):
+    counts[op.kind][op.dtype] = counts[op.kind].get(op.dtype, 0) + 1
+    if op.kind not in _PRODUCTS:
+      continue
+    flops[op.dtype] = flops.get(op.dtype, 0) + op.flops
+    if first is None and op.dtype not in _HALF:
+      frames = _frames(locs, op.loc)[:_FRAMES]
+      first = op.text + "".join(f"\n  at {f}" for f in frames)
   return ComputeDtypes(counts, flops, first)

@@ -90,9 +90,15 @@ def value_and_grad(
   its output dtype. The other arguments (an RL loss's advantages, old
   log-probabilities, labels) reach ``fun`` as they are, and ``aux`` is
   returned as ``fun`` gave it. A cast touches floating arrays only (see
-  :class:`Policy`). An NNX module's ``nnx.Param``s are cast in a copy that
-  ``fun`` sees; its other state (batch statistics, RNG counts) keeps its
-  dtype, and what ``fun`` writes there reaches the module.
+  :class:`Policy`). An NNX module is passed to ``fun`` as a copy whose Flax
+  layers (modules with ``dtype`` and ``param_dtype``) that leave ``dtype``
+  None compute in the compute dtype, as if built with ``dtype=`` it: each
+  casts its inputs and parameters itself, and a norm keeps float32
+  statistics and returns the compute dtype. A layer's own ``dtype=`` is
+  kept (a float32 one stays float32; the next layer casts back). The
+  ``nnx.Param``s of other modules are cast; the rest (batch statistics, RNG
+  counts) keeps its dtype, and what ``fun`` writes there reaches the
+  module.
 
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
@@ -127,7 +133,7 @@ def value_and_grad(
       and, at the call, a differentiated argument
       holding a floating leaf of another dtype than the policy's
       ``param_dtype`` (parameters cast already: a double cast), named by
-      its path, or an NNX module that casts itself (``dtype=`` set).
+      its path.
     TypeError: ``fun``'s output does not fit ``has_aux``, or its loss is not
       a floating scalar; a ``policy`` of another type.
 

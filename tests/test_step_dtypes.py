@@ -192,6 +192,19 @@ def test_nnx_layernorm_rmsnorm_and_attention_block():
   _check(report, matmul=6 * 3 + 2 * 3, convolution=0, rsqrt=2, exp=2)
 
 
+def test_nnx_default_attention_does_not_lower_in_float16_on_cpu():
+  nnx = pytest.importorskip("flax.nnx")
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's limit")
+  # Why the block above passes its own attention_fn (docs/precision-policy.md).
+  attention = nnx.MultiHeadAttention(
+    2, 8, decode=False, dtype=jnp.float16, rngs=nnx.Rngs(0)
+  )
+  call = nnx.jit(lambda module, x: module(x))
+  with pytest.raises(ValueError, match="'F16_F16_F32' is not supported"):
+    fs.compute_dtypes(call, attention, jnp.ones((2, 5, 8)))
+
+
 # ---------------------------------------------------------------------------
 # Flax Linen: the same CNN, params a dict; the policy and cast_args.
 
@@ -268,6 +281,7 @@ def test_equinox_cnn_with_batchnorm():
       model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
     )
     logits, state = batched(x, state)
+    assert logits.dtype == jnp.float16  # cast in the loss, not the model
     return _xent(logits, y), state
 
   @eqx.filter_jit
