@@ -244,7 +244,7 @@ def compute_dtypes(fun: Callable[..., Any], *args, **kwargs) -> ComputeDtypes:
 
   Args:
     fun: the step or the loss, as it is called.
-    *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``s).
+    *args: its arguments: arrays, or ``jax.ShapeDtypeStruct`` shapes.
     **kwargs: its keyword arguments.
 
   Returns:
