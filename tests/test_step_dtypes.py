@@ -353,7 +353,8 @@ def test_haiku_resnet_block_with_batchnorm():
 # Activation (Keras's advice for the output).
 
 
-def test_keras_model_with_batchnorm():
+@pytest.mark.parametrize("last", ["activation", "dense"])
+def test_keras_model_with_batchnorm(last):
   keras = pytest.importorskip("keras")
   if keras.backend.backend() != "jax":
     pytest.skip(f"keras was imported with {keras.backend.backend()} first")
@@ -365,9 +366,13 @@ def test_keras_model_with_batchnorm():
       keras.layers.BatchNormalization(dtype=mixed),
       keras.layers.Flatten(dtype=mixed),
       keras.layers.Dense(16, activation="relu", dtype=mixed),
-      keras.layers.Dense(10, dtype=mixed),
-      keras.layers.Activation("linear", dtype="float32"),
+      # docs/frameworks.md's Keras model ends in a float32 Dense.
+      keras.layers.Dense(
+        10, dtype=mixed if last == "activation" else "float32"
+      ),
     ]
+    + [keras.layers.Activation("linear", dtype="float32")]
+    * (last == "activation")
   )
   trainable = [v.value for v in model.trainable_variables]
   non_trainable = [v.value for v in model.non_trainable_variables]
@@ -390,5 +395,11 @@ def test_keras_model_with_batchnorm():
 
   args = trainable, non_trainable, TX.init(trainable), IMAGES, LABELS
   report = fs.compute_dtypes(step, *args)
-  # One convolution on the batch, two dense layers.
-  _check(report, matmul=6, convolution=2, rsqrt=1)
+  if last == "activation":
+    # One convolution on the batch, two dense layers.
+    _check(report, matmul=6, convolution=2, rsqrt=1)
+    return
+  # A float32 Dense: its product and both gradients in float32, named.
+  assert report.counts["matmul"] == {"float16": 3, "float32": 3}
+  assert report.first_float32.startswith("dot_general (tensor<4x16xf32>")
+  assert "(Dense.call)" in report.first_float32
