@@ -284,6 +284,18 @@ def test_nnx_functional_gradients_are_the_hand_written_forms():
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
+  # The policy sees a pytree, not the layers: with the batch cast too, l1
+  # runs in float16 (its product and kernel gradient), and BatchNorm's
+  # float32 statistics carry l2 into float32 (its product and both
+  # gradients). docs/precision-policy.md: build this form's layers with
+  # dtype=.
+  def cast_batch(p, s):
+    grad = fs.value_and_grad(loss, s, policy=POLICY, cast_args=(2,))
+    return grad(p, rest, x, y)
+
+  report = fs.compute_dtypes(cast_batch, params, state)
+  assert report.counts["matmul"] == {"float16": 2, "float32": 3}
+
 
 def _nnx_by_layer_dtype(nnx, x, y):
   """The independent form of the policy on an NNX module: the model built

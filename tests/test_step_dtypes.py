@@ -192,6 +192,35 @@ def test_nnx_layernorm_rmsnorm_and_attention_block():
   _check(report, matmul=6 * 3 + 2 * 3, convolution=0, rsqrt=2, exp=2)
 
 
+def test_nnx_a_param_no_layer_owns_is_cast_by_the_policy():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Head(nnx.Module):  # a module of your own: no dtype of its own
+    def __init__(self, rngs):
+      self.body = nnx.Linear(8, 16, rngs=rngs)
+      self.w = nnx.Param(jnp.ones((16, 4)))
+
+    def __call__(self, x):
+      return nnx.relu(self.body(x)) @ self.w[...]
+
+  def loss_fn(model, x, y):
+    return _xent(model(x), y)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    grad = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)
+    loss, grads = grad(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  model = Head(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  report = fs.compute_dtypes(step, model, optimizer, jnp.ones((4, 8)), LABELS)
+  # The Linear's product and kernel gradient; w's product and both
+  # gradients: all float16.
+  _check(report, matmul=5, convolution=0, rsqrt=0)
+
+
 def test_nnx_default_attention_does_not_lower_in_float16_on_cpu():
   nnx = pytest.importorskip("flax.nnx")
   if jax.default_backend() != "cpu":
@@ -300,6 +329,30 @@ def test_equinox_cnn_with_batchnorm():
   )
   # Equinox's BatchNorm divides by a sqrt: no rsqrt.
   _check(report, matmul=3, convolution=2, rsqrt=0)
+
+
+def test_equinox_norms_widen_to_float32_but_batchnorm_does_not():
+  eqx = pytest.importorskip("equinox")
+  x = jnp.ones((4, 8), jnp.float16)
+  for norm in (
+    eqx.nn.LayerNorm(8),
+    eqx.nn.RMSNorm(8),
+    eqx.nn.GroupNorm(2, 8, channelwise_affine=False),
+  ):
+    report = fs.compute_dtypes(jax.vmap(norm), x)
+    assert report.counts["sum"] and set(report.counts["sum"]) == {"float32"}
+    assert report.counts["rsqrt"] == {"float32": 1}, norm
+    assert jax.eval_shape(jax.vmap(norm), x).dtype == jnp.float16
+  # BatchNorm's statistics: each example's in float32, rounded to float16,
+  # then averaged over the batch (pmean) in float16.
+  bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+    8, axis_name="batch", mode="batch"
+  )
+  batched = jax.vmap(
+    bn, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+  )
+  report = fs.compute_dtypes(eqx.filter_jit(batched), x, state)
+  assert report.counts["sum"]["float16"] == 2  # the mean's and the var's
 
 
 # ---------------------------------------------------------------------------
