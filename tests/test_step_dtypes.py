@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported
 
+import docs_snippets  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -147,15 +148,36 @@ def test_nnx_without_a_policy_computes_in_float32():
   assert "(Conv.__call__)" in report.first_float32.splitlines()[1]
 
 
+def _page_attention():
+  """docs/precision-policy.md's ``attention``, as the page writes it."""
+  (code,) = [
+    b
+    for b in docs_snippets.section_blocks(
+      "precision-policy.md", "## One way in each framework"
+    )
+    if "def attention" in b
+  ]
+  ns = {"jax": jax, "jnp": jnp, "fs": fs}
+  exec(code, ns)
+  return ns["attention"]
+
+
+def test_the_pages_attention_masks():
+  attention = _page_attention()
+  q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 4, 2, 8))
+  causal = jnp.tril(jnp.ones((4, 4), bool))[None, None]
+  out = attention(q, k, v, mask=causal)
+  # The first position attends to itself alone: its value, exactly.
+  np.testing.assert_array_equal(out[:, 0], v[:, 0])
+  # JAX's own, in float32: sums of at most 8 products and 4 weights, each
+  # order off by a few float32 roundings (2**-24 each), far under 1e-5.
+  expected = jax.nn.dot_product_attention(q, k, v, mask=causal)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_nnx_layernorm_rmsnorm_and_attention_block():
   nnx = pytest.importorskip("flax.nnx")
-
-  def attention(query, key, value, **kwargs):
-    # The products in the compute dtype, the softmax in float32.
-    query = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
-    logits = jnp.einsum("...qhd,...khd->...hqk", query, key)
-    weights = fs.float32(jax.nn.softmax, keep_dtype=True)(logits)
-    return jnp.einsum("...hqk,...khd->...qhd", weights, value)
+  attention = _page_attention()
 
   class Block(nnx.Module):
     def __init__(self, rngs):
@@ -168,7 +190,8 @@ def test_nnx_layernorm_rmsnorm_and_attention_block():
       self.head = nnx.Linear(8, 4, rngs=rngs)
 
     def __call__(self, x):
-      x = x + self.attn(self.ln1(x))
+      causal = nnx.make_causal_mask(x[..., 0])
+      x = x + self.attn(self.ln1(x), mask=causal)
       x = x + self.mlp(jax.nn.gelu(self.ln2(x)))
       return self.head(x.mean(1))
 
