@@ -10,6 +10,8 @@ docs step, docs/development.md):
 import pathlib
 import sys
 
+from docutils import nodes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -141,10 +143,21 @@ def _interop_aliases(app, doctree):
       )
 
 
+def _file_links_as_text(app, doctree, docname):
+  """A link into a Markdown file the site does not hold renders as its
+  text, as on every page: MyST leaves README's (included from the root)
+  an in-page anchor, ``#benchmarks/README.md``, that leads nowhere."""
+  del app, docname
+  for ref in list(doctree.findall(nodes.reference)):
+    if ref.get("refid", "").endswith(".md"):  # written as href="#..."
+      ref.replace_self(ref.children)
+
+
 def setup(app):
   app.connect("autodoc-skip-member", _skip_namedtuple_fields)
   app.connect("autodoc-process-docstring", _no_builtin_docstring)
   app.connect("doctree-read", _interop_aliases)
+  app.connect("doctree-resolved", _file_links_as_text)
 
 
 html_theme = "sphinx_book_theme"

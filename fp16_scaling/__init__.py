@@ -10,6 +10,8 @@ from fp16_scaling._accumulate import accumulate_gradients
 from fp16_scaling._cast import cast_report
 from fp16_scaling._chain import chain
 from fp16_scaling._clipping import clip_by_unscaled_norm
+from fp16_scaling._compute_dtypes import ComputeDtypes
+from fp16_scaling._compute_dtypes import compute_dtypes
 from fp16_scaling._diagnostics import MinLossScaleError
 from fp16_scaling._diagnostics import OverflowReport
 from fp16_scaling._diagnostics import overflow_report
@@ -68,6 +70,7 @@ def __getattr__(name):
 __all__ = [
   "AccumulationState",
   "ClipState",
+  "ComputeDtypes",
   "DeepSpeedFP16",
   "GradRange",
   "LossScaleState",
@@ -85,6 +88,7 @@ __all__ = [
   "cast_report",
   "chain",
   "clip_by_unscaled_norm",
+  "compute_dtypes",
   "current_scale",
   "deepspeed_scaler",
   "flax_scaler",

@@ -89,9 +89,15 @@ def value_and_grad(
   its output dtype. The other arguments (an RL loss's advantages, old
   log-probabilities, labels) reach ``fun`` as they are, and ``aux`` is
   returned as ``fun`` gave it. A cast touches floating arrays only (see
-  :class:`Policy`). An NNX module's ``nnx.Param``s are cast in a copy that
-  ``fun`` sees; its other state (batch statistics, RNG counts) keeps its
-  dtype, and what ``fun`` writes there reaches the module.
+  :class:`Policy`). An NNX module is passed to ``fun`` as a copy whose Flax
+  layers (modules with ``dtype`` and ``param_dtype``) that leave ``dtype``
+  None compute in the compute dtype, as if built with ``dtype=`` it: each
+  casts its inputs and parameters itself, and a norm keeps float32
+  statistics and returns the compute dtype. A layer's own ``dtype=`` is
+  kept (a float32 one stays float32; the next layer casts back). The
+  ``nnx.Param``s of other modules are cast; the rest (batch statistics, RNG
+  counts) keeps its dtype, and what ``fun`` writes there reaches the
+  module.
 
   Args:
     fun: the loss, returning a scalar (and an aux value with ``has_aux``),
@@ -126,7 +132,7 @@ def value_and_grad(
       and, at the call, a differentiated argument
       holding a floating leaf of another dtype than the policy's
       ``param_dtype`` (parameters cast already: a double cast), named by
-      its path, or an NNX module that casts itself (``dtype=`` set).
+      its path.
     TypeError: ``fun``'s output does not fit ``has_aux``, or its loss is not
       a floating scalar; a ``policy`` of another type.
 
@@ -271,21 +277,46 @@ def _cast_inputs(policy, nums, cast_args, args, kw):
 
 
 def _cast_one(policy, x, after):
-  """``x`` cast to the compute dtype (see :func:`_cast_inputs`)."""
+  """``x`` cast to the compute dtype (see :func:`_cast_inputs`); an NNX
+  module in a copy whose Flax layers compute in it (:func:`_nnx_copy`)."""
   nnx = sys.modules.get("flax.nnx")
   if nnx is None or not isinstance(x, nnx.Module):
     return policy.cast_to_compute(x)
-  graphdef, params, rest = nnx.split(x, nnx.Param, ...)
-  copy = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
+  copy = _nnx_copy(nnx, policy, x)
   after.append(lambda: nnx.update(x, nnx.state(copy, nnx.Not(nnx.Param))))
+  return copy
+
+
+def _is_layer(module) -> bool:
+  """A Flax layer: a module with a compute ``dtype`` and a ``param_dtype``,
+  that casts its inputs and parameters to its ``dtype`` itself."""
+  return hasattr(module, "dtype") and hasattr(module, "param_dtype")
+
+
+def _nnx_copy(nnx, policy, module):
+  """A copy of ``module`` computing in the policy's compute dtype: each
+  Flax layer that leaves its ``dtype`` None gets the compute dtype (Flax
+  then casts its inputs and parameters, and a norm keeps float32 statistics
+  and returns the compute dtype); a layer's own ``dtype=`` is kept. The
+  ``nnx.Param``s no layer owns are cast; the rest (batch statistics, RNG
+  counts, the layers' parameters) keep their dtype."""
+  layers = {path for path, m in nnx.iter_modules(module) if _is_layer(m)}
+
+  def cast(path, value) -> bool:
+    return isinstance(value, nnx.Param) and path[:-1] not in layers
+
+  graphdef, params, rest = nnx.split(module, cast, ...)
+  copy = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
+  for _, m in nnx.iter_modules(copy):
+    if _is_layer(m) and m.dtype is None:
+      m.dtype = policy.compute_dtype
   return copy
 
 
 def _refuse_double_cast(policy, args, nums) -> None:
   """A ValueError, naming the leaf, for a differentiated argument that
   holds a floating array of another dtype than ``policy.param_dtype``
-  (cast already), or an NNX module that casts itself (``dtype=`` set)."""
-  nnx = sys.modules.get("flax.nnx")
+  (cast already)."""
   for i in nums:
     for path, x in jax.tree_util.tree_leaves_with_path(args[i]):
       if _policy.is_floating_array(x) and x.dtype != policy.param_dtype:
@@ -297,16 +328,6 @@ def _refuse_double_cast(policy, args, nums) -> None:
           "again. Pass the parameters in their own dtype (the policy "
           "casts them inside), or drop policy="
         )
-    if nnx is not None and isinstance(args[i], nnx.Module):
-      for path, sub in nnx.iter_modules(args[i]):
-        if getattr(sub, "dtype", None) is not None:
-          raise ValueError(
-            f"fs.value_and_grad(policy={policy}): argument {i} holds an "
-            f"nnx.{type(sub).__name__} at {'/'.join(map(str, path))} with "
-            f"dtype={jnp.dtype(sub.dtype).name}, which casts its own "
-            "computation: with a policy too it is cast twice. Build the "
-            "model with dtype=None and keep policy=, or drop policy="
-          )
 
 
 def _differentiable(x) -> bool:

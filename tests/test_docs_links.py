@@ -10,6 +10,12 @@ and a repeated heading numbered ``-1``, ``-2``. An anchor
 (docs/api.md; the site resolves it, tests/test_docs_site.py checks that
 it is there). A reference in prose, ``docs/page.md, "A heading"``, names a
 heading of that page.
+
+What the pages render also reads as written: a power outside code is
+``2^N`` (Markdown reads the stars of two ``2**N`` in one paragraph as
+bold, the digits between them run together), and once a page's shell
+block has made ``.venv``, its commands run ``.venv/bin/pip`` and
+``.venv/bin/python``, not whichever ``pip`` is on the PATH.
 """
 
 import pathlib
@@ -37,6 +43,8 @@ _HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$", re.M)
 _INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]*)>?")
 _DEFINITION = re.compile(r"^[ ]{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
 _PROSE = re.compile(r"([\w./-]+\.md),? \"([^\"]+)\"")
+_POWER = re.compile(r"\d\*\*-?\d+")
+_SHELL = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
 
 
 def _blank(match):
@@ -156,3 +164,44 @@ def test_the_check_finds_what_it_is_for(tmp_path):
     "page.md:13: other.md, \"Three times\": no heading 'Three times' in"
     " other.md",
   ]
+
+
+def powers(path):
+  """``page:line: 2**N`` for each power written with ``**`` outside code."""
+  text = _prose(path.read_text())
+  return [
+    f"{path.name}:{line}: {m.group(0)}" for m, line in _found(_POWER, text)
+  ]
+
+
+def bare_tools(path):
+  """``page:line: command`` for each ``pip`` or ``python`` a shell block
+  runs bare after a command of the page made ``.venv``."""
+  text, made, found = path.read_text(), False, []
+  for block in _SHELL.finditer(text):
+    first = text.count("\n", 0, block.start(1)) + 1
+    for number, line in enumerate(block.group(1).splitlines(), first):
+      for command in re.split(r"&&|\|\||;", line):
+        words = command.split() or [""]
+        if made and words[0] in ("pip", "pip3", "python", "python3"):
+          found.append(f"{path.name}:{number}: {words[0]}")
+        made = made or "-m venv .venv" in command
+  return found
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_powers_and_commands_read_as_written(path):
+  assert (powers(path), bare_tools(path)) == ([], [])
+
+
+def test_the_reading_checks_find_what_they_are_for(tmp_path):
+  page = tmp_path / "page.md"
+  page.write_text(
+    "Scales from 2**16 to 2**24, in `2**15` code, 2^10 as written.\n\n"
+    "```bash\npip install x && python -m venv .venv && .venv/bin/pip i\n"
+    "```\n\n```python\nx = 2**3  # code\n```\n\n"
+    "```bash\n.venv/bin/python a.py && pip install -e . ; python -m pytest\n"
+    "```\n"
+  )
+  assert powers(page) == ["page.md:1: 2**16", "page.md:1: 2**24"]
+  assert bare_tools(page) == ["page.md:12: pip", "page.md:12: python"]

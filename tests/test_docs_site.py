@@ -8,9 +8,12 @@ docs step builds once and points here), else from a build it runs with
 folder, where Sphinx is installed (``pip install -e ".[docs]"``).
 """
 
+import html
 import os
 import pathlib
+import posixpath
 import re
+import urllib.parse
 import zlib
 
 import pytest
@@ -21,6 +24,8 @@ import fp16_scaling.keras  # Keras, on its JAX backend unless set otherwise
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api.md"
+_HREF = re.compile(r'<a\b[^>]*?\bhref="([^"]*)"')
+_ID = re.compile(r'\bid="([^"]*)"')
 _DIRECTIVE = re.compile(
   r"^\.\. auto(function|class|exception|data):: fp16_scaling\.(\w+)$", re.M
 )
@@ -136,3 +141,57 @@ def test_the_inventory_reader_reads_what_sphinx_writes(tmp_path):
     "fp16_scaling.Policy": ("py:class", "api.html#fp16_scaling.Policy"),
     "api": ("std:doc", "api.html"),
   }
+
+
+def dead_links(site):
+  """``page: href`` for each link of the built site's pages to a file the
+  site does not hold, or to an id its page does not hold (links with a
+  scheme, ``https:`` and the like, are not followed)."""
+  pages = {p.relative_to(site).as_posix(): p for p in site.rglob("*.html")}
+  ids, dead = {}, []
+  for name, path in sorted(pages.items()):
+    for href in _HREF.findall(path.read_text()):
+      href = urllib.parse.unquote(html.unescape(href))
+      if href in ("", "#") or re.match(r"^[a-z][a-z0-9+.-]*:", href, re.I):
+        continue
+      file_part, _, fragment = href.partition("#")
+      file_part = file_part.partition("?")[0]
+      target = name
+      if file_part:
+        target = posixpath.join(posixpath.dirname(name), file_part)
+        target = posixpath.normpath(target)
+      if target not in pages:
+        if not (site / target).exists():
+          dead.append(f"{name}: {href}")
+        continue
+      if target not in ids:
+        ids[target] = set(_ID.findall(pages[target].read_text()))
+      if fragment and fragment not in ids[target]:
+        dead.append(f"{name}: {href}")
+  return dead
+
+
+def test_no_link_of_the_built_site_is_dead(built_site):
+  assert dead_links(built_site) == []
+
+
+def test_the_dead_link_check_finds_what_it_is_for(tmp_path):
+  # A site written by hand: each kind of dead link is reported (a missing
+  # page, an id no element of the page holds, here or there), each good
+  # one is not.
+  (tmp_path / "_static").mkdir()
+  (tmp_path / "_static" / "s.css").write_text("")
+  (tmp_path / "api.html").write_text('<section id="chain"><p id="x"></p>')
+  (tmp_path / "index.html").write_text(
+    '<a href="api.html#chain">ok</a> <a class="r" href="#top">ok</a>'
+    '<p id="top"></p><a href="_static/s.css?v=1">ok</a>'
+    '<a href="https://example.com/#y">ok</a> <a href="#">ok</a>'
+    '<a href="api.html#module-fp16_scaling.interop">no id</a>'
+    '<a href="#benchmarks/README.md">no id here</a>'
+    '<a href="benchmarks.html">no page</a>'
+  )
+  assert dead_links(tmp_path) == [
+    "index.html: api.html#module-fp16_scaling.interop",
+    "index.html: #benchmarks/README.md",
+    "index.html: benchmarks.html",
+  ]

@@ -2,7 +2,8 @@
 differentiated function, so the gradients are bit for bit those of the
 hand-written cast-inside form and come back in float32; only the
 differentiated arguments (and those cast_args names) are cast. Plain
-pytrees, Equinox, Linen and NNX models; double casts refused by name."""
+pytrees, Equinox, Linen and NNX models (an NNX module's layers computing as
+if built with dtype= the compute dtype); double casts refused by name."""
 
 import warnings
 
@@ -249,7 +250,7 @@ def _nnx_model(nnx, dtype=None):
   class Net(nnx.Module):
     def __init__(self, rngs):
       self.l1 = nnx.Linear(8, 16, dtype=dtype, rngs=rngs)
-      self.bn = nnx.BatchNorm(16, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, dtype=dtype, rngs=rngs)
       self.l2 = nnx.Linear(16, 4, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
@@ -283,21 +284,39 @@ def test_nnx_functional_gradients_are_the_hand_written_forms():
   assert _bits(grads) == _bits(expected)
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
+  # The policy sees a pytree, not the layers: with the batch cast too, l1
+  # runs in float16 (its product and kernel gradient), and BatchNorm's
+  # float32 statistics carry l2 into float32 (its product and both
+  # gradients). docs/precision-policy.md: build this form's layers with
+  # dtype=.
+  def cast_batch(p, s):
+    grad = fs.value_and_grad(loss, s, policy=POLICY, cast_args=(2,))
+    return grad(p, rest, x, y)
 
-def test_nnx_optimizer_casts_the_params_and_keeps_the_batch_statistics():
+  report = fs.compute_dtypes(cast_batch, params, state)
+  assert report.counts["matmul"] == {"float16": 2, "float32": 3}
+
+
+def _nnx_by_layer_dtype(nnx, x, y):
+  """The independent form of the policy on an NNX module: the model built
+  with dtype=float16 on every layer (Flax casts each layer's inputs and
+  parameters itself), jax.grad on its split state times the scale; the
+  gradients and the batch statistics the forward pass wrote."""
+  graphdef, params, rest = nnx.split(_nnx_model(nnx, F16), nnx.Param, ...)
+
+  def by_hand(p):
+    m = nnx.merge(graphdef, p, rest, copy=True)
+    return _nnx_loss(m, x, y).astype(F32) * S, nnx.state(m, nnx.BatchStat)
+
+  return jax.jit(jax.grad(by_hand, has_aux=True))(params)
+
+
+def test_nnx_optimizer_computes_as_the_layers_own_dtype_and_keeps_stats():
   nnx = pytest.importorskip("flax.nnx")
   x, y = _batch()
   model = _nnx_model(nnx)
   optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
-  # The independent form: jax.grad on the split state, cast by hand.
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-  def by_hand(p):
-    m = nnx.merge(graphdef, POLICY.cast_to_compute(p), rest, copy=True)
-    loss = _nnx_loss(m, x, y)
-    return loss.astype(F32) * S, nnx.state(m, nnx.BatchStat)
-
-  expected, stats = jax.jit(jax.grad(by_hand, has_aux=True))(params)
+  expected, stats = _nnx_by_layer_dtype(nnx, x, y)
 
   @nnx.jit
   def step(model, optimizer):
@@ -313,25 +332,36 @@ def test_nnx_optimizer_casts_the_params_and_keeps_the_batch_statistics():
   assert _bits(after) == _bits(stats)
   assert all(v.dtype == F32 for v in jax.tree.leaves(after))
   assert _bits(after) != _bits(before)
-  # And the parameters the model keeps are float32, untouched by the cast.
+  # And the model the caller holds is as built: float32 parameters, untouched
+  # by the cast, and its layers' dtype still None (the policy set it on the
+  # copy the loss saw).
   assert all(
     v.dtype == F32 for v in jax.tree.leaves(nnx.state(model, nnx.Param))
   )
+  assert (model.l1.dtype, model.bn.dtype, model.l2.dtype) == (None,) * 3
 
 
-def test_an_nnx_module_that_casts_itself_is_refused_by_name():
+def test_an_nnx_module_that_casts_itself_agrees_with_the_policy():
   nnx = pytest.importorskip("flax.nnx")
   x, y = _batch()
-  model = _nnx_model(nnx, dtype=jnp.float16)
-  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
-  grad = fs.value_and_grad(_nnx_loss, optimizer, policy=POLICY)
-  with pytest.raises(ValueError, match=r"nnx.Linear at l1 with dtype=float16"):
-    grad(model, x, y)
-  # Without the policy the module's own dtype= is the policy.
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    _, grads = fs.value_and_grad(_nnx_loss, optimizer)(model, x, y)
-  assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+  expected, _ = _nnx_by_layer_dtype(nnx, x, y)
+  # The layers' own dtype=float16, with the policy and without: the same
+  # bits as the policy on a model built without dtype=.
+  for policy in (POLICY, None):
+    model = _nnx_model(nnx, dtype=jnp.float16)
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+      grad = fs.value_and_grad(_nnx_loss, optimizer, policy=policy)
+      return grad(model, x, y)[1]
+
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      grads = step(model, optimizer)
+    assert _bits(nnx.to_pure_dict(grads)) == _bits(
+      nnx.to_pure_dict(expected)
+    ), policy
 
 
 # ---------------------------------------------------------------------------

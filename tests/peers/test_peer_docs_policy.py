@@ -9,4 +9,4 @@ pytest.importorskip("flax.nnx")
 
 def test_policy_page_runs_with_haiku():
   ran = docs_snippets.run_page("precision-policy.md", {}, available=("haiku",))
-  assert ran == len(docs_snippets.blocks("precision-policy.md")) == 4
+  assert ran == len(docs_snippets.blocks("precision-policy.md")) == 6
