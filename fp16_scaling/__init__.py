@@ -20,14 +20,14 @@ from fp16_scaling._float32 import float32
 from fp16_scaling._grad import value_and_grad
 from fp16_scaling._jax_presets import jmp_scaler
 from fp16_scaling._jax_presets import keras_scaler
-from fp16_scaling._locate import locate_overflow
-from fp16_scaling._location import OverflowLocation
 from fp16_scaling._lookup import set_loss_scale
 from fp16_scaling._loss_scale import fp16_loss_scale
 from fp16_scaling._metrics import ScaleMetrics
 from fp16_scaling._metrics import current_scale
 from fp16_scaling._metrics import layer_grad_norms
 from fp16_scaling._metrics import scale_metrics
+from fp16_scaling._overflow_locator.locate import locate_overflow
+from fp16_scaling._overflow_locator.location import OverflowLocation
 from fp16_scaling._policy import Policy
 from fp16_scaling._policy import get_policy
 from fp16_scaling._scaler import Scaler

@@ -68,16 +68,16 @@ _ADVICE = {
 # After an overflow step's advice: the tool that names the op.
 _LOCATE = (
   " To find the op that overflowed (its line and module, forward or "
-  "backward): print(fs.locate_overflow(loss_fn, opt_state)(*batch)) with "
-  'this step\'s batch, on the host (docs/diagnostics.md, "Which op").'
+  "backward): print(fs.locate_overflow(loss_fn, opt_state)(params, "
+  "*batch)) with this step's batch, on the host (docs/locate-overflow.md)."
 )
 
 _SELECT_NOTE = (
   "The step was skipped: params and optimizer state are kept. Model state "
   "outside optax (BatchNorm statistics, an EMA) is kept only by "
   "fs.select_on_overflow(opt_state, new=..., old=...) after tx.update; "
-  "this report "
-  "reads the optimizer state alone and cannot see whether it was called."
+  "this report reads the optimizer state alone and cannot see whether it "
+  "was called."
 )
 
 

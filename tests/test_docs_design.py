@@ -37,12 +37,13 @@ def test_design_state_table_lists_exactly_the_fields(state):
 
 
 _PACKAGE = _DESIGN.parents[1] / "fp16_scaling"
+_LOCATOR = "_overflow_locator"  # the host-side locator's subpackage
 
 
 def _module_map():
   """The table's modules as paths under fp16_scaling/ without ``.py``:
-  ``_scaler``, ``interop/_peers``."""
-  pattern = r"^\| `((?:interop/)?_\w+)\.py` \|"
+  ``_scaler``, ``interop/_peers``, ``_overflow_locator/locate``."""
+  pattern = r"^\| `((?:interop/|_overflow_locator/)?_?\w+)\.py` \|"
   return re.findall(pattern, _DESIGN.read_text(), re.M)
 
 
@@ -54,9 +55,12 @@ def _on_disk(pattern):
 
 
 def _modules():
-  """Every module of the package and of its interop subpackage, as
-  :func:`_module_map` names them."""
-  return _on_disk("_*.py") + _on_disk("interop/_*.py")
+  """Every module of the package and of its two subpackages (interop, the
+  overflow locator), as :func:`_module_map` names them; ``keras.py``, a
+  wing no module imports, is checked on its own."""
+  return (
+    _on_disk("_*.py") + _on_disk("interop/_*.py") + _on_disk(f"{_LOCATOR}/*.py")
+  )
 
 
 def _parse(module):
@@ -297,10 +301,25 @@ def test_the_receiver_check_sees_a_wrong_type():
 
 def test_the_package_has_no_hidden_channels():
   """No context variable, no jax.extend, no jaxpr: values travel by
-  argument (the data-flow table above)."""
-  pattern = re.compile(r"contextvars|ContextVar|jax\.extend|jaxpr")
+  argument (the data-flow table above). The overflow locator, a host-side
+  debugging tool that no step runs, reads the jaxpr of the step it re-runs
+  (``jax.make_jaxpr``, public JAX); no context variable or ``jax.extend``
+  there either."""
+  channels = re.compile(r"contextvars|ContextVar|jax\.extend")
+  jaxpr = re.compile(r"jaxpr")
   for path in _PACKAGE.rglob("*.py"):
-    assert not pattern.search(path.read_text()), path
+    text = path.read_text()
+    assert not channels.search(text), path
+    if path.parent.name != _LOCATOR:
+      assert not jaxpr.search(text), path
+
+
+def test_no_module_of_the_step_imports_the_overflow_locator():
+  # Only the package's __init__ reaches it (fs.locate_overflow).
+  assert {"_grad", f"{_LOCATOR}/location"} <= _imports(f"{_LOCATOR}/locate")
+  for module in _on_disk("_*.py") + _on_disk("interop/_*.py"):
+    found = {m for m in _imports(module) if m.split("/")[0] == _LOCATOR}
+    assert not found, (module, found)
 
 
 # ---------------------------------------------------------------------------

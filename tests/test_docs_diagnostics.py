@@ -1,4 +1,4 @@
-"""docs/diagnostics.md's worked case of ``fs.locate_overflow``, run as
+"""docs/locate-overflow.md's worked case of ``fs.locate_overflow``, run as
 written: its blocks print what the page shows (numbers with a fraction
 aside, which depend on float16 rounding), and what they show holds: the
 forward overflow at the attention's line in layer 1, and once the
@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("flax.linen")
 pytest.importorskip("tqdm")  # examples/train_lm.py's progress bar
 
-SECTION = "## Which op: `fs.locate_overflow`"
+PAGE = "locate-overflow.md"
+SECTION = "## A worked case"
 
 
 def masked(text):
@@ -29,7 +30,7 @@ def masked(text):
 
 def shown():
   """The output blocks (plain fences) of the section, in order."""
-  text = (docs_snippets.DOCS / "diagnostics.md").read_text()
+  text = (docs_snippets.DOCS / PAGE).read_text()
   start = text.index(f"\n{SECTION}\n")
   end = text.find("\n## ", start + len(SECTION) + 2)
   fences = re.findall(r"^```(\w*)\n(.*?)^```$", text[start:end], re.S | re.M)
@@ -39,12 +40,12 @@ def shown():
 def test_the_worked_case_prints_what_the_page_shows(monkeypatch):
   monkeypatch.chdir(ROOT)
   monkeypatch.setattr(sys, "path", list(sys.path))  # the page adds examples/
-  blocks = docs_snippets.section_blocks("diagnostics.md", SECTION)
+  blocks = docs_snippets.section_blocks(PAGE, SECTION)
   namespace, printed = {}, []
   for i, code in enumerate(blocks):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      exec(compile(code, f"diagnostics.md, which op {i}", "exec"), namespace)
+      exec(compile(code, f"{PAGE}, block {i}", "exec"), namespace)
     printed.append(out.getvalue())
   assert list(map(masked, printed)) == list(map(masked, shown()))
   report, found, fixed = printed
@@ -67,6 +68,4 @@ def test_the_worked_case_prints_what_the_page_shows(monkeypatch):
     "Last step clean at loss scale 2^12; next scale 2^12.",
     "Skipped steps so far: 1; overflows at the scale's floor: 0.",
   ]
-  assert (
-    f"train_lm.py:{line}" in (docs_snippets.DOCS / "diagnostics.md").read_text()
-  )
+  assert f"train_lm.py:{line}" in (docs_snippets.DOCS / PAGE).read_text()

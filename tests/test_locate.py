@@ -447,7 +447,7 @@ def test_a_stack_the_report_names_whole_is_named_by_its_layer():
   report = fs.overflow_report(opt_state)
   assert (report.kind, report.nonfinite_layers) == ("forward", (0, 1, 2, 3))
   assert (report.scale, report.next_scale) == (2.0**8, 2.0**7)
-  assert "fs.locate_overflow(loss_fn, opt_state)(*batch)" in str(report)
+  assert "fs.locate_overflow(loss_fn, opt_state)(params, *batch)" in str(report)
   found = fs.locate_overflow(loss, opt_state)(params, x)
   assert_at(
     found,
@@ -466,7 +466,7 @@ def test_only_a_report_of_an_overflow_step_points_to_the_locator():
   state = tx.init(params)
   clean = tx.update({"w": jnp.ones(2)}, state, params)[1]
   bad = tx.update({"w": jnp.array([jnp.inf, 1.0])}, clean, params)[1]
-  pointer = "print(fs.locate_overflow(loss_fn, opt_state)(*batch))"
+  pointer = "print(fs.locate_overflow(loss_fn, opt_state)(params, *batch))"
   assert pointer not in str(fs.overflow_report(clean))
   assert pointer in str(fs.overflow_report(bad))
   with pytest.raises(fs.MinLossScaleError, match="fs.locate_overflow"):

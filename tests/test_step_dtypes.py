@@ -293,7 +293,7 @@ def test_linen_cnn():
       loss_fn, opt_state, has_aux=True, policy=POLICY, cast_args=(2,)
     )(params, stats, x, y, key)
     updates, opt_state = TX.update(grads, opt_state, params)
-    stats = fs.select_on_overflow(opt_state, new, stats)
+    stats = fs.select_on_overflow(opt_state, new=new, old=stats)
     return optax.apply_updates(params, updates), stats, opt_state, loss
 
   args = params, stats, TX.init(params), IMAGES, LABELS, jax.random.key(1)
@@ -343,7 +343,7 @@ def test_equinox_cnn_with_batchnorm():
     )(model, state, x, y)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = TX.update(grads, opt_state, params)
-    state = fs.select_on_overflow(opt_state, new, state)
+    state = fs.select_on_overflow(opt_state, new=new, old=state)
     return eqx.apply_updates(model, updates), state, opt_state, loss
 
   images = jnp.moveaxis(IMAGES, -1, 1)  # channels first
@@ -412,7 +412,7 @@ def test_haiku_resnet_block_with_batchnorm():
         params, state, x, y
       )
       updates, opt_state = TX.update(grads, opt_state, params)
-      state = fs.select_on_overflow(opt_state, new, state)
+      state = fs.select_on_overflow(opt_state, new=new, old=state)
       return optax.apply_updates(params, updates), state, opt_state, loss
 
     args = params, state, TX.init(params), IMAGES, LABELS
@@ -466,7 +466,7 @@ def test_keras_model_with_batchnorm(last):
       trainable, non_trainable, x, y
     )
     updates, opt_state = TX.update(grads, opt_state, trainable)
-    non_trainable = fs.select_on_overflow(opt_state, new, non_trainable)
+    non_trainable = fs.select_on_overflow(opt_state, new=new, old=non_trainable)
     return optax.apply_updates(trainable, updates), non_trainable, loss
 
   args = trainable, non_trainable, TX.init(trainable), IMAGES, LABELS

@@ -1,6 +1,6 @@
 """``locate_overflow``: the op that made a step's first float16 inf or NaN,
 found on the host by re-running the step's forward and backward pass op by
-op, at the scale the step used (docs/diagnostics.md, "Which op").
+op, at the scale the step used (docs/locate-overflow.md).
 
 ``jax.make_jaxpr`` traces the gradient function :func:`value_and_grad`
 builds, with the scale as its first input, and ``_locator`` evaluates it
@@ -17,15 +17,15 @@ import jax
 from jax.tree_util import keystr
 import numpy as np
 
-from fp16_scaling import _location
-from fp16_scaling import _locator
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
 from fp16_scaling._grad import value_and_grad
-from fp16_scaling._location import OverflowLocation
-from fp16_scaling._location import finite
-from fp16_scaling._locator import Origin
-from fp16_scaling._locator import Val
+from fp16_scaling._overflow_locator import location as _location
+from fp16_scaling._overflow_locator import locator as _locator
+from fp16_scaling._overflow_locator.location import OverflowLocation
+from fp16_scaling._overflow_locator.location import finite
+from fp16_scaling._overflow_locator.locator import Origin
+from fp16_scaling._overflow_locator.locator import Val
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)  # traced; other leaves not
 

@@ -13,10 +13,10 @@ from typing import Any, NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from fp16_scaling._location import bind
-from fp16_scaling._location import finite
-from fp16_scaling._location import floating
-from fp16_scaling._location import module_of
+from fp16_scaling._overflow_locator.location import bind
+from fp16_scaling._overflow_locator.location import finite
+from fp16_scaling._overflow_locator.location import floating
+from fp16_scaling._overflow_locator.location import module_of
 
 # Evaluated whole, not entered: a while loop (its body runs any number of
 # times) and the per-device bodies of the mapped calls.
