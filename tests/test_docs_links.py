@@ -176,14 +176,20 @@ def powers(path):
 
 def bare_tools(path):
   """``page:line: command`` for each ``pip`` or ``python`` a shell block
-  runs bare after a command of the page made ``.venv``."""
+  runs bare after a command of the page made ``.venv`` (but one that makes
+  a venv: the system's Python does that)."""
   text, made, found = path.read_text(), False, []
   for block in _SHELL.finditer(text):
     first = text.count("\n", 0, block.start(1)) + 1
     for number, line in enumerate(block.group(1).splitlines(), first):
       for command in re.split(r"&&|\|\||;", line):
         words = command.split() or [""]
-        if made and words[0] in ("pip", "pip3", "python", "python3"):
+        makes = "-m venv" in command
+        if (
+          made
+          and not makes
+          and words[0] in ("pip", "pip3", "python", "python3")
+        ):
           found.append(f"{path.name}:{number}: {words[0]}")
         made = made or "-m venv .venv" in command
   return found
@@ -201,6 +207,7 @@ def test_the_reading_checks_find_what_they_are_for(tmp_path):
     "```bash\npip install x && python -m venv .venv && .venv/bin/pip i\n"
     "```\n\n```python\nx = 2**3  # code\n```\n\n"
     "```bash\n.venv/bin/python a.py && pip install -e . ; python -m pytest\n"
+    "python3 -m venv .venv && .venv/bin/pip install -e .\n"
     "```\n"
   )
   assert powers(page) == ["page.md:1: 2**16", "page.md:1: 2**24"]

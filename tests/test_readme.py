@@ -30,8 +30,8 @@ TEST_COMMAND = (
   "bash .ci/setup && .venv/bin/python -m pytest -q -n auto --dist loadfile"
 )
 FAST_LOOP = (
-  'pip install -e ".[test]" && '
-  'python -m pytest -q -n auto --dist loadfile -m "not peers"'
+  'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && '
+  '.venv/bin/python -m pytest -q -n auto --dist loadfile -m "not peers"'
 )
 
 
