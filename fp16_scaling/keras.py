@@ -233,8 +233,10 @@ class Optimizer(keras.optimizers.Optimizer):
 
   def _with_loss(self, optimizer_variables, loss):
     """``optimizer_variables`` after :meth:`stateless_apply`, whose update
-    was given no loss, with the overflow kind the loss ``loss`` tells
-    (``"forward"`` for a non-finite loss, ``"backward"`` for a finite one)."""
+    was given no loss (Keras's trainer computes it but passes it on only
+    after the step), with the overflow kind the step's loss ``loss`` tells
+    (``"forward"`` for a non-finite loss, ``"backward"`` for a finite
+    one)."""
     state = self.stateless_opt_state(optimizer_variables)
     ls = _loss_scale.with_value(_lookup.loss_scale_state(state), loss)
     state = _lookup.replace_loss_scale_state(state, ls)
@@ -314,6 +316,17 @@ def _compile(compile_, optimizer="rmsprop", *args, **kwargs):
   return compile_(optimizer, *args, **kwargs)
 
 
+def _loss_tracker(model):
+  """Keras's loss tracker, a ``keras.metrics.Mean`` named ``loss`` that
+  Keras lists first in ``model.metrics`` (so its variables come first in
+  ``model.metrics_variables``), or None where a model lists another
+  first."""
+  first = model.metrics[0] if model.metrics else None
+  if isinstance(first, keras.metrics.Mean) and first.name == "loss":
+    return first
+  return None
+
+
 def _train_step(model, train_step, state, data):
   """Keras's ``train_step`` (``train_step``), with the non-trainable and
   metric variables of a skipped step kept and the scale logged."""
@@ -321,14 +334,24 @@ def _train_step(model, train_step, state, data):
   if not isinstance(optimizer, Optimizer):
     raise ValueError(_NOT_OURS.format(type(optimizer).__name__))
   trainable, non_trainable, optimizer_variables, metrics = state
-  state = (trainable, non_trainable, _FromMixin(optimizer_variables), metrics)
+  tracker = _loss_tracker(model)
+  # The loss tracker's variables (the first) from zero: after Keras's step
+  # they hold this step's loss alone, which tells the overflow's kind; the
+  # epoch's are then the old plus the step's.
+  n = len(tracker.variables) if tracker else 0
+  fresh = [*map(jnp.zeros_like, metrics[:n]), *metrics[n:]]
+  state = (trainable, non_trainable, _FromMixin(optimizer_variables), fresh)
   logs, (trainable, new_non_trainable, optimizer_variables, new_metrics) = (
     train_step(state, data)
   )
-  if "loss" in logs:  # the epoch's mean: its kept steps' losses are finite
-    optimizer_variables = optimizer._with_loss(
-      optimizer_variables, logs["loss"]
-    )
+  if tracker:
+    mapping = list(zip(tracker.variables, new_metrics))
+    with keras.StatelessScope(state_mapping=mapping):
+      loss = tracker.result()
+    optimizer_variables = optimizer._with_loss(optimizer_variables, loss)
+  # A Mean's update adds to its total and count, as this adds the old.
+  added = [old + step for old, step in zip(metrics[:n], new_metrics[:n])]
+  new_metrics = [*added, *new_metrics[n:]]
   opt_state = optimizer.stateless_opt_state(optimizer_variables)
   non_trainable = select_on_overflow(
     opt_state, new=new_non_trainable, old=non_trainable
@@ -356,7 +379,9 @@ class KeepStateOnSkip:
   so the epoch's loss and metrics leave a skipped step out. Its logs, in
   ``History`` and the progress bar, add ``loss_scale`` (the next step's),
   ``skipped_steps`` and ``overflow_kind`` (a code into
-  ``fp16_scaling.OVERFLOW_KINDS``, read from the loss Keras logs).
+  ``fp16_scaling.OVERFLOW_KINDS``: forward or backward as the step's own
+  loss tells, which Keras's loss tracker, run from zero for the step,
+  records; unknown where the model lists another metric first).
 
   ``compile`` takes an ``fs.chain`` as the optimizer (and an
   :class:`Optimizer`), and compiles with ``auto_scale_loss=False`` unless

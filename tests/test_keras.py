@@ -17,6 +17,7 @@ import textwrap  # noqa: E402
 
 import helpers  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
@@ -99,7 +100,8 @@ def _accuracy(model, x, y):
 
 def _custom_loop(model, tx, x, y):
   """docs/frameworks.md's Keras loop, on fit's batches in fit's order; the
-  trained values are written into ``model``. Returns the optax state."""
+  trained values are written into ``model``. Returns the optax state and
+  each epoch's ``(loss, rows)`` of its applied steps."""
 
   def loss_fn(trainable, non_trainable, xb, yb):
     pred, non_trainable = model.stateless_call(
@@ -114,21 +116,26 @@ def _custom_loop(model, tx, x, y):
     )
     updates, opt_state = tx.update(grads, opt_state, trainable, value=loss)
     non_trainable = fs.select_on_overflow(opt_state, new=new, old=non_trainable)
-    return optax.apply_updates(trainable, updates), non_trainable, opt_state
+    new_trainable = optax.apply_updates(trainable, updates)
+    return new_trainable, non_trainable, opt_state, loss
 
   trainable = [v.value for v in model.trainable_variables]
   non_trainable = [v.value for v in model.non_trainable_variables]
   opt_state = tx.init(trainable)
+  applied = []
   for _ in range(EPOCHS):
+    applied.append([])
     for i in range(0, len(x), BATCH):
-      trainable, non_trainable, opt_state = step(
+      trainable, non_trainable, opt_state, loss = step(
         trainable, non_trainable, opt_state, x[i : i + BATCH], y[i : i + BATCH]
       )
+      if not fs.scale_metrics(opt_state)["overflow"]:
+        applied[-1].append((float(loss), len(x[i : i + BATCH])))
   for v, value in zip(model.trainable_variables, trainable):
     v.assign(value)
   for v, value in zip(model.non_trainable_variables, non_trainable):
     v.assign(value)
-  return opt_state
+  return opt_state, applied
 
 
 def _fit(model, x, y, **kwargs):
@@ -139,7 +146,7 @@ def _fit(model, x, y, **kwargs):
   history = model.fit(
     x,
     y,
-    batch_size=BATCH,
+    batch_size=kwargs.pop("batch_size", BATCH),
     shuffle=False,
     verbose=0,
     callbacks=[record, *kwargs.pop("callbacks", [])],
@@ -177,7 +184,7 @@ def test_the_issue_table(digits, mixed_float16):
   tx = _tx()
   loop_model = _model()
   assert helpers.bits(_values(loop_model.variables)) == init
-  loop_state = _custom_loop(loop_model, tx, x, y)
+  loop_state, applied = _custom_loop(loop_model, tx, x, y)
   loop_accuracy, _ = _accuracy(loop_model, x_test, y_test)
   m = fs.scale_metrics(loop_state)
   rows["custom loop"] = (
@@ -217,6 +224,15 @@ def test_the_issue_table(digits, mixed_float16):
   assert int(model.optimizer.iterations.value) == STEPS - EPOCHS
   # History: a finite loss each epoch, the scale and the skips.
   assert np.isfinite(history["loss"]).all()
+  # Each epoch's loss, the loop's mean over the applied steps (each weighted
+  # by its rows, as Keras's loss tracker): a sum of 22 positive float32
+  # terms, then a division, each order within 23 roundings of 2**-24.
+  means = []
+  for epoch in applied:
+    losses, rows = zip(*epoch)
+    means.append(np.average(losses, weights=rows))
+  assert all(len(epoch) == 22 for epoch in applied)
+  np.testing.assert_allclose(history["loss"], means, rtol=23 * 2.0**-24)
   assert history["skipped_steps"] == list(range(1, EPOCHS + 1))
   assert history["loss_scale"] == [2.0 ** (14 - e) for e in range(EPOCHS)]
   # The skipped step's batch logs: a forward overflow, and the loss of the
@@ -569,3 +585,48 @@ def test_with_value_is_the_kind_the_update_records_given_the_loss(scaler):
       kinds.add(fs.OVERFLOW_KINDS[int(got.overflow_kind)])
   floor = scaler.backoff_factor == 1.0
   assert kinds == {"none", "forward", "persistent" if floor else "backward"}
+
+
+def _inf_loss_then_backward_overflow(cls, **compile_kwargs):
+  """The kinds of one epoch of two batches of 8 rows under a ``cls`` model.
+
+  Batch 1 is applied with an inf loss: a monitoring term no weight moves
+  (its gradient is zero), so Keras's running mean of the epoch's loss is inf
+  from then on. Batch 2's loss is finite and its float16 backward pass
+  overflows: its loss's gradient, 2 * 600 / 8 times 2**15, is past 65504.
+  """
+
+  def loss(y, pred):
+    monitor = jax.lax.stop_gradient(jnp.where(y[0, 0] < 0, jnp.inf, 0.0))
+    return jnp.mean((pred - y) ** 2) + monitor
+
+  model = cls(
+    [
+      keras.Input((2,)),
+      keras.layers.Dense(1, kernel_initializer="ones", dtype="mixed_float16"),
+    ]
+  )
+  model.compile(optimizer=_tx(optax.sgd(1e-6)), loss=loss, **compile_kwargs)
+  x = np.repeat(np.float32([[0.1, 0.1], [300.0, 300.0]]), 8, axis=0)
+  y = np.repeat(np.float32([[-0.1], [0.0]]), 8, axis=0)
+  history, batches = _fit(model, x, y, batch_size=8, epochs=1)
+  assert history["skipped_steps"] == [1.0]
+  return [fs.OVERFLOW_KINDS[int(logs["overflow_kind"])] for logs in batches]
+
+
+def test_a_later_overflow_is_told_by_its_own_loss_not_the_epochs():
+  # Backward, as the step's own loss tells; the epoch's mean would say
+  # forward.
+  assert _inf_loss_then_backward_overflow(Classifier) == ["none", "backward"]
+
+  class TrackerLast(Classifier):
+    """Lists its metrics with Keras's loss tracker last, not first."""
+
+    @property
+    def metrics(self):
+      return super().metrics[::-1]
+
+  # No loss tracker where Keras puts it: the kind is unknown, not guessed
+  # from another metric (here the compiled ones, first).
+  kinds = _inf_loss_then_backward_overflow(TrackerLast, metrics=["mae"])
+  assert kinds == ["none", "unknown"]
