@@ -190,7 +190,7 @@ class Optimizer(keras.optimizers.Optimizer):
       self.add_variable(
         shape=leaf.shape,
         dtype=leaf.dtype,
-        initializer=functools.partial(_constant, leaf),
+        initializer=leaf,  # an array: Keras's initializer of that value
         name=re.sub(r"\W+", "_", jax.tree_util.keystr(path)).strip("_"),
       )
 
@@ -297,13 +297,6 @@ def _is_array(path, value) -> bool:
   schedule that sets it (optax names both ``learning_rate``)."""
   del path
   return isinstance(value, jax.Array)
-
-
-def _constant(value, shape, dtype):
-  """``value``: an initializer (Keras calls it with the shape and dtype it
-  was given, ``value``'s own)."""
-  del shape, dtype
-  return value
 
 
 def _compile(compile_, optimizer="rmsprop", *args, **kwargs):
