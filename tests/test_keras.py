@@ -117,7 +117,8 @@ def _custom_loop(model, tx, x, y):
     updates, opt_state = tx.update(grads, opt_state, trainable, value=loss)
     non_trainable = fs.select_on_overflow(opt_state, new=new, old=non_trainable)
     new_trainable = optax.apply_updates(trainable, updates)
-    return new_trainable, non_trainable, opt_state, loss
+    skipped = fs.scale_metrics(opt_state)["overflow"]
+    return new_trainable, non_trainable, opt_state, (loss, skipped)
 
   trainable = [v.value for v in model.trainable_variables]
   non_trainable = [v.value for v in model.non_trainable_variables]
@@ -126,10 +127,10 @@ def _custom_loop(model, tx, x, y):
   for _ in range(EPOCHS):
     applied.append([])
     for i in range(0, len(x), BATCH):
-      trainable, non_trainable, opt_state, loss = step(
+      trainable, non_trainable, opt_state, (loss, skipped) = step(
         trainable, non_trainable, opt_state, x[i : i + BATCH], y[i : i + BATCH]
       )
-      if not fs.scale_metrics(opt_state)["overflow"]:
+      if not skipped:
         applied[-1].append((float(loss), len(x[i : i + BATCH])))
   for v, value in zip(model.trainable_variables, trainable):
     v.assign(value)
