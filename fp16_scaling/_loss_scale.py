@@ -157,7 +157,11 @@ def with_value(state: LossScaleState, value) -> LossScaleState:
   """``state``, from an update given no ``value=``, with the overflow kind
   that update records given the loss ``value`` (a floating scalar,
   traceable): given no loss, an overflow's kind is PERSISTENT exactly when
-  its scale sat at the floor, the one other thing the kind reads."""
+  its scale sat at the floor, the one other thing the kind reads.
+
+  Raises:
+    TypeError: ``value`` is not a floating scalar.
+  """
   at_floor = state.overflow_kind == PERSISTENT
   value = _validate.scalar_loss(value)
   kind = _overflow_kind(state.overflow, value, at_floor)
