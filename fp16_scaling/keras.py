@@ -331,13 +331,13 @@ def _train_step(model, train_step, state, data):
   # The loss tracker's variables (the first) from zero: after Keras's step
   # they hold this step's loss alone, which tells the overflow's kind; the
   # epoch's are then the old plus the step's.
-  n = len(tracker.variables) if tracker else 0
+  n = 0 if tracker is None else len(tracker.variables)
   fresh = [*map(jnp.zeros_like, metrics[:n]), *metrics[n:]]
   state = (trainable, non_trainable, _FromMixin(optimizer_variables), fresh)
   logs, (trainable, new_non_trainable, optimizer_variables, new_metrics) = (
     train_step(state, data)
   )
-  if tracker:
+  if tracker is not None:
     mapping = list(zip(tracker.variables, new_metrics))
     with keras.StatelessScope(state_mapping=mapping):
       loss = tracker.result()
