@@ -248,6 +248,33 @@ def test_a_row_masked_whole_is_blamed_on_its_constant_inf():
   assert "a row masked entirely?" in found.advice()
 
 
+def test_a_log_or_division_of_zero_is_not_sent_to_float32():
+  # exp(-20) ~ 2e-9 is under float16's smallest subnormal, 6e-8: the
+  # softmax's second probability is 0 in float16, and its log -inf. In
+  # float32, from the same inputs, the log is -inf too: no float32 op
+  # fixes it; its input, made in float32 or in the log domain, does.
+  def loss(w, x):
+    p = jax.nn.softmax(x * w)
+    return -jnp.mean(jnp.log(p).astype(jnp.float32))  # log-of-0
+
+  locate = fs.locate_overflow(loss, state_at(1.0))
+  x = jnp.array([20.0, 0.0], jnp.float16)
+  found = locate(jnp.float16(1.0), x)
+  assert_at(found, "log-of-0", kind="forward", primitive="log")
+  assert (found.max_input, found.float32_max) == (1.0, np.inf)
+  assert "jax.nn.log_softmax" in found.advice()
+  assert "wrap the function that computes it" not in found.advice()
+
+  # x / 0: inf and 0 / 0's NaN in float32 alike.
+  def ratio(w, x):
+    return jnp.mean((x / jnp.sum(x * w)).astype(jnp.float32))  # div-by-0
+
+  found = fs.locate_overflow(ratio, state_at(1.0))(jnp.float16(0.0), x)
+  assert_at(found, "div-by-0", kind="forward", primitive="div")
+  assert found.float32_max == np.inf
+  assert "division" in found.advice()
+
+
 # Equinox: an MLP whose last layer overflows, applied with jax.vmap.
 
 

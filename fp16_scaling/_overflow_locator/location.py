@@ -72,8 +72,8 @@ class OverflowLocation:
     dtype: its output's dtype.
     max_input: the largest finite ``|x|`` among its floating inputs.
     float32_max: the largest ``|y|`` of its output computed in float32 from
-      the same inputs (inf: float32 overflows too; nan: the op refused
-      float32 inputs).
+      the same inputs (inf: float32 gives an inf or NaN too, as a log or a
+      division of 0 does; nan: the op refused float32 inputs).
     constant: the inf was no op's result but a constant the op wrote (a
       mask filled with ``-inf``), and nothing else overflowed.
     filename: the file of the user's source line of the op: the innermost
@@ -148,8 +148,13 @@ class OverflowLocation:
       )
     if math.isinf(self.float32_max):
       return (
-        "The op overflows in float32 too: its inputs are out of any range "
-        "(a diverged parameter or activation). Check the batch and the "
+        "The op gives an inf or NaN in float32 too, from the same inputs, "
+        "so computing it in float32 does not help. Either it is a log, a "
+        "division or a square root of 0 or of a negative, such as an input "
+        "that underflowed to 0 in float16 (a softmax's probability): "
+        "compute that input in float32, or stay in the log domain "
+        "(jax.nn.log_softmax); or its inputs are past any range (a "
+        "diverged parameter or activation): check the batch and the "
         "learning rate."
       )
     if self.kind == "forward":
@@ -250,7 +255,8 @@ def described(origin: Any, scale: float) -> OverflowLocation:
 def _widened_max(eqn, values) -> float:
   """The largest ``|y|`` of ``eqn``'s floating outputs computed in float32
   from ``values`` (its float16 and bfloat16 ones widened, and a half dtype
-  it is told to produce made float32): inf if float32 overflows too."""
+  it is told to produce made float32): inf if float32 gives an inf or a
+  NaN too."""
   wide = [
     x.astype(jnp.float32) if jnp.result_type(x) in _HALF else x for x in values
   ]
@@ -258,10 +264,12 @@ def _widened_max(eqn, values) -> float:
     k: jnp.dtype(jnp.float32) if isinstance(v, np.dtype) and v in _HALF else v
     for k, v in eqn.params.items()
   }
-  outs = [np.abs(np.asarray(y)) for y in bind(eqn, wide, params)]
-  return max(
-    (float(np.max(y, initial=0)) for y in outs if floating(y)), default=0.0
-  )
+  tops = [
+    np.max(np.where(np.isnan(y), np.inf, np.abs(y)), initial=0)
+    for y in bind(eqn, wide, params)
+    if floating(y)
+  ]
+  return float(max(tops, default=0.0))
 
 
 def _user_frame(eqns) -> Optional[Any]:
