@@ -47,21 +47,6 @@ def _argument(path, x, nums, count):
   return Val(value=x, origin=origin, module=module, param=param)
 
 
-def _at_scale(state, scale):
-  """``state`` (an optax state, a ``TrainState``, an ``nnx.Optimizer``)
-  with ``scale`` as the next step's scale, where :func:`value_and_grad`
-  reads it."""
-  if _lookup.is_nnx_optimizer(state):
-    from flax import nnx  # the caller's: an nnx.Optimizer was passed
-
-    state = nnx.merge(*nnx.split(state))  # a copy, in this trace
-    state.opt_state = _at_scale(state.opt_state, scale)
-    return state
-  ls = _lookup.loss_scale_state(state)
-  scaler = ls.scaler._replace(loss_scale=scale)
-  return _lookup.replace_loss_scale_state(state, ls._replace(scaler=scaler))
-
-
 def locate_overflow(
   fun: Callable[..., Any],
   opt_state: Any,
@@ -127,10 +112,8 @@ def locate_overflow(
     ('forward', 'exp')
   """
   _validate.require_host(opt_state, "locate_overflow")
-  nnx_optimizer = _lookup.is_nnx_optimizer(opt_state)
-  held = opt_state.opt_state if nnx_optimizer else opt_state
   if scale is None:
-    scale = float(_lookup.loss_scale_state(held).prev_loss_scale)
+    scale = float(_lookup.loss_scale_state(opt_state).prev_loss_scale)
   scale = _validate.scale("locate_overflow: scale", scale)
   grad = functools.partial(
     value_and_grad,
@@ -143,7 +126,7 @@ def locate_overflow(
 
   def step(s, *args, **kwargs) -> list:
     """The loss and the gradients' leaves at scale ``s``."""
-    out, grads = grad(_at_scale(opt_state, s))(*args, **kwargs)
+    out, grads = grad(_lookup.set_loss_scale(opt_state, s))(*args, **kwargs)
     loss = out[0] if has_aux else out
     return [loss, *jax.tree.leaves(grads)]
 
