@@ -220,6 +220,8 @@ def described(origin: Any, scale: float) -> OverflowLocation:
   eqn = origin.eqn
   aval = eqn.outvars[0].aval
   values = [i.value for i in origin.ins]
+  back = any(i.back for i in origin.ins)
+  module, direct, _ = module_of([i for i in origin.ins if floating(i.value)])
   finite_abs = [
     np.abs(x[np.isfinite(x)]) for x in map(np.asarray, values) if floating(x)
   ]
@@ -230,10 +232,10 @@ def described(origin: Any, scale: float) -> OverflowLocation:
   except Exception:  # a primitive that refuses float32: magnitude unknown
     widened = math.nan
   safe = None
-  if origin.back and 0 < widened < math.inf:
+  if back and 0 < widened < math.inf:
     safe = scale * 2.0 ** math.floor(math.log2(F16_MAX / widened))
   return OverflowLocation(
-    kind="backward" if origin.back else "forward",
+    kind="backward" if back else "forward",
     scale=scale,
     primitive=eqn.primitive.name,
     shape=tuple(aval.shape),
@@ -244,8 +246,8 @@ def described(origin: Any, scale: float) -> OverflowLocation:
     filename=getattr(frame, "file_name", None),
     lineno=getattr(frame, "line_num", None),
     function=getattr(frame, "function_name", None),
-    module="".join(origin.module) if origin.module else None,
-    direct=origin.direct,
+    module="".join(module) if module else None,
+    direct=direct,
     scope=_scope(eqn),
     layers=tuple(p for p in origin.path if isinstance(p, int)),
     safe_scale=safe,
