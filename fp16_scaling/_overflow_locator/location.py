@@ -7,7 +7,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
 import sysconfig
 from typing import Any, Optional
 
@@ -17,9 +16,8 @@ import numpy as np
 
 from fp16_scaling._diagnostics import fmt_scale
 from fp16_scaling._scaler import F16_MAX
+from fp16_scaling._validate import library_roots
 
-# The packages whose frames are not the user's source line.
-_LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "haiku", "optax", "jmp")
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -279,12 +277,7 @@ def _user_frame(eqns) -> Optional[Any]:
   Python's own library in the traceback of the first of ``eqns`` that has
   one (an op, then the calls it lies in: the traceback of an op in a
   jitted library function ends where the function does), or None."""
-  modules = [sys.modules.get(n) for n in (*_LIBRARIES, "fp16_scaling")]
-  skip = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in modules
-    if getattr(m, "__file__", None)
-  )
+  skip = library_roots()
   stdlib = sysconfig.get_paths()["stdlib"]
   tracebacks = [e.source_info.traceback for e in eqns]
   for tb in filter(None, tracebacks):
