@@ -439,7 +439,15 @@ def test_a_while_loop_runs_whole_as_one_op():
 
   x = jnp.full(2, 100.0, jnp.float16)  # 100^4 is past 65504
   found = fs.locate_overflow(loss, state_at(1.0))(jnp.ones(2, jnp.float16), x)
-  assert_at(found, "while-loop", kind="forward", primitive="while")
+  # The loop's outputs are its counter and h: the shape and dtype are h's.
+  assert_at(
+    found,
+    "while-loop",
+    kind="forward",
+    primitive="while",
+    shape=(2,),
+    dtype="float16",
+  )
 
 
 def test_a_stack_the_report_names_whole_is_named_by_its_layer():

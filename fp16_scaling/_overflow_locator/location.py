@@ -66,8 +66,9 @@ class OverflowLocation:
       at ``scale``) or "input" (an argument already held an inf or NaN).
     scale: the loss scale of the re-run.
     primitive: the op, a JAX primitive (``dot_general``, ``exp``, ...).
-    shape: its output's shape.
-    dtype: its output's dtype.
+    shape: the shape of its output that is not finite (of an op of several
+      outputs, such as a ``while`` loop, the first such).
+    dtype: that output's dtype.
     max_input: the largest finite ``|x|`` among its floating inputs.
     float32_max: the largest ``|y|`` of its output computed in float32 from
       the same inputs (inf: float32 gives an inf or NaN too, as a log or a
@@ -216,7 +217,6 @@ def described(origin: Any, scale: float) -> OverflowLocation:
   """The :class:`OverflowLocation` of an op ``origin`` (a ``_locator``
   origin: its equation, inputs, module and scan iterations)."""
   eqn = origin.eqn
-  aval = eqn.outvars[0].aval
   values = [i.value for i in origin.ins]
   back = any(i.back for i in origin.ins)
   module, direct, _ = module_of([i for i in origin.ins if floating(i.value)])
@@ -236,8 +236,8 @@ def described(origin: Any, scale: float) -> OverflowLocation:
     kind="backward" if back else "forward",
     scale=scale,
     primitive=eqn.primitive.name,
-    shape=tuple(aval.shape),
-    dtype=jnp.dtype(aval.dtype).name,
+    shape=tuple(origin.out.shape),
+    dtype=jnp.dtype(origin.out.dtype).name,
     max_input=max((float(x.max()) for x in finite_abs if x.size), default=0),
     float32_max=widened,
     constant=origin.constant,

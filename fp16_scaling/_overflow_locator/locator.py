@@ -33,6 +33,7 @@ class Origin(NamedTuple):
     constant: the equation only wrote an inf no op made (a ``-inf`` mask).
     seq: the order in which the origins were found.
     eqn: the equation that made it, or None for an argument leaf.
+    out: the output of the equation that is not finite.
     ins: the equation's inputs (:class:`Val` s): whether it is of the
       backward pass and its module follow from them.
     path: what the op lies in, outermost first: each call's equation (a
@@ -43,6 +44,7 @@ class Origin(NamedTuple):
   constant: bool = False
   seq: int = 0
   eqn: Any = None
+  out: Any = None
   ins: tuple = ()
   path: tuple = ()
   input_path: str = ""
@@ -222,7 +224,7 @@ def _origin(eqn, ins, out, count, path):
   new = _fresh(ins, out)
   if new or not any(found):
     made = Origin(
-      constant=not new, seq=next(count), eqn=eqn, ins=ins, path=path
+      constant=not new, seq=next(count), eqn=eqn, out=out, ins=ins, path=path
     )
     found.append(made)
   return first(found)
