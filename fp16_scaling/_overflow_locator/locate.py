@@ -3,9 +3,11 @@ found on the host by re-running the step's forward and backward pass op by
 op, at the scale the step used (docs/locate-overflow.md).
 
 ``jax.make_jaxpr`` traces the gradient function :func:`value_and_grad`
-builds, with the scale as its first input, and ``_locator`` evaluates it
-op by op; ``_location`` describes what it found. Nothing here runs in a
-step: only when called, on the host.
+builds, with the scale as its first input, and ``locator`` evaluates it
+op by op; ``location`` describes what it found. For a backward overflow
+the compiled gradient function is then run at lower scales, to the one at
+which the whole step is finite. Nothing here runs in a step: only when
+called, on the host.
 """
 
 import dataclasses
@@ -180,5 +182,17 @@ def _locate(step, scale, nums, *args, **kwargs):
   if found.kind != "backward":
     return found
   start = found.safe_scale or scale
-  fits = _location.fitting_scale(on_arrays, arrays, start)
+  fits = _fitting_scale(on_arrays, arrays, start)
   return dataclasses.replace(found, step_scale=fits)
+
+
+def _fitting_scale(step, leaves, scale) -> Optional[float]:
+  """The largest power-of-two scale from ``scale`` down at which the
+  compiled ``step`` (scale, leaves -> loss and gradients) gives only finite
+  values; None if none does down to 2^-24."""
+  compiled = jax.jit(step)
+  while scale >= 2.0**-24:
+    if all(finite(x) for x in compiled(np.float32(scale), *leaves)):
+      return scale
+    scale /= 2
+  return None

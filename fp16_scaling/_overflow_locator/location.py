@@ -10,7 +10,6 @@ import re
 import sysconfig
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -294,15 +293,3 @@ def _scope(eqn) -> str:
   without the transformations (``jvp(...)``, ``transpose(...)``)."""
   names = re.sub(r"[\w.]*\(|\)", "", str(eqn.source_info.name_stack))
   return "/".join(n for n in names.split("/") if n)
-
-
-def fitting_scale(step, leaves, scale) -> Optional[float]:
-  """The largest power-of-two scale from ``scale`` down at which the
-  compiled ``step`` (scale, leaves -> loss and gradients) gives only finite
-  values; None if none does down to 2^-24."""
-  compiled = jax.jit(step)
-  while scale >= 2.0**-24:
-    if all(finite(x) for x in compiled(np.float32(scale), *leaves)):
-      return scale
-    scale /= 2
-  return None
