@@ -21,6 +21,8 @@ import numpy as np
 
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
+from fp16_scaling._grad import combine
+from fp16_scaling._grad import partition
 from fp16_scaling._grad import value_and_grad
 from fp16_scaling._overflow_locator import location as _location
 from fp16_scaling._overflow_locator import locator as _locator
@@ -136,33 +138,18 @@ def locate_overflow(
   return functools.partial(_locate, step, scale, nums)
 
 
-def _split(args, kwargs):
-  """``(pairs, rebuild)``: ``(path, leaf)`` for each array leaf of ``(args,
-  kwargs)``, and ``rebuild(arrays)``, the arguments with other arrays in
-  their place (the other leaves, such as an Equinox module's functions, as
-  they are)."""
-  flat, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
-  is_array = [isinstance(x, _ARRAYS) for _, x in flat]
-  pairs = [pair for pair, a in zip(flat, is_array) if a]
-
-  def rebuild(new):
-    it = iter(new)
-    leaves = [next(it) if a else x for (_, x), a in zip(flat, is_array)]
-    return jax.tree.unflatten(tree, leaves)
-
-  return pairs, rebuild
-
-
 def _locate(step, scale, nums, *args, **kwargs):
   """What :func:`locate_overflow` returns for ``fun``'s arguments: ``step``
   (scale, arguments -> loss and gradients) traced with the scale and the
   arguments' arrays as inputs, and run."""
-  pairs, rebuild = _split(args, kwargs)
+  kept, rest = partition((args, kwargs), lambda x: isinstance(x, _ARRAYS))
+  pairs, tree = jax.tree_util.tree_flatten_with_path(kept)
   arrays = [x for _, x in pairs]
 
   def on_arrays(s, *new):
-    """``step`` at scale ``s`` of the arguments with the arrays ``new``."""
-    a, kw = rebuild(new)
+    """``step`` at scale ``s`` of the arguments with the arrays ``new`` (the
+    other leaves, such as an Equinox module's functions, as they are)."""
+    a, kw = combine(jax.tree.unflatten(tree, new), rest)
     return step(s, *a, **kw)
 
   count = itertools.count()
