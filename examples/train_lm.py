@@ -124,7 +124,7 @@ class Config:
   # fp16_loss_scale(stacked_axes=...) then records overflows per layer.
   scan: bool = False
   # Compute each block's attention in float32 (its logits, q . k, leave
-  # float16's range when q and k grow): the fix of docs/diagnostics.md's
+  # float16's range when q and k grow): the fix of docs/locate-overflow.md's
   # worked case, where fs.locate_overflow names the attention's logits.
   float32_attention: bool = False
 

@@ -360,14 +360,14 @@ def _arrays_only(grad, fun, argnums, nums, kwargs) -> Callable[..., Any]:
       if _holds_module(args[i]):
         keep = _module_array
       if not all(keep(x) for x in jax.tree.leaves(args[i])):
-        args[i], rest[i] = _partition(args[i], keep)
+        args[i], rest[i] = partition(args[i], keep)
     if not rest:
       return grad(*args, **kw)
 
     def whole(*parts, **k):
       """``fun`` of the arguments put back together."""
       joined = [
-        _combine(x, rest[i]) if i in rest else x for i, x in enumerate(parts)
+        combine(x, rest[i]) if i in rest else x for i, x in enumerate(parts)
       ]
       return fun(*joined, **k)
 
@@ -388,15 +388,15 @@ def _holds_module(tree) -> bool:
   return any(map(is_module, jax.tree.leaves(tree, is_leaf=is_module)))
 
 
-def _partition(tree, keep):
+def partition(tree, keep):
   """``(kept, rest)``: ``tree`` with None where ``keep`` is false, and its
   complement (``eqx.partition``)."""
   kept = jax.tree.map(lambda x: x if keep(x) else None, tree)
   return kept, jax.tree.map(lambda x: None if keep(x) else x, tree)
 
 
-def _combine(kept, rest):
-  """The tree :func:`_partition` split (``eqx.combine``)."""
+def combine(kept, rest):
+  """The tree :func:`partition` split (``eqx.combine``)."""
   return jax.tree.map(
     lambda a, b: b if a is None else a, kept, rest, is_leaf=lambda x: x is None
   )

@@ -43,17 +43,35 @@ def scalar_loss(
   )
 
 
-_LIBRARIES = ("fp16_scaling", "optax", "jax", "jaxlib", "flax", "equinox")
+# The package and the libraries it runs under: their frames are not the
+# user's code.
+_LIBRARIES = (
+  "fp16_scaling",
+  "optax",
+  "jax",
+  "jaxlib",
+  "flax",
+  "equinox",
+  "haiku",
+  "jmp",
+)
+
+
+def library_roots() -> tuple:
+  """The folders (each ending in a separator) of this package and of the
+  libraries it runs under that are loaded: a file under one is not the
+  user's code."""
+  return tuple(
+    os.path.dirname(sys.modules[n].__file__) + os.sep
+    for n in _LIBRARIES
+    if getattr(sys.modules.get(n), "__file__", None)
+  )
 
 
 def warn(message: str) -> None:
   """``warnings.warn`` pointing at the caller's code: the first frame of
   the stack outside this package and the libraries it runs under."""
-  roots = tuple(
-    os.path.dirname(sys.modules[n].__file__) + os.sep
-    for n in _LIBRARIES
-    if getattr(sys.modules.get(n), "__file__", None)
-  )
+  roots = library_roots()
   frame, level = sys._getframe(1), 1
   while frame is not None and frame.f_code.co_filename.startswith(roots):
     frame, level = frame.f_back, level + 1

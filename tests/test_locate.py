@@ -248,6 +248,33 @@ def test_a_row_masked_whole_is_blamed_on_its_constant_inf():
   assert "a row masked entirely?" in found.advice()
 
 
+def test_a_log_or_division_of_zero_is_not_sent_to_float32():
+  # exp(-20) ~ 2e-9 is under float16's smallest subnormal, 6e-8: the
+  # softmax's second probability is 0 in float16, and its log -inf. In
+  # float32, from the same inputs, the log is -inf too: no float32 op
+  # fixes it; its input, made in float32 or in the log domain, does.
+  def loss(w, x):
+    p = jax.nn.softmax(x * w)
+    return -jnp.mean(jnp.log(p).astype(jnp.float32))  # log-of-0
+
+  locate = fs.locate_overflow(loss, state_at(1.0))
+  x = jnp.array([20.0, 0.0], jnp.float16)
+  found = locate(jnp.float16(1.0), x)
+  assert_at(found, "log-of-0", kind="forward", primitive="log")
+  assert (found.max_input, found.float32_max) == (1.0, np.inf)
+  assert "jax.nn.log_softmax" in found.advice()
+  assert "wrap the function that computes it" not in found.advice()
+
+  # x / 0: inf and 0 / 0's NaN in float32 alike.
+  def ratio(w, x):
+    return jnp.mean((x / jnp.sum(x * w)).astype(jnp.float32))  # div-by-0
+
+  found = fs.locate_overflow(ratio, state_at(1.0))(jnp.float16(0.0), x)
+  assert_at(found, "div-by-0", kind="forward", primitive="div")
+  assert found.float32_max == np.inf
+  assert "division" in found.advice()
+
+
 # Equinox: an MLP whose last layer overflows, applied with jax.vmap.
 
 
@@ -412,7 +439,15 @@ def test_a_while_loop_runs_whole_as_one_op():
 
   x = jnp.full(2, 100.0, jnp.float16)  # 100^4 is past 65504
   found = fs.locate_overflow(loss, state_at(1.0))(jnp.ones(2, jnp.float16), x)
-  assert_at(found, "while-loop", kind="forward", primitive="while")
+  # The loop's outputs are its counter and h: the shape and dtype are h's.
+  assert_at(
+    found,
+    "while-loop",
+    kind="forward",
+    primitive="while",
+    shape=(2,),
+    dtype="float16",
+  )
 
 
 def test_a_stack_the_report_names_whole_is_named_by_its_layer():

@@ -3,9 +3,11 @@ found on the host by re-running the step's forward and backward pass op by
 op, at the scale the step used (docs/locate-overflow.md).
 
 ``jax.make_jaxpr`` traces the gradient function :func:`value_and_grad`
-builds, with the scale as its first input, and ``_locator`` evaluates it
-op by op; ``_location`` describes what it found. Nothing here runs in a
-step: only when called, on the host.
+builds, with the scale as its first input, and ``locator`` evaluates it
+op by op; ``location`` describes what it found. For a backward overflow
+the compiled gradient function is then run at lower scales, to the one at
+which the whole step is finite. Nothing here runs in a step: only when
+called, on the host.
 """
 
 import dataclasses
@@ -19,6 +21,8 @@ import numpy as np
 
 from fp16_scaling import _lookup
 from fp16_scaling import _validate
+from fp16_scaling._grad import combine
+from fp16_scaling._grad import partition
 from fp16_scaling._grad import value_and_grad
 from fp16_scaling._overflow_locator import location as _location
 from fp16_scaling._overflow_locator import locator as _locator
@@ -45,21 +49,6 @@ def _argument(path, x, nums, count):
     name = ("args" if in_args else "kwargs") + keystr(path[1:])
     origin = Origin(seq=next(count), input_path=name)
   return Val(value=x, origin=origin, module=module, param=param)
-
-
-def _at_scale(state, scale):
-  """``state`` (an optax state, a ``TrainState``, an ``nnx.Optimizer``)
-  with ``scale`` as the next step's scale, where :func:`value_and_grad`
-  reads it."""
-  if _lookup.is_nnx_optimizer(state):
-    from flax import nnx  # the caller's: an nnx.Optimizer was passed
-
-    state = nnx.merge(*nnx.split(state))  # a copy, in this trace
-    state.opt_state = _at_scale(state.opt_state, scale)
-    return state
-  ls = _lookup.loss_scale_state(state)
-  scaler = ls.scaler._replace(loss_scale=scale)
-  return _lookup.replace_loss_scale_state(state, ls._replace(scaler=scaler))
 
 
 def locate_overflow(
@@ -127,10 +116,8 @@ def locate_overflow(
     ('forward', 'exp')
   """
   _validate.require_host(opt_state, "locate_overflow")
-  nnx_optimizer = _lookup.is_nnx_optimizer(opt_state)
-  held = opt_state.opt_state if nnx_optimizer else opt_state
   if scale is None:
-    scale = float(_lookup.loss_scale_state(held).prev_loss_scale)
+    scale = float(_lookup.loss_scale_state(opt_state).prev_loss_scale)
   scale = _validate.scale("locate_overflow: scale", scale)
   grad = functools.partial(
     value_and_grad,
@@ -143,7 +130,7 @@ def locate_overflow(
 
   def step(s, *args, **kwargs) -> list:
     """The loss and the gradients' leaves at scale ``s``."""
-    out, grads = grad(_at_scale(opt_state, s))(*args, **kwargs)
+    out, grads = grad(_lookup.set_loss_scale(opt_state, s))(*args, **kwargs)
     loss = out[0] if has_aux else out
     return [loss, *jax.tree.leaves(grads)]
 
@@ -151,33 +138,18 @@ def locate_overflow(
   return functools.partial(_locate, step, scale, nums)
 
 
-def _split(args, kwargs):
-  """``(pairs, rebuild)``: ``(path, leaf)`` for each array leaf of ``(args,
-  kwargs)``, and ``rebuild(arrays)``, the arguments with other arrays in
-  their place (the other leaves, such as an Equinox module's functions, as
-  they are)."""
-  flat, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
-  is_array = [isinstance(x, _ARRAYS) for _, x in flat]
-  pairs = [pair for pair, a in zip(flat, is_array) if a]
-
-  def rebuild(new):
-    it = iter(new)
-    leaves = [next(it) if a else x for (_, x), a in zip(flat, is_array)]
-    return jax.tree.unflatten(tree, leaves)
-
-  return pairs, rebuild
-
-
 def _locate(step, scale, nums, *args, **kwargs):
   """What :func:`locate_overflow` returns for ``fun``'s arguments: ``step``
   (scale, arguments -> loss and gradients) traced with the scale and the
   arguments' arrays as inputs, and run."""
-  pairs, rebuild = _split(args, kwargs)
+  kept, rest = partition((args, kwargs), lambda x: isinstance(x, _ARRAYS))
+  pairs, tree = jax.tree_util.tree_flatten_with_path(kept)
   arrays = [x for _, x in pairs]
 
   def on_arrays(s, *new):
-    """``step`` at scale ``s`` of the arguments with the arrays ``new``."""
-    a, kw = rebuild(new)
+    """``step`` at scale ``s`` of the arguments with the arrays ``new`` (the
+    other leaves, such as an Equinox module's functions, as they are)."""
+    a, kw = combine(jax.tree.unflatten(tree, new), rest)
     return step(s, *a, **kw)
 
   count = itertools.count()
@@ -197,5 +169,17 @@ def _locate(step, scale, nums, *args, **kwargs):
   if found.kind != "backward":
     return found
   start = found.safe_scale or scale
-  fits = _location.fitting_scale(on_arrays, arrays, start)
+  fits = _fitting_scale(on_arrays, arrays, start)
   return dataclasses.replace(found, step_scale=fits)
+
+
+def _fitting_scale(step, leaves, scale) -> Optional[float]:
+  """The largest power-of-two scale from ``scale`` down at which the
+  compiled ``step`` (scale, leaves -> loss and gradients) gives only finite
+  values; None if none does down to 2^-24."""
+  compiled = jax.jit(step)
+  while scale >= 2.0**-24:
+    if all(finite(x) for x in compiled(np.float32(scale), *leaves)):
+      return scale
+    scale /= 2
+  return None

@@ -7,19 +7,16 @@ import dataclasses
 import math
 import os
 import re
-import sys
 import sysconfig
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling._diagnostics import fmt_scale
 from fp16_scaling._scaler import F16_MAX
+from fp16_scaling._validate import library_roots
 
-# The packages whose frames are not the user's source line.
-_LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "haiku", "optax", "jmp")
 _HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -68,12 +65,13 @@ class OverflowLocation:
       at ``scale``) or "input" (an argument already held an inf or NaN).
     scale: the loss scale of the re-run.
     primitive: the op, a JAX primitive (``dot_general``, ``exp``, ...).
-    shape: its output's shape.
-    dtype: its output's dtype.
+    shape: the shape of its output that is not finite (of an op of several
+      outputs, such as a ``while`` loop, the first such).
+    dtype: that output's dtype.
     max_input: the largest finite ``|x|`` among its floating inputs.
     float32_max: the largest ``|y|`` of its output computed in float32 from
-      the same inputs (inf: float32 overflows too; nan: the op refused
-      float32 inputs).
+      the same inputs (inf: float32 gives an inf or NaN too, as a log or a
+      division of 0 does; nan: the op refused float32 inputs).
     constant: the inf was no op's result but a constant the op wrote (a
       mask filled with ``-inf``), and nothing else overflowed.
     filename: the file of the user's source line of the op: the innermost
@@ -148,8 +146,13 @@ class OverflowLocation:
       )
     if math.isinf(self.float32_max):
       return (
-        "The op overflows in float32 too: its inputs are out of any range "
-        "(a diverged parameter or activation). Check the batch and the "
+        "The op gives an inf or NaN in float32 too, from the same inputs, "
+        "so computing it in float32 does not help. Either it is a log, a "
+        "division or a square root of 0 or of a negative, such as an input "
+        "that underflowed to 0 in float16 (a softmax's probability): "
+        "compute that input in float32, or stay in the log domain "
+        "(jax.nn.log_softmax); or its inputs are past any range (a "
+        "diverged parameter or activation): check the batch and the "
         "learning rate."
       )
     if self.kind == "forward":
@@ -213,8 +216,9 @@ def described(origin: Any, scale: float) -> OverflowLocation:
   """The :class:`OverflowLocation` of an op ``origin`` (a ``_locator``
   origin: its equation, inputs, module and scan iterations)."""
   eqn = origin.eqn
-  aval = eqn.outvars[0].aval
   values = [i.value for i in origin.ins]
+  back = any(i.back for i in origin.ins)
+  module, direct, _ = module_of([i for i in origin.ins if floating(i.value)])
   finite_abs = [
     np.abs(x[np.isfinite(x)]) for x in map(np.asarray, values) if floating(x)
   ]
@@ -225,22 +229,22 @@ def described(origin: Any, scale: float) -> OverflowLocation:
   except Exception:  # a primitive that refuses float32: magnitude unknown
     widened = math.nan
   safe = None
-  if origin.back and 0 < widened < math.inf:
+  if back and 0 < widened < math.inf:
     safe = scale * 2.0 ** math.floor(math.log2(F16_MAX / widened))
   return OverflowLocation(
-    kind="backward" if origin.back else "forward",
+    kind="backward" if back else "forward",
     scale=scale,
     primitive=eqn.primitive.name,
-    shape=tuple(aval.shape),
-    dtype=jnp.dtype(aval.dtype).name,
+    shape=tuple(origin.out.shape),
+    dtype=jnp.dtype(origin.out.dtype).name,
     max_input=max((float(x.max()) for x in finite_abs if x.size), default=0),
     float32_max=widened,
     constant=origin.constant,
     filename=getattr(frame, "file_name", None),
     lineno=getattr(frame, "line_num", None),
     function=getattr(frame, "function_name", None),
-    module="".join(origin.module) if origin.module else None,
-    direct=origin.direct,
+    module="".join(module) if module else None,
+    direct=direct,
     scope=_scope(eqn),
     layers=tuple(p for p in origin.path if isinstance(p, int)),
     safe_scale=safe,
@@ -250,7 +254,8 @@ def described(origin: Any, scale: float) -> OverflowLocation:
 def _widened_max(eqn, values) -> float:
   """The largest ``|y|`` of ``eqn``'s floating outputs computed in float32
   from ``values`` (its float16 and bfloat16 ones widened, and a half dtype
-  it is told to produce made float32): inf if float32 overflows too."""
+  it is told to produce made float32): inf if float32 gives an inf or a
+  NaN too."""
   wide = [
     x.astype(jnp.float32) if jnp.result_type(x) in _HALF else x for x in values
   ]
@@ -258,10 +263,12 @@ def _widened_max(eqn, values) -> float:
     k: jnp.dtype(jnp.float32) if isinstance(v, np.dtype) and v in _HALF else v
     for k, v in eqn.params.items()
   }
-  outs = [np.abs(np.asarray(y)) for y in bind(eqn, wide, params)]
-  return max(
-    (float(np.max(y, initial=0)) for y in outs if floating(y)), default=0.0
-  )
+  tops = [
+    np.max(np.where(np.isnan(y), np.inf, np.abs(y)), initial=0)
+    for y in bind(eqn, wide, params)
+    if floating(y)
+  ]
+  return float(max(tops, default=0.0))
 
 
 def _user_frame(eqns) -> Optional[Any]:
@@ -269,12 +276,7 @@ def _user_frame(eqns) -> Optional[Any]:
   Python's own library in the traceback of the first of ``eqns`` that has
   one (an op, then the calls it lies in: the traceback of an op in a
   jitted library function ends where the function does), or None."""
-  modules = [sys.modules.get(n) for n in (*_LIBRARIES, "fp16_scaling")]
-  skip = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in modules
-    if getattr(m, "__file__", None)
-  )
+  skip = library_roots()
   stdlib = sysconfig.get_paths()["stdlib"]
   tracebacks = [e.source_info.traceback for e in eqns]
   for tb in filter(None, tracebacks):
@@ -291,15 +293,3 @@ def _scope(eqn) -> str:
   without the transformations (``jvp(...)``, ``transpose(...)``)."""
   names = re.sub(r"[\w.]*\(|\)", "", str(eqn.source_info.name_stack))
   return "/".join(n for n in names.split("/") if n)
-
-
-def fitting_scale(step, leaves, scale) -> Optional[float]:
-  """The largest power-of-two scale from ``scale`` down at which the
-  compiled ``step`` (scale, leaves -> loss and gradients) gives only finite
-  values; None if none does down to 2^-24."""
-  compiled = jax.jit(step)
-  while scale >= 2.0**-24:
-    if all(finite(x) for x in compiled(np.float32(scale), *leaves)):
-      return scale
-    scale /= 2
-  return None

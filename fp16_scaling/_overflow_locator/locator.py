@@ -33,10 +33,9 @@ class Origin(NamedTuple):
     constant: the equation only wrote an inf no op made (a ``-inf`` mask).
     seq: the order in which the origins were found.
     eqn: the equation that made it, or None for an argument leaf.
-    ins: the equation's inputs (:class:`Val` s).
-    back: the equation is of the backward pass.
-    module: the module's path (in pieces) of the parameters nearest it.
-    direct: those parameters feed the equation itself.
+    out: the output of the equation that is not finite.
+    ins: the equation's inputs (:class:`Val` s): whether it is of the
+      backward pass and its module follow from them.
     path: what the op lies in, outermost first: each call's equation (a
       ``jit``, ``cond``, ``scan``...) and each scan's iteration (an int).
     input_path: for an argument leaf, its path (``args[1]['x']``).
@@ -45,10 +44,8 @@ class Origin(NamedTuple):
   constant: bool = False
   seq: int = 0
   eqn: Any = None
+  out: Any = None
   ins: tuple = ()
-  back: bool = False
-  module: Optional[tuple] = None
-  direct: bool = False
   path: tuple = ()
   input_path: str = ""
 
@@ -192,14 +189,13 @@ def _mark(eqn, ins, outs, count, path):
   """``outs`` as :class:`Val` s: backward if an input is, of the nearest
   module, each non-finite one with its origin."""
   floats = [i for i in ins if floating(i.value)]
-  module, fed, view = module_of(floats)
+  module, _, view = module_of(floats)
   back = any(i.back for i in ins)
   vals = []
   for out in outs:
     origin = None
     if not finite(out):
-      where = dict(back=back, module=module, direct=fed, path=path)
-      origin = _origin(eqn, ins, out, count, where)
+      origin = _origin(eqn, ins, out, count, path)
     vals.append(Val(out, origin, back, module=module, param=view))
   return vals
 
@@ -220,14 +216,15 @@ def _fresh(ins, out):
   return bool(fresh.any())
 
 
-def _origin(eqn, ins, out, count, where):
+def _origin(eqn, ins, out, count, path):
   """Where ``out``'s inf or NaN came from: ``eqn``, if it made a new one
   (a constant, if only an input no op made holds one), else the first
-  origin of its inputs; ``where`` holds the op's other fields of
-  :class:`Origin`."""
+  origin of its inputs; ``path`` is what the op lies in."""
   found = [i.origin for i in ins]
   new = _fresh(ins, out)
   if new or not any(found):
-    made = Origin(constant=not new, seq=next(count), eqn=eqn, ins=ins, **where)
+    made = Origin(
+      constant=not new, seq=next(count), eqn=eqn, out=out, ins=ins, path=path
+    )
     found.append(made)
   return first(found)
