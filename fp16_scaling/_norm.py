@@ -11,6 +11,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling import _segments
 from fp16_scaling._sharding import AxisNames
 from fp16_scaling._sharding import leaf_vector
 from fp16_scaling._stacked import summed_axes
@@ -145,13 +146,35 @@ def leaf_sums(leaves: Sequence[jax.Array], layer_axes=None) -> list:
   return list(_leaf_sums(tuple(leaves), layer_axes))
 
 
+def _wide_squares(x: jax.Array) -> jax.Array:
+  return _squares(x).astype(jnp.float32)
+
+
+def per_platform(leaves, layer_axes, fn, reduce) -> tuple:
+  """Per leaf (per layer, for a leaf with a layer axis), ``reduce``
+  (``jnp.sum`` or ``jnp.max``) of the elementwise ``fn``, whose ``fn(0)``
+  is the reduction's identity: on a GPU in a few kernels for all leaves
+  (``_segments``), elsewhere a reduction per leaf."""
+  if not leaves:
+    return ()
+
+  def per_leaf(leaves):
+    return tuple(
+      reduce(fn(x), summed_axes(x, a)) for x, a in zip(leaves, layer_axes)
+    )
+
+  def segmented(leaves):
+    return _segments.unit_reduce(leaves, layer_axes, fn, reduce)
+
+  return lax.platform_dependent(
+    leaves, default=per_leaf, cuda=segmented, rocm=segmented
+  )
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _leaf_sums(leaves, layer_axes):
   """:func:`leaf_sums` on a tuple, with its derivative rule."""
-  return tuple(
-    lax.reduce_sum(_squares(x).astype(jnp.float32), summed_axes(x, a))
-    for x, a in zip(leaves, layer_axes)
-  )
+  return per_platform(leaves, layer_axes, _wide_squares, jnp.sum)
 
 
 @_leaf_sums.defjvp
