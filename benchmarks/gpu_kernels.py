@@ -69,7 +69,7 @@ def devices(target, count=1):
 
 def placed(tree, mesh, spec=None):
   """``tree``'s shapes as ``ShapeDtypeStruct``s on ``mesh``, replicated
-  (or split as ``spec``, a ``PartitionSpec`` for every leaf)."""
+  (or split as ``spec``, one ``PartitionSpec`` for every leaf)."""
   import jax
 
   sharding = jax.sharding.NamedSharding(
@@ -157,6 +157,117 @@ def compile_recipe(key, target, size, leaves):
   return counts(compiled, tpu) | dict(compile_s=seconds)
 
 
+# The programs compiled on a mesh: the step and accumulate_gradients under
+# jit, their leaves split over the mesh (GSPMD places the collectives), and
+# the step under shard_map with partition_specs (its own psums).
+MESH_PROGRAMS = ("step", "accumulate", "sharded")
+MESH_SHAPE = (8, 1024, 1024)  # leaves (half of them experts), their shape
+
+
+def _mesh_tx(partition_specs=None):
+  """``fs.chain(fp16_loss_scale, clip_by_unscaled_norm with the expert
+  mask, adamw)`` of :func:`_mesh_params`'s tree."""
+  import optax
+
+  import fp16_scaling as fs
+
+  mask = {"expert": True, "shared": False}
+  return fs.chain(
+    fs.fp16_loss_scale(fs.torch_scaler(), partition_specs=partition_specs),
+    fs.clip_by_unscaled_norm(1.0, expert_mask=mask),
+    optax.adamw(1e-3),
+  )
+
+
+def _mesh_params():
+  """Half the leaves shared, half experts: float32 ``ShapeDtypeStruct``s."""
+  import jax
+  import jax.numpy as jnp
+
+  n, *shape = MESH_SHAPE
+  leaf = jax.ShapeDtypeStruct(tuple(shape), jnp.float32)
+  return {"expert": [leaf] * (n // 2), "shared": [leaf] * (n - n // 2)}
+
+
+def mesh_program(name, target, count):
+  """``name`` (of ``MESH_PROGRAMS``) compiled for ``count`` devices of
+  ``target``, params and state donated: the executable."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  import numpy as np
+  import optax
+
+  import fp16_scaling as fs
+
+  mesh = jax.sharding.Mesh(np.array(devices(target, count)), ("x",))
+  params = _mesh_params()
+  grads = jax.tree.map(lambda p: p.update(dtype=jnp.float16), params)
+  specs = {
+    "expert": [P("x")] * len(params["expert"]),
+    "shared": [P()] * len(params["shared"]),
+  }
+  tx = _mesh_tx(specs if name == "sharded" else None)
+  if name == "accumulate":
+    tx = fs.accumulate_gradients(tx, 4)
+  state = jax.eval_shape(tx.init, params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  if name != "sharded":  # every leaf split over the mesh, GSPMD's collectives
+    big = lambda x: P("x") if np.ndim(x) == len(MESH_SHAPE) - 1 else P()
+    place = lambda t: jax.tree.map(lambda x: placed(x, mesh, big(x)), t)
+    args = [place(t) for t in (params, state, grads)]
+    return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+  st_specs = optax.tree_map_params(
+    tx, lambda _, spec: spec, state, specs,
+    transform_non_params=lambda _: P(), is_leaf=lambda s: isinstance(s, P),
+  )  # fmt: skip
+  at = lambda t, sp: jax.tree.map(lambda x, s: placed(x, mesh, s), t, sp)
+  args = [at(params, specs), at(state, st_specs), at(grads, specs)]
+  in_specs = (specs, st_specs, specs)
+  mapped = jax.shard_map(
+    step, mesh=mesh, in_specs=in_specs, out_specs=in_specs[:2]
+  )
+  return jax.jit(mapped, donate_argnums=(0, 1)).lower(*args).compile()
+
+
+def collectives(compiled):
+  """``{opcode: count}`` of the collectives in a compiled module (every
+  computation: a collective may sit in a branch)."""
+  text = compiled.as_text()
+  found = {}
+  for line in text.splitlines():
+    m = hlo_traffic._INSTR.match(line)
+    if m and m.group(3).split("-start")[0] in _COLLECTIVES:
+      op = m.group(3).split("-start")[0]
+      found[op] = found.get(op, 0) + 1
+  return found
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+_COLLECTIVES += ("collective-permute",)
+
+
+def mesh_table(rows):
+  """The markdown table of :func:`mesh_program`'s figures."""
+  lines = [
+    "| target | program | kernels | copies (arrays) | outputs aliased | "
+    "collectives |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for (target, count, name), row in rows.items():
+    ops = ", ".join(f"{n} {op}" for op, n in sorted(row["collectives"].items()))
+    lines.append(
+      f"| {TARGETS[target][2]} x{count} | {name} | {row['kernels']} | "
+      f"{row['copies']} ({row['array_copies']}) | "
+      f"{row['aliased']}/{row['outputs']} | {ops or 'none'} |"
+    )
+  return "\n".join(lines)
+
+
 def parse_shape(text):
   size, leaves = (int(v) for v in text.lower().split("x"))
   return size, leaves
@@ -211,6 +322,12 @@ def main(argv=None):
   add("--targets", default=",".join(TARGETS), help=f"of {list(TARGETS)}")
   add("--recipes", default=",".join(RECIPE_KEYS), help="recipes.py's keys")
   add("--shapes", default=",".join(SHAPES), help="SIZExLEAVES, comma-separated")
+  add(
+    "--meshes",
+    default="h100:8,tpu:4",
+    help="TARGET:DEVICES, comma-"
+    "separated: MESH_PROGRAMS compiled on that many devices ('' for none)",
+  )
   args = parser.parse_args(argv)
   import jax
 
@@ -241,6 +358,16 @@ def main(argv=None):
           flush=True,
         )
     print("\n" + table(target, keys, shapes, rows), flush=True)
+  meshes = [m.split(":") for m in args.meshes.split(",") if m]
+  rows = {}
+  for target, count in meshes:
+    for name in MESH_PROGRAMS:
+      compiled = mesh_program(name, target, int(count))
+      tpu = TARGETS[target][0] == "tpu"
+      row = counts(compiled, tpu) | dict(collectives=collectives(compiled))
+      rows[(target, int(count), name)] = row
+  if rows:
+    print("\n" + mesh_table(rows), flush=True)
   return 0
 
 

@@ -150,31 +150,20 @@ def _wide_squares(x: jax.Array) -> jax.Array:
   return _squares(x).astype(jnp.float32)
 
 
-def per_platform(leaves, layer_axes, fn, reduce) -> tuple:
-  """Per leaf (per layer, for a leaf with a layer axis), ``reduce``
-  (``jnp.sum`` or ``jnp.max``) of the elementwise ``fn``, whose ``fn(0)``
-  is the reduction's identity: on a GPU in a few kernels for all leaves
-  (``_segments``), elsewhere a reduction per leaf."""
-  if not leaves:
-    return ()
-
-  def per_leaf(leaves):
-    return tuple(
-      reduce(fn(x), summed_axes(x, a)) for x, a in zip(leaves, layer_axes)
-    )
-
-  def segmented(leaves):
-    return _segments.unit_reduce(leaves, layer_axes, fn, reduce)
-
-  return lax.platform_dependent(
-    leaves, default=per_leaf, cuda=segmented, rocm=segmented
-  )
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _leaf_sums(leaves, layer_axes):
   """:func:`leaf_sums` on a tuple, with its derivative rule."""
-  return per_platform(leaves, layer_axes, _wide_squares, jnp.sum)
+
+  def per_leaf(leaves):
+    return tuple(
+      lax.reduce_sum(_wide_squares(x), summed_axes(x, a))
+      for x, a in zip(leaves, layer_axes)
+    )
+
+  def segmented(leaves):
+    return _segments.unit_reduce(leaves, layer_axes, _wide_squares, jnp.sum)
+
+  return _segments.per_platform(leaves, per_leaf, segmented)
 
 
 @_leaf_sums.defjvp
@@ -334,13 +323,40 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
   return norm, peaks * jnp.sqrt(relative)
 
 
-def _finite_peak(x: jax.Array, axes: tuple) -> jax.Array:
-  """The largest finite ``|x|`` over ``axes``, in float32 (of :func:`widen`'s
-  ``x``: 0 for a float16 element out of float16's range)."""
+def _finite_abs(x: jax.Array) -> jax.Array:
+  """``|x|`` of :func:`widen`'s ``x`` where finite, else 0."""
   w = widen(x)
-  zero = jnp.zeros([], w.dtype)
-  finite = jnp.where(lax.is_finite(w), jnp.abs(w), zero)
-  return jnp.max(finite, axes, initial=0).astype(jnp.float32)
+  return jnp.where(lax.is_finite(w), jnp.abs(w), jnp.zeros([], w.dtype))
+
+
+def _abs32(x: jax.Array) -> jax.Array:
+  return _finite_abs(x).astype(jnp.float32)
+
+
+def _nonzero(x: jax.Array) -> jax.Array:
+  return (x != 0).astype(jnp.float32)
+
+
+def _local_range(leaves, layer_axes) -> tuple:
+  """``(peaks, zeros)``, per leaf (per layer) on this device: the largest
+  finite ``|x|`` (float32) and the count of zero elements (float32)."""
+
+  def per_leaf(leaves):
+    peaks = []
+    zeros = []
+    for x, a in zip(leaves, layer_axes):
+      axes = summed_axes(x, a)
+      peaks.append(jnp.max(_finite_abs(x), axes, initial=0).astype(jnp.float32))
+      zeros.append(jnp.sum(x == 0, axes, dtype=jnp.float32))
+    return tuple(peaks), tuple(zeros)
+
+  def segmented(leaves):
+    peaks = _segments.unit_reduce(leaves, layer_axes, _abs32, jnp.max)
+    counts = _segments.unit_reduce(leaves, layer_axes, _nonzero, jnp.sum)
+    sizes = [np.size(x) / max(np.size(p), 1) for x, p in zip(leaves, peaks)]
+    return peaks, tuple(n - c for n, c in zip(sizes, counts))
+
+  return _segments.per_platform(leaves, per_leaf, segmented)
 
 
 def leaf_range(
@@ -349,15 +365,10 @@ def leaf_range(
   """``(max_abs, zero_fraction)``: per leaf (per layer, for a leaf with a
   layer axis) across its mesh axes, the largest finite ``|x|`` and the
   fraction of zero elements."""
-  layer_axes = layer_axes or (None,) * len(leaves)
-  peaks = []
-  zeros = []
+  layer_axes = tuple(layer_axes or (None,) * len(leaves))
+  peaks, zeros = _local_range(tuple(leaves), layer_axes)
   sizes = []  # per unit, the elements it holds
-  for x, a in zip(leaves, layer_axes):
-    axes = summed_axes(x, a)
-    peak = _finite_peak(x, axes)
-    peaks.append(peak)
-    zeros.append(jnp.sum(x == 0, axes, dtype=jnp.float32))
+  for x, peak in zip(leaves, peaks):
     unit_size = x.size / max(peak.size, 1)
     sizes.append(jnp.full(peak.shape, unit_size, jnp.float32))
   peaks = leaf_vector(peaks, leaf_axes, lax.pmax)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling import _sharding
+
 # Leaves a concatenation takes: XLA:GPU fuses one of up to about 90
 # operands into its reduction and writes out a larger one (jaxlib 0.10.2,
 # H100 and A100 targets: 90 fused, 92 written).
@@ -47,20 +49,22 @@ def _chunk(size: int) -> int:
   return max(_pow2(-(-size // MAX_CHUNKS)), min(_pow2(size), CHUNK))
 
 
-def batches(shapes, dtypes, layer_axes) -> list:
+def batches(shapes, kinds, layer_axes) -> list:
   """Static: the leaves' indices in batches of at most ``BATCH``, each of
-  one dtype, in order of unit size (so a batch's units are alike)."""
+  one kind (a dtype, or with the mesh axes a leaf varies over under
+  ``shard_map``: what one concatenation may hold), in order of unit size
+  (so a batch's units are alike)."""
 
   def unit_size(i):
     units = 1 if layer_axes[i] is None else shapes[i][layer_axes[i]]
     return int(np.prod(shapes[i], dtype=np.int64)) // max(units, 1)
 
   order = sorted(
-    range(len(shapes)), key=lambda i: (str(dtypes[i]), unit_size(i), i)
+    range(len(shapes)), key=lambda i: (str(kinds[i]), unit_size(i), i)
   )
   out, current = [], []
   for i in order:
-    if current and (len(current) == BATCH or dtypes[current[0]] != dtypes[i]):
+    if current and (len(current) == BATCH or kinds[current[0]] != kinds[i]):
       out.append(current)
       current = []
     current.append(i)
@@ -95,6 +99,38 @@ def _per_unit(partials: jax.Array, chunks: list, reduce) -> jax.Array:
   return reduce(jnp.reshape(partials, (-1, width)), axis=1)
 
 
+def partitioned(x) -> bool:
+  """Whether the compiler may split ``x`` over devices (jit over a mesh:
+  an automatic mesh axis of more than one device, or an explicit axis its
+  type names): a concatenation of such leaves would move them between
+  devices, so each is reduced alone. Read from its type; a ``shard_map``
+  block (manual axes) is this device's own."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return False
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  auto = [
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types)
+    if t == jax.sharding.AxisType.Auto and sizes[n] > 1
+  ]
+  named = set(_sharding.spec_axes(sharding.spec)) - set(mesh.manual_axes)
+  return bool(auto or named)
+
+
+def per_platform(leaves: tuple, per_leaf: Callable, segmented: Callable):
+  """``segmented(leaves)`` where the step is compiled for a GPU,
+  ``per_leaf(leaves)`` elsewhere (``lax.platform_dependent``: chosen when
+  the step is lowered, for the platform it is lowered for; only that form
+  reaches the compiler)."""
+  if not leaves:
+    return per_leaf(leaves)
+  return jax.lax.platform_dependent(
+    leaves, default=per_leaf, cuda=segmented, rocm=segmented
+  )
+
+
 def unit_reduce(
   leaves: Sequence[jax.Array], layer_axes, fn: Callable, reduce: Callable
 ) -> tuple:
@@ -111,20 +147,43 @@ def unit_reduce(
   Returns:
     A tuple, per leaf: a scalar, or a vector of its layers' values.
   """
-  units = [_units(x, a) for x, a in zip(leaves, layer_axes)]
-  shapes = [np.shape(x) for x in leaves]
-  dtypes = [jnp.result_type(x) for x in leaves]
-  order = batches(shapes, dtypes, layer_axes)
-  partials, chunks = [], []
-  for batch in order:
-    p, k = _partials([units[i] for i in batch], fn, reduce)
-    partials.append(p)
-    chunks += k
-  per_unit = _per_unit(jnp.concatenate(partials), chunks, reduce)
-  out, start = [None] * len(leaves), 0
-  for i in (i for batch in order for i in batch):
-    n = units[i].shape[0]
-    value = per_unit[start : start + n]
+  out = [None] * len(leaves)
+  together = []
+  for i, (x, a) in enumerate(zip(leaves, layer_axes)):
+    if partitioned(x):
+      out[i] = reduce(fn(x), tuple(d for d in range(np.ndim(x)) if d != a))
+    else:
+      together.append(i)
+  for i, value in _segmented(leaves, layer_axes, together, fn, reduce):
     out[i] = value if layer_axes[i] is not None else jnp.reshape(value, ())
-    start += n
   return tuple(out)
+
+
+def _segmented(leaves, layer_axes, together, fn, reduce) -> list:
+  """``[(i, per-unit vector)]`` for the leaves ``together``, in batches."""
+  units = {i: _units(leaves[i], layer_axes[i]) for i in together}
+  kinds = {
+    i: (
+      jnp.result_type(leaves[i]),
+      _sharding.varying_axes(jax.typeof(leaves[i])),
+    )
+    for i in together
+  }
+  order = batches(
+    [np.shape(leaves[i]) for i in together],
+    [kinds[i] for i in together],
+    [layer_axes[i] for i in together],
+  )
+  by_kind = {}  # kind: (partials of its batches, chunks, leaves in order)
+  for batch in ([together[j] for j in b] for b in order):
+    p, k = _partials([units[i] for i in batch], fn, reduce)
+    parts, chunks, held = by_kind.setdefault(kinds[batch[0]], ([], [], []))
+    parts.append(p)
+    chunks += k
+    held += batch
+  found = []
+  for parts, chunks, held in by_kind.values():
+    per_unit = _per_unit(jnp.concatenate(parts), chunks, reduce)
+    starts = np.cumsum([0] + [units[i].shape[0] for i in held])
+    found += [(i, per_unit[a:b]) for i, a, b in zip(held, starts, starts[1:])]
+  return found
