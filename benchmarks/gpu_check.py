@@ -18,6 +18,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -159,10 +160,10 @@ def worker_kernels(args):
     gpu_kernels.devices("h100")
   except Exception as e:  # no jax-cuda12-plugin, or one that cannot load
     return dict(rows={}, summary=f"not measured: {type(e).__name__}: {e}")
-  rows = {}
-  for key in PAIR:
-    row = gpu_kernels.compile_recipe(key, "h100", n // leaves, leaves)
-    rows[key] = row
+  compile_one = functools.partial(
+    gpu_kernels.compile_recipe, target="h100", size=n // leaves, leaves=leaves
+  )
+  rows = {key: compile_one(key) for key in PAIR}
   return dict(
     rows=rows, target="h100", shape=args.argv[0],
     summary="deviceless H100 kernels: " + ", ".join(

@@ -20,6 +20,7 @@ next to the pinned jax (``.ci/setup-aot`` builds ``.venv-aot`` with them).
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -39,6 +40,7 @@ TARGETS = {
   "a100": ("cuda", "a100_sxm_80.txtpb", "A100 SXM 80GB"),
   "tpu": ("tpu", "v5e:2x2", "TPU v5e"),
 }
+_DIMS = re.compile(r"\[\d[\d,]*\]")  # an array shape's dimensions: [3,4]
 RECIPE_KEYS = ("adamw", "floor", "fp16", "fp16_noclip", "apply_if_finite")
 RECIPE_KEYS += ("jmp", "flat_floor", "flat_fp16")
 # SIZExLEAVES: the 1000x1000 leaves at two counts, and many small leaves.
@@ -48,7 +50,6 @@ SHAPES = ("1000000x50", "1000000x200", "16x500")
 def devices(target, count=1):
   """``count`` devices of ``target`` (TARGETS' key), described, not present:
   a GPU of a ``1x1xcount`` topology, or the first of a TPU v5e's chips."""
-  import jax
   from jax.experimental import topologies
 
   platform, where, _ = TARGETS[target]
@@ -63,7 +64,6 @@ def devices(target, count=1):
   found = list(topo.devices)
   if len(found) < count:
     raise ValueError(f"{target} has {len(found)} devices, not {count}")
-  del jax
   return found[:count]
 
 
@@ -116,7 +116,8 @@ def counts(compiled, tpu=False):
     fusions=fusions,
     reductions=hlo_traffic.reductions(text, branch=0),
     copies=len(copies),
-    array_copies=sum(not _scalar(shape) for shape in copies),
+    # A copy of arrays: one whose result holds a shape with dimensions.
+    array_copies=sum(bool(_DIMS.search(shape)) for shape in copies),
     bytes=hlo_traffic.total_bytes(text, branch=0),
     outputs=len(hlo_traffic._ARRAY.findall(outputs)),
     aliased=len(aliased),
@@ -132,12 +133,6 @@ def _result_layout(header):
     if depth == 0 and ch in ")}":
       return text[: i + 1]
   return text
-
-
-def _scalar(shape):
-  """Whether an HLO result shape holds only scalars (``f32[]``, or a tuple
-  of them)."""
-  return all(dims == "" for _, dims in hlo_traffic._ARRAY.findall(shape))
 
 
 def compile_recipe(key, target, size, leaves):
@@ -268,11 +263,6 @@ def mesh_table(rows):
   return "\n".join(lines)
 
 
-def parse_shape(text):
-  size, leaves = (int(v) for v in text.lower().split("x"))
-  return size, leaves
-
-
 def slope(rows, key, shapes):
   """Kernels per leaf of recipe ``key`` between its two shapes of one leaf
   size (the difference over the difference in leaves), or None."""
@@ -333,7 +323,9 @@ def main(argv=None):
 
   targets = [t.strip() for t in args.targets.split(",")]
   keys = [k.strip() for k in args.recipes.split(",")]
-  shapes = [parse_shape(s) for s in args.shapes.split(",")]
+  shapes = [
+    tuple(map(int, s.lower().split("x"))) for s in args.shapes.split(",")
+  ]
   for name in targets + keys:
     if name not in TARGETS and name not in recipes.BY_KEY:
       parser.error(f"unknown target or recipe {name!r}")
@@ -343,8 +335,8 @@ def main(argv=None):
     rows = {}
     for key in keys:
       module = recipes.BY_KEY[key].module
-      if module and not _installed(module):
-        continue
+      if module and importlib.util.find_spec(module) is None:
+        continue  # not installed
       for size, leaves in shapes:
         row = compile_recipe(key, target, size, leaves)
         rows[(key, size, leaves)] = row
@@ -369,14 +361,6 @@ def main(argv=None):
   if rows:
     print("\n" + mesh_table(rows), flush=True)
   return 0
-
-
-def _installed(module):
-  try:
-    __import__(module)
-  except ImportError:
-    return False
-  return True
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from fp16_scaling import _donation
 from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _provenance
+from fp16_scaling import _range
 from fp16_scaling import _sharding
 from fp16_scaling import _stacked
 from fp16_scaling import _validate
@@ -470,7 +471,7 @@ def _grad_range(leaves, measurement: Measurement, stacked: bool) -> GradRange:
   """Per leaf (per unit) the largest finite unscaled ``|g|`` and the zero
   fraction; when ``stacked``, each unit's norm too, from the sums."""
   m = measurement
-  peaks, zero_fraction = _norm.leaf_range(leaves, m.leaf_axes, m.layer_axes)
+  peaks, zero_fraction = _range.leaf_range(leaves, m.leaf_axes, m.layer_axes)
   if not stacked:
     return GradRange(peaks * m.inv_scale, zero_fraction)
   sums = jnp.maximum(m.norms.leaf_sums, 0.0)  # a non-finite unit's is -inf

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _sharding
+from fp16_scaling._stacked import summed_axes
 
 # Leaves a concatenation takes: XLA:GPU fuses one of up to about 90
 # operands into its reduction and writes out a larger one (jaxlib 0.10.2,
@@ -33,70 +34,90 @@ MAX_CHUNKS = 256
 CHUNK = 4096
 
 
-def _units(x, axis) -> jax.Array:
+def _units(x, axis):
   """``x`` as ``[units, unit size]``: one row, or a row per layer."""
   if axis is None:
     return jnp.reshape(x, (1, -1))
-  return jnp.reshape(jnp.moveaxis(x, axis, 0), (x.shape[axis], -1))
+  layers = x.shape[axis]
+  first = jnp.moveaxis(x, axis, 0)
+  return jnp.reshape(first, (layers, -1))
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
+def _pow2(n):
+  """The least power of two at least ``n`` (1 for ``n <= 1``)."""
+  below = max(int(n) - 1, 0)
+  return 1 << below.bit_length()
 
 
-def _chunk(size: int) -> int:
-  """The chunk size of a batch whose largest unit holds ``size``."""
-  return max(_pow2(-(-size // MAX_CHUNKS)), min(_pow2(size), CHUNK))
+def _ceil(n, d):
+  """``n / d`` rounded up."""
+  return -(-n // d)
 
 
-def batches(shapes, kinds, layer_axes) -> list:
-  """Static: the leaves' indices in batches of at most ``BATCH``, each of
-  one kind (a dtype, or with the mesh axes a leaf varies over under
-  ``shard_map``: what one concatenation may hold), in order of unit size
-  (so a batch's units are alike)."""
+def _chunk(size):
+  """The chunk size of a batch whose largest unit holds ``size``: at most
+  ``MAX_CHUNKS`` chunks a unit, ``CHUNK`` elements where that is enough,
+  and no more than the unit's own size rounded up."""
+  fewest = _pow2(_ceil(size, MAX_CHUNKS))
+  enough = min(_pow2(size), CHUNK)
+  return max(fewest, enough)
 
-  def unit_size(i):
-    units = 1 if layer_axes[i] is None else shapes[i][layer_axes[i]]
-    return int(np.prod(shapes[i], dtype=np.int64)) // max(units, 1)
 
-  order = sorted(
-    range(len(shapes)), key=lambda i: (str(kinds[i]), unit_size(i), i)
-  )
-  out, current = [], []
-  for i in order:
-    if current and (len(current) == BATCH or kinds[current[0]] != kinds[i]):
+def batches(kinds: dict, sizes: dict) -> list:
+  """Static: the leaves (the keys of ``kinds`` and ``sizes``, their kind
+  and unit size) in batches of at most ``BATCH``, each of one kind (a
+  dtype, and the mesh axes a leaf varies over under ``shard_map``: what one
+  concatenation may hold), in order of unit size (a batch's units alike)."""
+  keys = [(str(kinds[i]), sizes[i], i) for i in kinds]
+  out = []
+  current = []
+  for _, _, i in sorted(keys):
+    full = len(current) == BATCH
+    if current and (full or kinds[current[0]] != kinds[i]):
       out.append(current)
       current = []
     current.append(i)
-  return out + ([current] if current else [])
+  if current:
+    out.append(current)
+  return out
 
 
-def _partials(units: list, fn, reduce) -> tuple:
+def _partials(units, fn, reduce):
   """``(partials, chunks)``: the ``reduce`` of ``fn`` over each chunk of
   ``units`` (arrays ``[u, size]`` of one dtype), from one concatenation,
   and how many chunks each unit has, in order."""
-  chunk = _chunk(max(max(u.shape[1] for u in units), 1))
+  largest = max(u.shape[1] for u in units)
+  chunk = _chunk(max(largest, 1))
   rows = []
   chunks = []  # per unit
   for u in units:
-    k = max(-(-u.shape[1] // chunk), 1)
-    padded = jnp.pad(u, ((0, 0), (0, k * chunk - u.shape[1])))
-    rows.append(jnp.reshape(padded, (u.shape[0] * k, chunk)))
-    chunks += [k] * u.shape[0]
-  return reduce(fn(jnp.concatenate(rows)), axis=1), chunks
+    layers, size = u.shape
+    k = max(_ceil(size, chunk), 1)
+    padding = ((0, 0), (0, k * chunk - size))
+    padded = jnp.pad(u, padding)
+    shape = (layers * k, chunk)
+    rows.append(jnp.reshape(padded, shape))
+    chunks += [k] * layers
+  values = fn(jnp.concatenate(rows))
+  return reduce(values, axis=1), chunks
 
 
-def _per_unit(partials: jax.Array, chunks: list, reduce) -> jax.Array:
-  """The ``reduce`` of each unit's consecutive ``chunks`` partials."""
+def _per_unit(partials, chunks, reduce):
+  """The ``reduce`` of each unit's consecutive ``chunks`` partials: units
+  of several sizes gather theirs into rows padded with a zero."""
   width = max(chunks)
-  if min(chunks) < width:  # units of several sizes: gather each one's
-    partials = jnp.concatenate([partials, jnp.zeros([1], partials.dtype)])
-    starts = np.cumsum([0] + chunks[:-1])
-    index = [
-      list(range(a, a + k)) + [-1] * (width - k) for a, k in zip(starts, chunks)
-    ]
-    partials = partials[np.asarray(index, np.int32)]
-  return reduce(jnp.reshape(partials, (-1, width)), axis=1)
+  if min(chunks) < width:
+    zero = jnp.zeros([1], partials.dtype)
+    partials = jnp.concatenate([partials, zero])
+    shape = (len(chunks), width)
+    index = np.full(shape, -1, np.int32)
+    start = 0
+    for row, k in enumerate(chunks):
+      index[row, :k] = np.arange(start, start + k)
+      start += k
+    partials = partials[index]
+  rows = jnp.reshape(partials, (-1, width))
+  return reduce(rows, axis=1)
 
 
 def partitioned(x) -> bool:
@@ -109,14 +130,13 @@ def partitioned(x) -> bool:
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or not mesh.axis_names:
     return False
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  auto = [
-    n
-    for n, t in zip(mesh.axis_names, mesh.axis_types)
-    if t == jax.sharding.AxisType.Auto and sizes[n] > 1
-  ]
-  named = set(_sharding.spec_axes(sharding.spec)) - set(mesh.manual_axes)
-  return bool(auto or named)
+  auto = jax.sharding.AxisType.Auto
+  for kind, size in zip(mesh.axis_types, mesh.axis_sizes):
+    if kind == auto and size > 1:
+      return True
+  named = _sharding.spec_axes(sharding.spec)
+  explicit = set(named) - set(mesh.manual_axes)
+  return bool(explicit)
 
 
 def per_platform(leaves: tuple, per_leaf: Callable, segmented: Callable):
@@ -151,39 +171,50 @@ def unit_reduce(
   together = []
   for i, (x, a) in enumerate(zip(leaves, layer_axes)):
     if partitioned(x):
-      out[i] = reduce(fn(x), tuple(d for d in range(np.ndim(x)) if d != a))
+      axes = summed_axes(x, a)
+      out[i] = reduce(fn(x), axes)
     else:
       together.append(i)
   for i, value in _segmented(leaves, layer_axes, together, fn, reduce):
-    out[i] = value if layer_axes[i] is not None else jnp.reshape(value, ())
+    if layer_axes[i] is None:
+      value = jnp.reshape(value, ())
+    out[i] = value
   return tuple(out)
 
 
-def _segmented(leaves, layer_axes, together, fn, reduce) -> list:
-  """``[(i, per-unit vector)]`` for the leaves ``together``, in batches."""
-  units = {i: _units(leaves[i], layer_axes[i]) for i in together}
-  kinds = {
-    i: (
-      jnp.result_type(leaves[i]),
-      _sharding.varying_axes(jax.typeof(leaves[i])),
-    )
-    for i in together
-  }
-  order = batches(
-    [np.shape(leaves[i]) for i in together],
-    [kinds[i] for i in together],
-    [layer_axes[i] for i in together],
-  )
+def _kind(x):
+  """What leaves one concatenation may hold share: the dtype, and the mesh
+  axes the leaf varies over under ``shard_map``."""
+  varying = _sharding.varying_axes(jax.typeof(x))
+  dtype = jnp.result_type(x)
+  return dtype, varying
+
+
+def _segmented(leaves, layer_axes, together, fn, reduce):
+  """``[(i, per-unit vector)]`` for the leaves ``together``, in batches;
+  each kind's partials reduced to its units' values at once."""
+  units = {}  # per leaf, [units, unit size]
+  kinds = {}
+  sizes = {}
+  for i in together:
+    units[i] = _units(leaves[i], layer_axes[i])
+    kinds[i] = _kind(leaves[i])
+    sizes[i] = units[i].shape[1]
   by_kind = {}  # kind: (partials of its batches, chunks, leaves in order)
-  for batch in ([together[j] for j in b] for b in order):
+  for batch in batches(kinds, sizes):
     p, k = _partials([units[i] for i in batch], fn, reduce)
-    parts, chunks, held = by_kind.setdefault(kinds[batch[0]], ([], [], []))
+    kind = kinds[batch[0]]
+    parts, chunks, order = by_kind.setdefault(kind, ([], [], []))
     parts.append(p)
     chunks += k
-    held += batch
-  found = []
-  for parts, chunks, held in by_kind.values():
-    per_unit = _per_unit(jnp.concatenate(parts), chunks, reduce)
-    starts = np.cumsum([0] + [units[i].shape[0] for i in held])
-    found += [(i, per_unit[a:b]) for i, a, b in zip(held, starts, starts[1:])]
-  return found
+    order += batch
+  out = []
+  for parts, chunks, order in by_kind.values():
+    partials = jnp.concatenate(parts)
+    per_unit = _per_unit(partials, chunks, reduce)
+    start = 0
+    for i in order:
+      stop = start + units[i].shape[0]
+      out.append((i, per_unit[start:stop]))
+      start = stop
+  return out
