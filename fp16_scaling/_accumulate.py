@@ -203,9 +203,9 @@ def _checked_microbatch(updates, acc_grads) -> list:
 
 def _dropped(updates, partition_specs) -> jax.Array:
   """Whether this microbatch holds an inf or NaN, on any device."""
-  return _measure.measure(
-    updates, 1.0, partition_specs, what="accumulate_gradients"
-  ).overflow
+  what = "accumulate_gradients"
+  plan = _measure.plan_of(updates, partition_specs, clip=False, what=what)
+  return _measure.measure(updates, 1.0, plan, what=what).overflow
 
 
 class _Window(NamedTuple):

@@ -13,6 +13,7 @@ import optax
 from fp16_scaling import _clipping
 from fp16_scaling import _donation
 from fp16_scaling import _loss_scale
+from fp16_scaling import _measure
 from fp16_scaling._clipping import ClipConfig
 from fp16_scaling._clipping import UnscaledClip
 from fp16_scaling._loss_scale import LossScale
@@ -76,6 +77,19 @@ class StepConfig:
       head += (self.clip.init(params),)
     return head + tuple(self.rest.init(params))
 
+  def plan(self, tree) -> _measure.Plan:
+    """The measurement's :class:`~fp16_scaling._measure.Plan` of ``tree``
+    (the params, or gradients of their tree): the scale's
+    ``partition_specs`` and stacked layout, and the clip's groups."""
+    clip = self.clip
+    return _measure.plan_of(
+      tree,
+      self.scale.partition_specs,
+      self.scale.layout(tree),
+      None if clip is None else clip.expert_mask,
+      clip=clip is not None,
+    )
+
   def update(self, updates, state, params=None, **extra):
     """``optax``'s update: :meth:`run` on gradients outside a window."""
     out = self.run(updates, state, params, extra=extra, in_float16_range=False)
@@ -90,7 +104,12 @@ class StepConfig:
     values (:class:`Measurement`)."""
     ls, own = state[0], self.owned
     _loss_scale.check_state(self.scale, ls)
-    m = self.scale.measure(updates, ls, in_float16_range=in_float16_range)
+    m = _measure.measure(
+      updates,
+      ls.scaler.loss_scale,
+      self.plan(updates),
+      in_float16_range=in_float16_range,
+    )
     head = (
       _loss_scale.step_state(
         self.scale, ls, m, updates, params, extra.get("value")
@@ -98,7 +117,7 @@ class StepConfig:
     )
     factor = None
     if self.clip is not None:
-      norms = self.clip.norms(m, updates)
+      norms = m.clip_norms
       factor = self.clip.factor(norms)
       new_clip = _clipping.clip_state(norms)
       # Write-only: each field reads its old value to keep its buffer.

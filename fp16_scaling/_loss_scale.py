@@ -14,7 +14,6 @@ import numpy as np
 import optax
 
 from fp16_scaling import _donation
-from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _provenance
 from fp16_scaling import _range
@@ -210,18 +209,6 @@ class ScaleConfig:
         self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
       )
     return self.layouts[key]
-
-  def measure(self, grads, state, *, in_float16_range=False) -> Measurement:
-    """The step's one :class:`Measurement` of ``grads``, made at the scale
-    of ``state`` (a :class:`LossScaleState`), per unit of their layout."""
-    layout = self.layout(grads)
-    return _measure.measure(
-      grads,
-      state.scaler.loss_scale,
-      self.partition_specs,
-      in_float16_range=in_float16_range,
-      layer_axes=None if layout is None else layout.axes,
-    )
 
   def refuse(self, *args, **kwargs):
     """``init`` and ``update`` anywhere but in :func:`chain`: raises

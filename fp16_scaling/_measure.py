@@ -2,13 +2,115 @@
 unscales, clips and decides the skip (docs/design.md, "Data flow").
 """
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
+from fp16_scaling._states import EXPERT
+from fp16_scaling._states import SHARED
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What the one pass reads of a gradient tree besides its arrays,
+  resolved from the tree's static structure and the configuration: the
+  form the norm consumes. Frozen, hashable and compared by value (equal
+  configurations of equal trees make equal plans).
+
+  Attributes:
+    treedef: the structure of the tree it was resolved on.
+    specs: per leaf, its ``PartitionSpec`` (None: not split), from the
+      ``partition_specs`` prefix tree; None where none were given.
+    layer_axes: per leaf, its layer axis (the stacked layout) or None;
+      None where no leaf is stacked.
+    groups: per leaf, its clip group (``SHARED`` or ``EXPERT``, from the
+      clip's ``expert_mask``); None where no clip reads the measurement.
+  """
+
+  treedef: Any
+  specs: tuple
+  layer_axes: Optional[tuple] = None
+  groups: Optional[tuple] = None
+
+
+def plan_of(
+  tree,
+  partition_specs=None,
+  layout=None,
+  expert_mask=None,
+  *,
+  clip: bool = True,
+  what: str = "fp16_loss_scale",
+) -> Plan:
+  """The :class:`Plan` of ``tree`` (the params, or gradients of their
+  tree).
+
+  Args:
+    tree: the gradients, or any tree of their structure (shapes only).
+    partition_specs: their ``PartitionSpec``s (a prefix tree), or None.
+    layout: the stacked layout resolved on ``tree``
+      (``_stacked.Layout``), or None.
+    expert_mask: the clip's expert mask (a bool pytree or a callable), or
+      None.
+    clip: whether a clip reads the measurement (its group norms are then
+      reduced with the rest).
+    what: the transformation named in error messages.
+
+  Returns:
+    The plan.
+
+  Raises:
+    TypeError, ValueError: ``partition_specs`` or ``expert_mask`` do not
+      fit ``tree``.
+  """
+  specs = _sharding.leaf_specs(partition_specs, tree, what)
+  groups = expert_groups(expert_mask, tree) if clip else None
+  return Plan(
+    treedef=jax.tree.structure(tree),
+    specs=None if partition_specs is None else tuple(specs),
+    layer_axes=None if layout is None else tuple(layout.axes),
+    groups=None if groups is None else tuple(groups),
+  )
+
+
+def mask_leaves(mask) -> list:
+  """The leaves of an expert mask, each checked to be a Python (or numpy)
+  bool, known before tracing; TypeError naming the type otherwise."""
+  leaves = jax.tree.leaves(mask)
+  for m in leaves:
+    if not isinstance(m, (bool, np.bool_)):
+      raise TypeError(
+        "expert_mask must be a pytree of Python bools known before tracing, "
+        f"or a callable returning one; got a leaf of type {type(m).__name__}"
+      )
+  return leaves
+
+
+def expert_groups(expert_mask, tree) -> tuple:
+  """Static 0/1 group per leaf of ``tree`` (1 for an expert leaf) from
+  ``expert_mask``: a bool pytree with ``tree``'s structure or a prefix of
+  it (as in ``optax.masked``), or a callable that maps ``tree`` to one;
+  None marks no leaf."""
+  n = len(jax.tree.leaves(tree))
+  if expert_mask is None or n == 0:
+    # No leaves (optax.tree_map_params calls init with such a placeholder).
+    return (SHARED,) * n
+  mask = expert_mask(tree) if callable(expert_mask) else expert_mask
+  groups = [EXPERT if bool(m) else SHARED for m in mask_leaves(mask)]
+  try:
+    return _sharding.broadcast_prefix(groups, mask, tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      "expert_mask must have the structure of the gradients, or a prefix of "
+      "it, with a bool at each leaf (a bool for a subtree marks all its "
+      f"leaves); got {jax.tree.structure(mask)} for gradients "
+      f"{jax.tree.structure(tree)}: {e}"
+    ) from None
 
 
 class Measurement(NamedTuple):
@@ -29,6 +131,8 @@ class Measurement(NamedTuple):
       left out of the trace.
     layer_axes: static, per leaf its layer axis (the state's stacked
       layout) or None; None where no leaf is measured per layer.
+    clip_norms: the unscaled :class:`~fp16_scaling._norm.Norms` of the
+      plan's clip groups (:meth:`grouped`), or None without them.
   """
 
   grads: tuple
@@ -38,6 +142,7 @@ class Measurement(NamedTuple):
   leaf_axes: tuple
   in_float16_range: bool = False
   layer_axes: Optional[tuple] = None
+  clip_norms: Optional[_norm.Norms] = None
 
   @property
   def overflow(self) -> jax.Array:
@@ -86,47 +191,51 @@ class Measurement(NamedTuple):
 def measure(
   grads: Any,
   scale: jax.Array,
-  partition_specs: Optional[Any] = None,
+  plan: Optional[Plan] = None,
   *,
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
-  layer_axes: Optional[tuple] = None,
 ) -> Measurement:
   """The one pass over ``grads``, made at loss scale ``scale``.
 
   Args:
     grads: the scaled gradients, any pytree of floating arrays.
     scale: the loss scale they were made with.
-    partition_specs: ``PartitionSpec``s of ``grads`` under ``shard_map``
-      (a prefix tree), or None: each leaf's sum is ``psum``-med over the
-      mesh axes its spec splits it over.
+    plan: their :class:`Plan` (:func:`plan_of`), or None: no leaf split, none
+      stacked, no clip. Under ``shard_map`` each leaf's sum is
+      ``psum``-med over the mesh axes its spec splits it over; a leaf with
+      a layer axis is measured per layer (docs/stacked.md); with clip
+      groups, their norms are reduced too (``Measurement.clip_norms``).
     in_float16_range: see :class:`Measurement`.
     what: the transformation named in error messages.
-    layer_axes: per leaf of ``grads`` in tree order (a layout resolved on
-      their tree), its layer axis (an int) or None; a leaf with one is
-      measured per layer (docs/stacked.md). None: no leaf is stacked.
 
   Returns:
     The :class:`Measurement`.
 
   Raises:
     TypeError: a leaf is not floating (integer or bool gradients).
-    ValueError: ``partition_specs`` does not fit ``grads``.
+    ValueError: the plan's specs do not fit ``grads`` under this mesh.
   """
+  if plan is None:
+    plan = plan_of(grads, clip=False, what=what)
   leaves = tuple(jax.tree.leaves(grads))
   _norm.check_float_leaves(leaves, f"{what} gradients", grads)
-  leaf_axes = _sharding.leaf_axes_from_specs(partition_specs, grads, what)
-  sums = tuple(_norm.leaf_sums(leaves, layer_axes))
+  given = plan.specs is not None
+  specs = plan.specs if given else (None,) * len(leaves)
+  leaf_axes = _sharding.leaf_axes(specs, given, grads, what)
+  sums = tuple(_norm.leaf_sums(leaves, plan.layer_axes))
   norms = _norm.reduce_norms(
     sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range
   )
-  scale = jnp.asarray(scale, jnp.float32)
-  return Measurement(
+  m = Measurement(
     grads=leaves,
     sums=sums,
     norms=norms,
-    scale=scale,
+    scale=jnp.asarray(scale, jnp.float32),
     leaf_axes=leaf_axes,
     in_float16_range=in_float16_range,
-    layer_axes=layer_axes,
+    layer_axes=plan.layer_axes,
   )
+  if plan.groups is None:
+    return m
+  return m._replace(clip_norms=m.grouped(plan.groups, 2))
