@@ -9,9 +9,12 @@ The A100 target at 200 leaves likewise."""
 
 import functools
 
+import aot_needs
 import pytest
 
 from fp16_scaling import _segments
+
+gpu_kernels = aot_needs.gpu_kernels  # the fixture
 
 SIZE = 1000 * 1000
 LEAVES = (50, 200)

@@ -1,5 +1,8 @@
-"""tests/aot: the step compiled for GPUs and a TPU on this CPU, with no
-device (deviceless ahead-of-time compilation: benchmarks/gpu_kernels.py).
+"""What tests/aot need, as a fixture their modules import (a conftest.py
+here would be a second module named ``conftest`` beside tests/conftest.py,
+which ``--doctest-modules`` collects): the step compiled for GPUs and a
+TPU on this CPU, with no device (deviceless ahead-of-time compilation:
+benchmarks/gpu_kernels.py).
 
 They need ``.venv-aot`` (``.ci/setup-aot``: the CUDA 12 plugin, its PJRT
 and libtpu, pinned next to the pinned jax) and ``JAX_PLATFORMS=cpu``,
