@@ -141,12 +141,15 @@ def _safe_sqrt_jvp(primals, tangents):
 def leaf_sums(leaves: Sequence[jax.Array], layer_axes=None) -> list:
   """The one pass: per-leaf local sums of squares, not finite exactly for a
   leaf with a non-finite element (whose derivative counts as 0). A leaf with
-  a layer axis in ``layer_axes`` keeps it: its sums are a vector, per layer."""
+  a layer axis in ``layer_axes`` keeps it: its sums are a vector, per layer.
+  Compiled for a GPU, a few kernels for all the leaves (``_segments``);
+  elsewhere a reduction per leaf."""
   layer_axes = tuple(layer_axes or (None,) * len(leaves))
   return list(_leaf_sums(tuple(leaves), layer_axes))
 
 
 def _wide_squares(x: jax.Array) -> jax.Array:
+  """:func:`_squares` in float32."""
   return _squares(x).astype(jnp.float32)
 
 
