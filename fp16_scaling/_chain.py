@@ -77,18 +77,16 @@ class StepConfig:
       head += (self.clip.init(params),)
     return head + tuple(self.rest.init(params))
 
-  def plan(self, tree) -> _measure.Plan:
-    """The measurement's :class:`~fp16_scaling._measure.Plan` of ``tree``
-    (the params, or gradients of their tree): the scale's
-    ``partition_specs`` and stacked layout, and the clip's groups."""
-    clip = self.clip
-    return _measure.plan_of(
-      tree,
-      self.scale.partition_specs,
-      self.scale.layout(tree),
-      None if clip is None else clip.expert_mask,
-      clip=clip is not None,
-    )
+  def plan(self, updates, ls) -> _measure.Plan:
+    """The measurement's :class:`~fp16_scaling._measure.Plan` of
+    ``updates``: the one the loss-scale state ``ls`` holds in its treedef
+    (each leaf's spec and the stacked layout, resolved by ``tx.init``),
+    with the clip's groups of the expert mask joined here, where the
+    clip's configuration lives."""
+    plan = self.scale.state_plan(ls, updates)
+    if self.clip is None:
+      return plan
+    return plan.with_groups(self.clip.expert_mask, updates)
 
   def update(self, updates, state, params=None, **extra):
     """``optax``'s update: :meth:`run` on gradients outside a window."""
@@ -103,12 +101,11 @@ class StepConfig:
     ``in_float16_range`` says that every gradient holds float16-range
     values (:class:`Measurement`)."""
     ls, own = state[0], self.owned
-    _loss_scale.check_state(self.scale, ls)
+    # First: a state of another configuration is refused before anything
+    # of it is read (ScaleConfig.state_plan).
+    plan = self.plan(updates, ls)
     m = _measure.measure(
-      updates,
-      ls.scaler.loss_scale,
-      self.plan(updates),
-      in_float16_range=in_float16_range,
+      updates, ls.scaler.loss_scale, plan, in_float16_range=in_float16_range
     )
     head = (
       _loss_scale.step_state(
@@ -227,6 +224,10 @@ def chain(*transforms: optax.GradientTransformation) -> Step:
   rest of the chain on the result, and on an overflow step returns
   ``-0.0`` updates and the rest's state unchanged, so ``params + updates``
   keeps every bit of ``params``.
+
+  ``init`` and ``update`` are pure, as optax's are: nothing marks a state
+  given to ``update`` as used, so given it again ``update`` returns the same
+  result (``tests/test_refusals.py``); keep the state it returns.
 
   Args:
     *transforms: :func:`fp16_loss_scale` first; then optionally

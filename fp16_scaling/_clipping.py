@@ -60,9 +60,8 @@ class ClipConfig:
     """The clip anywhere but right after :func:`fp16_loss_scale`: of what
     reaches it, measured here; extra arguments are ignored."""
     del params, extra_args
-    plan = _measure.plan_of(
-      updates, self.partition_specs, expert_mask=self.expert_mask, what=_WHAT
-    )
+    plan = _measure.plan_of(updates, self.partition_specs, what=_WHAT)
+    plan = plan.with_groups(self.expert_mask, updates)
     own = _measure.measure(updates, 1.0, plan, what=_WHAT)
     norms = own.clip_norms
     factor = self.factor(norms)

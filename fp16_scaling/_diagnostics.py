@@ -69,7 +69,8 @@ _ADVICE = {
 _SELECT_NOTE = (
   "The step was skipped: params and optimizer state are kept. Model state "
   "outside optax (BatchNorm statistics, an EMA) is kept only by "
-  "fs.select_on_overflow(opt_state, new, old) after tx.update; this report "
+  "fs.select_on_overflow(opt_state, new=..., old=...) after tx.update; "
+  "this report "
   "reads the optimizer state alone and cannot see whether it was called."
 )
 

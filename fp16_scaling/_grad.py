@@ -11,7 +11,6 @@ import numpy as np
 
 from fp16_scaling import _metrics
 from fp16_scaling import _policy
-from fp16_scaling import _select
 from fp16_scaling import _validate
 from fp16_scaling._lookup import is_nnx_optimizer
 from fp16_scaling._metrics import current_scale
@@ -133,10 +132,13 @@ def value_and_grad(
 
   ``fun`` must not multiply by the scale itself: ``fs.current_scale`` of
   ``state`` read inside ``fun`` raises ValueError (the loss would be scaled
-  twice). A multiply by a number (``loss * 65536.0``) cannot be told from a
-  loss; the value then comes back that many times larger. The call also
-  records, by identity, the state it was given and what ``fun`` wrote, for
-  :func:`select_on_overflow`'s checks.
+  twice), eagerly and under ``jit`` alike: a guard set for this call alone
+  sees the read. A multiply it cannot see is not refused: by a number
+  (``loss * 65536.0``), or by a scale read outside ``fun`` and closed over.
+  Then ``value`` comes back S times the loss and the gradients S times
+  ``fun``'s scaled ones, so ``tx.update`` makes updates S times too large
+  and they overflow S times sooner (``tests/test_refusals.py``). Return the
+  unscaled loss.
 
   Warns:
     UserWarning: ``fun``'s loss is float16, or ``policy``'s output dtype
@@ -159,18 +161,15 @@ def value_and_grad(
     float32 float32
   """
   nnx_optimizer = is_nnx_optimizer(state)
-  opt_state, scale = _held_scale(state, nnx_optimizer)
+  scale = _held_scale(state, nnx_optimizer)
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   policy, cast_args = _cast_plan(policy, cast_args)
 
   def scaled(*args, **kw):
     if policy is not None:
       args, kw, done = _cast_inputs(policy, nums, cast_args, args, kw)
-    _metrics.SCALES_IN_FUN.append(scale)
-    try:
+    with _metrics.differentiating_at(scale):
       out = fun(*args, **kw)
-    finally:
-      _metrics.SCALES_IN_FUN.pop()
     value, aux = _split_output(out, has_aux)
     if policy is not None:
       done()
@@ -191,12 +190,7 @@ def value_and_grad(
       raise ValueError(_STALE)
     if policy is not None:
       _refuse_double_cast(policy, args, nums)
-    given = {id(x) for x in jax.tree.leaves((args, kw))}
     grads, (value, aux) = grad(*args, **kw)
-    # What the forward pass wrote: its aux, and what it wrote into an NNX
-    # module argument, that was not given (select_on_overflow's checks).
-    wrote = [x for x in jax.tree.leaves((aux, args)) if id(x) not in given]
-    _select.note_gradients(opt_state, wrote)
     if value.dtype == jnp.float16:
       cast = policy is not None and policy.output_dtype == jnp.float16
       _validate.warn(_FLOAT16_OUTPUT.format(policy) if cast else _FLOAT16_LOSS)
@@ -206,8 +200,8 @@ def value_and_grad(
 
 
 def _held_scale(state, nnx_optimizer: bool) -> tuple:
-  """``(opt_state, scale)``: the optax state ``state`` is or holds (an
-  ``nnx.Optimizer``'s ``opt_state``) and the loss scale in it.
+  """The loss scale in the optax state ``state`` is or holds (an
+  ``nnx.Optimizer``'s ``opt_state``).
 
   Raises:
     ValueError: ``state`` holds ``jax.ShapeDtypeStruct``s (shapes without
@@ -219,8 +213,7 @@ def _held_scale(state, nnx_optimizer: bool) -> tuple:
       "jax.eval_shape(tx.init, params)), shapes without values: pass the "
       "state tx.init(params) returned, or the one the step receives"
     )
-  opt_state = state.opt_state if nnx_optimizer else state
-  return opt_state, current_scale(opt_state)
+  return current_scale(state.opt_state if nnx_optimizer else state)
 
 
 def _cast_plan(policy, cast_args):

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fp16_scaling import _provenance
 from fp16_scaling import _validate
 from fp16_scaling._scaler import ScalerState
 from fp16_scaling._states import AccumulationState
@@ -92,11 +91,38 @@ _APPLY_IF_FINITE = (
   "max_consecutive_errors=n) on the host (say when logging)."
 )
 
+_MASKED = (
+  "fs.chain is under optax.masked (or optax.multi_transform, which masks "
+  "each of its transformations): the leaves masked out never reach the "
+  "chain, and the wrapper passes their gradients on as their updates, "
+  "still multiplied by the loss scale (a static scale of 1024 adds 1024 "
+  "times the gradient to those params) and not skipped on an overflow. "
+  "Mask inside the chain: fs.chain(fs.fp16_loss_scale(scaler), ..., "
+  "optax.masked(optimizer, mask)); for several optimizers, one fs.chain "
+  "around optax.multi_transform: fs.chain(fs.fp16_loss_scale(scaler), "
+  "optax.multi_transform(transforms, param_labels))."
+)
+
 # Wrappers refused around a LossScaleState: their state's type, and why.
 _REFUSED_WRAPPERS = (
   (optax.MultiStepsState, _MULTISTEPS),
   (optax.ApplyIfFiniteState, _APPLY_IF_FINITE),
+  (optax.MaskedState, _MASKED),
 )
+
+
+def _is_masked_node(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def refuse_masked(params: Any) -> None:
+  """Raises ValueError, naming the fix, for params that ``optax.masked``
+  (or ``optax.multi_transform``) masked before ``fs.chain``'s ``init``
+  saw them: they hold ``optax.MaskedNode`` s (a type check)."""
+  if any(
+    map(_is_masked_node, jax.tree.leaves(params, is_leaf=_is_masked_node))
+  ):
+    raise ValueError(_MASKED)
 
 
 def _check_not_wrapped(opt_state: Any) -> None:
@@ -129,9 +155,11 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
 
   Raises:
     ValueError: none (or one restored as plain dicts and lists, which the
-      message says how to restore), several, or one inside
-      ``optax.MultiSteps`` (use ``accumulate_gradients``) or
-      ``optax.apply_if_finite`` (``fs.chain`` skips alone).
+      message says how to restore), several (``optax.multi_transform`` of
+      several chains: the message names one chain around it), or one
+      inside ``optax.MultiSteps`` (use ``accumulate_gradients``),
+      ``optax.apply_if_finite`` (``fs.chain`` skips alone) or
+      ``optax.masked`` (mask inside the chain).
   """
   found = all_with_path(opt_state, LossScaleState)
   if len(found) == 1:
@@ -151,10 +179,15 @@ def loss_scale_state(opt_state: Any, what: str = "opt_state") -> LossScaleState:
       "Pass the optimizer state that tx.init(params) or tx.update returned, "
       "of a chain built with fp16_loss_scale(...)"
     )
-  paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
+  paths = "; ".join(
+    f"at {jax.tree_util.keystr(p) or 'the root'}" for p, _ in found
+  )
   raise ValueError(
     f"{what} holds {len(found)} fp16_loss_scale states ({paths}); expected "
-    "exactly one"
+    "exactly one. Pass each optimizer's state alone (fs.sync_loss_scales "
+    "keeps several at one scale); for optax.multi_transform, one fs.chain "
+    "around it: fs.chain(fs.fp16_loss_scale(scaler), "
+    "optax.multi_transform(transforms, param_labels))"
   )
 
 
@@ -202,10 +235,10 @@ def replace_set_scale(
   opt_state: Any, old: LossScaleState, new: LossScaleState
 ) -> Any:
   """:func:`replace_loss_scale_state` with ``new``, the loss-scale state
-  ``old`` of ``opt_state`` with its scale set: recorded as set
-  (``_provenance``), so that :func:`sync_loss_scales` refuses to sync it
-  with a state whose scale was not, which would undo it."""
-  _provenance.record(new, _provenance.made(old)._replace(scale_set=True))
+  ``old`` of ``opt_state`` with its scale set: marked as set
+  (``scale_set``, an array), so that :func:`sync_loss_scales` keeps its
+  scale over those of states whose scale was not set."""
+  new = new._replace(scale_set=jnp.ones_like(old.scale_set))
   return replace_loss_scale_state(opt_state, new)
 
 
@@ -219,8 +252,9 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
     scale: a positive normal finite float32, or a float32 scalar array.
 
   Returns:
-    The new state. :func:`sync_loss_scales` refuses to sync it with a
-    state whose scale was not set too (the sync would undo it).
+    The new state, marked as one whose scale was set (``scale_set``):
+    :func:`sync_loss_scales` keeps its scale over those of the states
+    whose scale was not set.
 
   Raises:
     ValueError: a Python ``scale`` that is not a positive normal float32.

@@ -14,14 +14,14 @@ import numpy as np
 import optax
 
 from fp16_scaling import _donation
+from fp16_scaling import _measure
 from fp16_scaling import _norm
-from fp16_scaling import _provenance
 from fp16_scaling import _range
 from fp16_scaling import _sharding
 from fp16_scaling import _stacked
 from fp16_scaling import _validate
+from fp16_scaling._lookup import refuse_masked
 from fp16_scaling._measure import Measurement
-from fp16_scaling._provenance import Made
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
 from fp16_scaling._states import BACKWARD
@@ -30,6 +30,7 @@ from fp16_scaling._states import KINDS
 from fp16_scaling._states import NONE
 from fp16_scaling._states import PERSISTENT
 from fp16_scaling._states import UNKNOWN
+from fp16_scaling._states import Built
 from fp16_scaling._states import GradRange
 from fp16_scaling._states import LeafPaths
 from fp16_scaling._states import LossScaleState
@@ -178,8 +179,8 @@ class ScaleConfig:
     grad_range: whether each leaf's :class:`GradRange` is recorded.
     log_overflows: whether overflow steps print a line.
     stacked_axes: the ``stacked_axes`` given, or None.
-    layouts: ``stacked_axes`` resolved (:meth:`layout`), by the tree
-      structure and leaf ranks they were resolved on: filled by ``tx.init``.
+    built: the :class:`Built` record of all this, as the states it makes
+      hold it in their treedef (their ``leaf_paths.built``).
   """
 
   scaler: Scaler
@@ -187,28 +188,65 @@ class ScaleConfig:
   grad_range: bool = False
   log_overflows: bool = False
   stacked_axes: Any = None
-  layouts: dict = dataclasses.field(
-    default_factory=dict, init=False, repr=False, compare=False
-  )
+  built: Built = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    specs = self.partition_specs
+    if specs is not None:
+      leaves, treedef = jax.tree.flatten(specs, is_leaf=_sharding.is_spec)
+      specs = (tuple(leaves), treedef)
+    built = Built(
+      scaler=_without_init_scale(self.scaler),
+      partition_specs=specs,
+      stacked_axes=_stacked.check(self.stacked_axes, "fp16_loss_scale"),
+    )
+    object.__setattr__(self, "built", built)  # frozen: set once, here
 
   def layout(self, tree) -> Optional[_stacked.Layout]:
-    """``stacked_axes`` resolved on ``tree`` (the params, or gradients of
-    their tree), or None without them. Resolved once per tree structure
-    and leaf ranks: by ``tx.init``, whose updates read it back; an update
-    of a state from elsewhere resolves it there, once.
+    """``stacked_axes`` resolved on ``tree`` (the params), or None without
+    them: ``tx.init`` resolves them once and keeps the layout in the
+    state's treedef (``leaf_paths.layout``), which each update reads.
 
     Raises:
-      ValueError: ``stacked_axes`` do not fit ``tree`` (as ``tx.init``).
+      ValueError: ``stacked_axes`` do not fit ``tree``.
     """
     if self.stacked_axes is None:
       return None
-    leaves, treedef = jax.tree.flatten(tree)
-    key = (treedef, tuple(np.ndim(x) for x in leaves))
-    if key not in self.layouts:
-      self.layouts[key] = _stacked.resolve(
-        self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
-      )
-    return self.layouts[key]
+    return _stacked.resolve(
+      self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
+    )
+
+  def plan(self, tree) -> _measure.Plan:
+    """The measurement's :class:`~fp16_scaling._measure.Plan` of ``tree``
+    (the params, or gradients of their tree): each leaf's partition spec
+    and the stacked layout, resolved on it; the clip adds its groups where
+    the step runs. ``tx.init`` resolves it once into the state's treedef
+    (``leaf_paths.plan``), which each update reads (:meth:`state_plan`).
+
+    Raises:
+      TypeError, ValueError: ``partition_specs`` or ``stacked_axes`` do
+        not fit ``tree``.
+    """
+    # A tree without leaves (tree_map_params' placeholder) has none to lay
+    # out.
+    layout = self.layout(tree) if jax.tree.leaves(tree) else None
+    return _measure.plan_of(tree, self.partition_specs, layout)
+
+  def state_plan(self, state: LossScaleState, grads) -> _measure.Plan:
+    """The plan ``state``'s treedef holds, for its update's ``grads``; one
+    resolved on ``grads`` here only where they have another number of
+    leaves than the params ``tx.init`` resolved it on (a wrapper whose
+    params are not the gradients' tree, as ``_leaf_fitter`` warns).
+
+    Raises:
+      ValueError: ``state`` was made by another configuration
+        (:func:`check_state`), before its plan is read.
+    """
+    check_state(self, state)
+    plan = state.leaf_paths.plan
+    if plan.treedef.num_leaves == len(jax.tree.leaves(grads)):
+      return plan
+    return self.plan(grads)
 
   def refuse(self, *args, **kwargs):
     """``init`` and ``update`` anywhere but in :func:`chain`: raises
@@ -299,7 +337,6 @@ def fp16_loss_scale(
     log_overflows=_validate.flag("log_overflows", log_overflows),
     stacked_axes=stacked_axes,
   )
-  _stacked.check(stacked_axes, "fp16_loss_scale")
   return LossScale(config.refuse, config.refuse)
 
 
@@ -308,30 +345,24 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
 
   Raises:
     TypeError: a params leaf is not floating.
-    ValueError: ``partition_specs`` or ``stacked_axes`` do not fit.
+    ValueError: ``partition_specs`` or ``stacked_axes`` do not fit; params
+      masked by ``optax.masked`` or ``optax.multi_transform``.
   """
   register_with_flax()
   params = _gradient_tree(params)
+  refuse_masked(params)
   leaves = jax.tree.leaves(params)
   _norm.check_float_leaves(leaves, "fp16_loss_scale params", params)
   _warn_float16_params(leaves)
-  specs = config.partition_specs
-  _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
-  # Resolved once, here, and kept in the closure: each update measures the
-  # units it names.
-  layout = config.layout(params)
+  # Resolved once, here, and kept in the state's treedef: each update
+  # measures by it, and its layout names the units.
+  plan = config.plan(params)
+  plan.leaf_axes(params, "fp16_loss_scale")  # the specs against the mesh
   sizes = [jnp.size(x) for x in leaves]
-  names, sizes, stacks = _stacked.unit_names(layout, _names(params), sizes)
-  paths = LeafPaths(
-    names,
-    sizes,
-    layers=None if layout is None else layout.layers,
-    stacks=stacks,
-  )
-  state = _initial_state(config.scaler.init(), paths, config.grad_range)
-  # Not stepped yet: sync_loss_scales refuses it until an update steps it.
-  _provenance.record(state, Made(by=config, stepped=False, scale_set=False))
-  return state
+  names = _names(params)
+  names, sizes, stacks = _stacked.unit_names(plan.layout, names, sizes)
+  paths = LeafPaths(names, sizes, stacks, plan=plan, built=config.built)
+  return _initial_state(config.scaler.init(), paths, config.grad_range)
 
 
 def step_state(
@@ -370,39 +401,28 @@ def step_state(
   if config.log_overflows:
     _log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
-  new_state = _donation.written_over(state, new_state)
-  # This chain's own from now on (check_state compares no more); the state
-  # given is one from before the update, which a sync refuses.
-  before = _provenance.made(state)
-  _provenance.record(state, before._replace(consumed=True))
-  _provenance.record(
-    new_state, Made(by=config, stepped=True, scale_set=before.scale_set)
-  )
-  return new_state
+  return _donation.written_over(state, new_state)
 
 
 def check_state(config: ScaleConfig, state: LossScaleState) -> None:
-  """Raises ValueError when ``state`` was made by another configuration,
-  before anything is read with ``config``. Only a state known to come
-  from another chain (``_provenance``: made by its ``tx.init`` or
-  ``tx.update``, eagerly or in the same trace) is compared, at its first
-  update here; one this configuration made, or one not known, is not."""
-  built_by = _provenance.made(state).by
-  if built_by is config or built_by is None:
+  """Raises ValueError when ``state`` was made by another configuration
+  (its treedef's :class:`Built` record differs from ``config``'s), before
+  anything is read with ``config``: at trace time, eager and under ``jit``
+  alike, naming what differs. Its initial scale aside: that does not
+  matter once a run is under way."""
+  theirs, mine = state.leaf_paths.built, config.built
+  if theirs == mine:
     return
-  if _without_init_scale(built_by.scaler) != _without_init_scale(config.scaler):
-    what = f"another scaler ({_differences(built_by.scaler, config.scaler)})"
-  elif (built_by.partition_specs, built_by.stacked_axes) != (
-    config.partition_specs,
-    config.stacked_axes,
-  ):
-    what = "other partition_specs or stacked_axes"
+  if theirs.scaler != mine.scaler:
+    what = f"another scaler ({_differences(theirs.scaler, mine.scaler)})"
+  elif theirs.partition_specs != mine.partition_specs:
+    what = "other partition_specs"
   else:
-    return
+    what = "other stacked_axes"
   raise ValueError(
     f"fp16_loss_scale: this state was built with {what}: its counters follow "
-    "that scaler's rules, not this one's. Build the state with this chain's "
-    "tx.init(params), and move a saved scale across with "
+    "that configuration's rules, not this one's. Build the state with this "
+    "chain's tx.init(params), and move a saved scale across with "
     "fs.scaler_state_dict / fs.load_scaler_state_dict, which check it."
   )
 
@@ -449,6 +469,7 @@ def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
     leaf_nonfinite=jnp.zeros([n], jnp.bool_),
     leaf_nonfinite_steps=jnp.zeros([n], jnp.int32),
     overflow_kind=jnp.int32(NONE),
+    scale_set=jnp.bool_(False),
     grad_range=rng,
     leaf_paths=paths,
   )
@@ -489,6 +510,7 @@ def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
     leaf_nonfinite_steps=state.leaf_nonfinite_steps
     + leaf_nonfinite.astype(jnp.int32),
     overflow_kind=_overflow_kind(overflow, value, scaler.at_floor(scale)),
+    scale_set=state.scale_set,
     grad_range=jax.tree.map(fit, grad_range) if keep_range else None,
     leaf_paths=state.leaf_paths,
   )

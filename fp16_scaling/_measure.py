@@ -20,61 +20,84 @@ class Plan:
   """What the one pass reads of a gradient tree besides its arrays,
   resolved from the tree's static structure and the configuration: the
   form the norm consumes. Frozen, hashable and compared by value (equal
-  configurations of equal trees make equal plans).
+  configurations of equal trees make equal plans), so that a loss-scale
+  state's treedef holds its scale part (``LeafPaths.plan``, resolved once
+  by ``tx.init``); the clip's groups join it where the step runs
+  (:meth:`with_groups`).
 
   Attributes:
     treedef: the structure of the tree it was resolved on.
     specs: per leaf, its ``PartitionSpec`` (None: not split), from the
       ``partition_specs`` prefix tree; None where none were given.
-    layer_axes: per leaf, its layer axis (the stacked layout) or None;
-      None where no leaf is stacked.
+    layout: the stacked layout resolved on the tree (a hashable
+      ``_stacked.Layout``), or None without ``stacked_axes``.
     groups: per leaf, its clip group (``SHARED`` or ``EXPERT``, from the
       clip's ``expert_mask``); None where no clip reads the measurement.
   """
 
   treedef: Any
-  specs: tuple
-  layer_axes: Optional[tuple] = None
+  specs: Optional[tuple] = None
+  layout: Any = None
   groups: Optional[tuple] = None
+
+  @property
+  def layer_axes(self) -> Optional[tuple]:
+    """Per leaf, its layer axis or None; None where no leaf is stacked."""
+    return None if self.layout is None else self.layout.axes
+
+  def leaf_axes(self, tree, what: str) -> tuple:
+    """Per leaf of ``tree`` (of the plan's structure), the mesh axes its
+    sum is reduced over, checked against the mesh of this trace.
+
+    Raises:
+      ValueError: a spec names an axis the mesh lacks, or a leaf varies
+        over a manual axis its spec does not split it over.
+    """
+    given = self.specs is not None
+    n = self.treedef.num_leaves
+    specs = self.specs if given else (None,) * n
+    return _sharding.leaf_axes(specs, given, tree, what)
+
+  def with_groups(self, expert_mask, tree) -> "Plan":
+    """This plan with the clip's groups of ``tree``'s leaves (from
+    ``expert_mask``, as :func:`expert_groups`): its norm is then reduced
+    per group too.
+
+    Raises:
+      ValueError: ``expert_mask`` does not fit ``tree``.
+    """
+    groups = expert_groups(expert_mask, tree)
+    return dataclasses.replace(self, groups=tuple(groups))
 
 
 def plan_of(
   tree,
   partition_specs=None,
   layout=None,
-  expert_mask=None,
   *,
-  clip: bool = True,
   what: str = "fp16_loss_scale",
 ) -> Plan:
   """The :class:`Plan` of ``tree`` (the params, or gradients of their
-  tree).
+  tree), without clip groups (:meth:`Plan.with_groups` adds them).
 
   Args:
     tree: the gradients, or any tree of their structure (shapes only).
     partition_specs: their ``PartitionSpec``s (a prefix tree), or None.
     layout: the stacked layout resolved on ``tree``
       (``_stacked.Layout``), or None.
-    expert_mask: the clip's expert mask (a bool pytree or a callable), or
-      None.
-    clip: whether a clip reads the measurement (its group norms are then
-      reduced with the rest).
     what: the transformation named in error messages.
 
   Returns:
     The plan.
 
   Raises:
-    TypeError, ValueError: ``partition_specs`` or ``expert_mask`` do not
-      fit ``tree``.
+    TypeError, ValueError: ``partition_specs`` do not fit ``tree``.
   """
   specs = _sharding.leaf_specs(partition_specs, tree, what)
-  groups = expert_groups(expert_mask, tree) if clip else None
   return Plan(
     treedef=jax.tree.structure(tree),
     specs=None if partition_specs is None else tuple(specs),
-    layer_axes=None if layout is None else tuple(layout.axes),
-    groups=None if groups is None else tuple(groups),
+    layout=layout,
   )
 
 
@@ -217,12 +240,10 @@ def measure(
     ValueError: the plan's specs do not fit ``grads`` under this mesh.
   """
   if plan is None:
-    plan = plan_of(grads, clip=False, what=what)
+    plan = plan_of(grads, what=what)
   leaves = tuple(jax.tree.leaves(grads))
   _norm.check_float_leaves(leaves, f"{what} gradients", grads)
-  given = plan.specs is not None
-  specs = plan.specs if given else (None,) * len(leaves)
-  leaf_axes = _sharding.leaf_axes(specs, given, grads, what)
+  leaf_axes = plan.leaf_axes(grads, what)
   sums = tuple(_norm.leaf_sums(leaves, plan.layer_axes))
   norms = _norm.reduce_norms(
     sums, leaves, leaf_axes=leaf_axes, in_float16_range=in_float16_range

@@ -2,7 +2,9 @@
 ``scale_metrics`` are traceable (the host-side reports are ``_diagnostics``).
 """
 
-from typing import TypedDict
+import contextlib
+import threading
+from typing import Iterator, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +87,10 @@ def suspect_unscaled_grads(ls) -> jax.Array:
   return clean & (scale >= UNMET_SCALE)
 
 
-# The scales fs.value_and_grad multiplies by, while the fun it
-# differentiates runs (a trace-time stack): current_scale refuses to hand
-# one of them to that fun, which would scale its loss a second time.
-SCALES_IN_FUN = []
+# A per-call guard, not a table: the scales fs.value_and_grad multiplies by
+# while the fun it differentiates runs, set and reset by
+# differentiating_at within that one call, per thread (see its docstring).
+_IN_FUN = threading.local()
 
 _TWICE = (
   "fs.current_scale: read inside the fun that fs.value_and_grad "
@@ -98,6 +100,28 @@ _TWICE = (
   "times sooner). Return the unscaled loss from fun; to log the scale, "
   "read fs.current_scale(opt_state) outside it."
 )
+
+
+@contextlib.contextmanager
+def differentiating_at(scale: jax.Array) -> Iterator[None]:
+  """While ``fs.value_and_grad`` runs the ``fun`` it differentiates at
+  ``scale``: :func:`current_scale` of the state that ``scale`` came from,
+  read inside that ``fun``, raises (the loss would be scaled twice).
+
+  Why a guard: the slip is a read inside one call, which no value, type or
+  tree structure of the state can show. The guard is set on entry and
+  reset on exit of that call (nested calls stack), per thread, so nothing
+  outlives the call and two threads never see each other's; it holds the
+  scale object itself (an array, or the tracer of this trace), which is
+  the one ``current_scale`` reads from the same state eagerly and under
+  ``jit`` alike.
+  """
+  outer = getattr(_IN_FUN, "scales", ())
+  _IN_FUN.scales = outer + (scale,)
+  try:
+    yield
+  finally:
+    _IN_FUN.scales = outer
 
 
 def current_scale(opt_state: optax.OptState) -> jax.Array:
@@ -123,7 +147,7 @@ def current_scale(opt_state: optax.OptState) -> jax.Array:
     65536.0
   """
   scale = _lookup.scaler_state(opt_state).loss_scale
-  if any(scale is s for s in SCALES_IN_FUN):
+  if any(scale is s for s in getattr(_IN_FUN, "scales", ())):
     raise ValueError(_TWICE)
   return scale
 

@@ -11,34 +11,8 @@ import optax
 
 from fp16_scaling import _lookup
 from fp16_scaling import _metrics
-from fp16_scaling import _provenance
 from fp16_scaling._lookup import is_nnx_variable
-from fp16_scaling._provenance import Records
 
-# What fs.value_and_grad saw, by identity (_provenance.Records), so that
-# select_on_overflow can name two slips it could not tell apart from the
-# documented call otherwise. Read and written while Python runs, once a
-# trace under jit: no cost in the compiled step.
-# A token of each state the gradients were computed with:
-_GRADIENTS_FROM = Records()
-# The leaves the latest forward pass wrote (its aux, an NNX module's state):
-_FORWARD_WROTE = Records()
-
-_PRE_UPDATE = (
-  "select_on_overflow: opt_state is the state the gradients were computed "
-  "with (fs.value_and_grad was given it), from before tx.update: its "
-  "overflow flag is the last step's, so an overflow step would keep the "
-  "new (non-finite) model state. Pass the state tx.update returned: "
-  "updates, opt_state = tx.update(grads, opt_state, params), then "
-  "fs.select_on_overflow(opt_state, new, old)."
-)
-_SWAPPED = (
-  "select_on_overflow: old holds what the forward pass just wrote (the aux "
-  "fs.value_and_grad returned, or an NNX module's state after it), at {}: "
-  "new and old are swapped, or old was taken after the forward pass. Pass "
-  "fs.select_on_overflow(opt_state, new, old) with new the model state "
-  "after the step and old a copy from before the forward pass."
-)
 _LIVE = (
   "select_on_overflow: {} holds live nnx.Variable objects (at {}), which "
   "the forward pass overwrites in place: a snapshot of them taken before it "
@@ -49,41 +23,14 @@ _LIVE = (
 )
 
 
-def _token(opt_state) -> Any:
-  """An array every update makes anew: the state's identity for
-  :func:`note_gradients` (the microbatch count under accumulation, whose
-  inner state does not step mid-window)."""
-  acc = _lookup.accumulation_state(opt_state)
-  if acc is not None:
-    return acc.microbatches
-  return _provenance.token(_lookup.loss_scale_state(opt_state))
-
-
-def note_gradients(opt_state, wrote) -> None:
-  """Called by ``fs.value_and_grad``: gradients were computed with
-  ``opt_state`` (the optax state), and the forward pass wrote ``wrote``
-  (leaves that were not among its arguments)."""
-  _GRADIENTS_FROM.put(_token(opt_state), True)
-  _FORWARD_WROTE.clear()
-  for x in wrote:
-    _FORWARD_WROTE.put(x, True)
-
-
-def _refuse_slips(opt_state, new, old) -> None:
-  """Raises ValueError, naming the fix, for the slips the library can see:
-  live nnx Variables in ``new`` or ``old``, the pre-update ``opt_state``,
-  and ``old`` written by the latest forward pass (a swap)."""
+def _refuse_live(new, old) -> None:
+  """Raises ValueError, naming the fix, for live nnx ``Variable`` s in
+  ``new`` or ``old`` (a type check)."""
   for name, tree in (("old", old), ("new", new)):
     paths = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_nnx_variable)
     live = [jax.tree_util.keystr(p) for p, x in paths if is_nnx_variable(x)]
     if live:
       raise ValueError(_LIVE.format(name, live[0] or "the root"))
-  if _GRADIENTS_FROM.get(_token(opt_state)):
-    raise ValueError(_PRE_UPDATE)
-  news = {id(n) for n in jax.tree.leaves(new)}  # alive: ids are unique
-  for path, o in jax.tree_util.tree_leaves_with_path(old):
-    if _FORWARD_WROTE.get(o) and id(o) not in news:
-      raise ValueError(_SWAPPED.format(jax.tree_util.keystr(path) or "root"))
 
 
 def skipped(opt_state: optax.OptState) -> jax.Array:
@@ -111,14 +58,15 @@ def skipped(opt_state: optax.OptState) -> jax.Array:
   return jnp.where(acc.window_ended, overflow, ~finite | dropped)
 
 
-def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
+def select_on_overflow(opt_state: optax.OptState, *, new: Any, old: Any) -> Any:
   """``old`` where the optimizer skipped the step, else ``new``, per leaf.
 
   The guarded chain keeps the parameters and the optimizer state bit for bit
   on an overflow step; state it does not hold (Haiku's ``state``, Linen's
   ``batch_stats``, NNX's ``BatchStat``, an EMA of the parameters kept
   outside optax) follows the skip only through this select. Call it in the
-  step, after ``tx.update``, on the state that update returned.
+  step, after ``tx.update``, on the state that update returned, with
+  ``new`` and ``old`` by keyword (so that they cannot be swapped silently).
 
   Which calls keep ``old``: without :func:`accumulate_gradients`, the
   overflow steps (``scale_metrics(opt_state)["overflow"]``). Under
@@ -151,17 +99,24 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
   Raises:
     ValueError: ``new`` and ``old`` differ in tree structure, or in a leaf's
       shape or dtype; a batched state's batch axes do not lead a leaf;
-      ``opt_state`` holds no ``fp16_loss_scale`` state. Also, naming the
-      fix, for the slips it can see (trace-time checks by identity, no
-      cost in the compiled step): ``new`` or ``old`` holding live nnx
-      ``Variable`` s (a snapshot without ``nnx.as_pure``, which the forward
-      pass overwrites); ``opt_state`` the state :func:`value_and_grad` was
-      given, from before ``tx.update`` (its flag is the last step's); and
-      ``old`` holding what the latest :func:`value_and_grad` call's forward
-      pass wrote (its aux, or an NNX module argument's state after it), not
-      also in ``new``: ``new`` and ``old`` swapped, or ``old`` taken after
-      the forward pass. Gradients taken without :func:`value_and_grad`
-      leave the last two unseen.
+      ``opt_state`` holds no ``fp16_loss_scale`` state; ``new`` or ``old``
+      holding live nnx ``Variable`` s (a snapshot without ``nnx.as_pure``,
+      which the forward pass overwrites), naming the fix.
+    TypeError: ``new`` or ``old`` passed by position.
+
+  Not refused, since no value, type or tree structure tells them from the
+  documented call (the same eager and under ``jit``;
+  ``tests/test_refusals.py``):
+
+  * ``opt_state`` from *before* ``tx.update`` (the one the gradients were
+    computed with): its overflow flag is the last step's, so the select
+    lags one step. On an overflow step it keeps ``new``, the statistics
+    the bad batch wrote (an inf or NaN in the moving averages), and on the
+    clean step after it keeps ``old``, those same statistics: from then
+    on the model state is not finite.
+  * ``old`` taken after the forward pass (an NNX snapshot taken after the
+    model ran): it holds the new values already, so the select keeps them
+    on an overflow step too.
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -172,10 +127,11 @@ def select_on_overflow(opt_state: optax.OptState, new: Any, old: Any) -> Any:
     >>> ema = {"w": jnp.ones(2)}
     >>> _, opt_state = tx.update({"w": jnp.array([jnp.inf, 0.0])},
     ...                          opt_state, params)
-    >>> fs.select_on_overflow(opt_state, {"w": jnp.full(2, jnp.nan)}, ema)
+    >>> fs.select_on_overflow(
+    ...     opt_state, new={"w": jnp.full(2, jnp.nan)}, old=ema)
     {'w': Array([1., 1.], dtype=float32)}
   """
-  _refuse_slips(opt_state, new, old)
+  _refuse_live(new, old)
   new_paths, treedef = jax.tree_util.tree_flatten_with_path(new)
   old_leaves, old_def = jax.tree.flatten(old)
   if treedef != old_def:

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 
 from fp16_scaling import _lookup
-from fp16_scaling import _provenance
 from fp16_scaling._states import LossScaleState
 
 
@@ -25,22 +24,7 @@ def _member(opt_state: Any, i: int) -> LossScaleState:
       f"{what} is under accumulate_gradients, which is not supported: "
       "between windows its state reports the last window's overflow"
     )
-  ls = _lookup.loss_scale_state(opt_state, what)
-  made = _provenance.made(ls)
-  if made.consumed or made.stepped is False:
-    why = (
-      "was given to tx.update, which returned the state that follows it"
-      if made.consumed
-      else "has not stepped since tx.init or the last sync_loss_scales"
-    )
-    raise ValueError(
-      f"sync_loss_scales: optimizer state {i} {why}: these are the states "
-      "from before tx.update, and keeping their sync would freeze the "
-      "scale and drop the step's skips. Sync the states tx.update "
-      "returned, once per step: _, s0 = tx0.update(g0, s0, p0); _, s1 = "
-      "tx1.update(g1, s1, p1); s0, s1 = fs.sync_loss_scales(s0, s1)"
-    )
-  return ls
+  return _lookup.loss_scale_state(opt_state, what)
 
 
 def _set_in_place(opt: Any, new: LossScaleState) -> None:
@@ -59,21 +43,46 @@ def _set_in_place(opt: Any, new: LossScaleState) -> None:
       )
 
 
-def _check_scales_set(made: list) -> None:
-  """Raises when the scale of some states was set since their last sync
-  and that of others was not (``made``: their :class:`Made` records, in
-  order): the sync would undo it."""
-  marks = [m.scale_set for m in made]
-  if True in marks and False in marks:
-    i, j = marks.index(True), marks.index(False)
-    raise ValueError(
-      f"sync_loss_scales: the scale of optimizer state {i} was set "
-      "(fs.set_loss_scale or fs.load_scaler_state_dict) since tx.init or "
-      f"the last sync_loss_scales, and that of state {j} was not: the sync "
-      "keeps the most cautious of their scales, and would undo the one "
-      "set. Set it into every state that shares the scale, e.g. s0, s1 = "
-      "(fs.load_scaler_state_dict(s, state_dict, scaler) for s in (s0, s1))"
+def _check_built(found: list) -> None:
+  """Raises when the loss-scale states ``found`` were not built with one
+  :class:`Scaler` (their initial scales aside), as their treedefs record
+  it: the same answer eager and under ``jit``."""
+  scalers = [ls.leaf_paths.built.scaler for ls in found]
+  for i, scaler in enumerate(scalers[1:], 1):
+    if scaler != scalers[0]:
+      raise ValueError(
+        f"sync_loss_scales: optimizer state {i} was built with another "
+        f"Scaler than state 0 ({scaler} against {scalers[0]}, initial "
+        "scales aside): one scale follows one scaler's rules. Build every "
+        "optimizer that shares it with the same Scaler"
+      )
+
+
+def _chosen(found: list) -> tuple:
+  """``(scaler state, any overflow)``: the scale state of the first of the
+  loss-scale states ``found`` whose scale was set (``scale_set``), or when
+  none was of all of them, that overflowed with the lowest scale, or when
+  none did with the lowest scale; and whether any overflowed. A few
+  scalar selects: the same eager and under ``jit``."""
+  scaler, over, chosen_set = (
+    found[0].scaler,
+    found[0].overflow,
+    found[0].scale_set,
+  )
+  any_overflow = over
+  for ls in found[1:]:
+    lower = ls.scaler.loss_scale < scaler.loss_scale
+    cautious = (ls.overflow & ~over) | ((ls.overflow == over) & lower)
+    # A set scale wins: among the set ones (or all), the most cautious.
+    same = ls.scale_set == chosen_set
+    first = (ls.scale_set & ~chosen_set) | (same & cautious)
+    scaler = jax.tree.map(
+      functools.partial(jnp.where, first), ls.scaler, scaler
     )
+    over = jnp.where(first, ls.overflow, over)
+    chosen_set = chosen_set | ls.scale_set
+    any_overflow = any_overflow | ls.overflow
+  return scaler, any_overflow
 
 
 def sync_loss_scales(*opt_states: Any) -> tuple:
@@ -93,13 +102,27 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   states (a call was left out) it is the most cautious of them, and from
   then on they are equal again.
 
+  A scale set since ``tx.init`` or the last sync (:func:`set_loss_scale`,
+  :func:`load_scaler_state_dict`: the state's ``scale_set`` flag, an
+  array) wins: when some states had their scale set, the rule above picks
+  among those alone, so a scale loaded into one of two states is kept for
+  both. The flag is traced, so the same eager and under ``jit``, wherever
+  the scale was set; the sync clears it.
+
   It reads each state's own record of the last step (its overflow flag and
-  its scale after it), so a second call on its own results would change
-  nothing. Where a state's history is known (made or given in this eager
-  code, or in the same trace: docs/history.md), a state from before
-  ``tx.update`` (given to it, or not stepped since ``tx.init`` or the last
-  sync), whose sync would freeze the scale, is refused. Leaving the call
-  out leaves every optimizer with its own scale, which still trains.
+  its scale after it), so a second call on its own results changes
+  nothing. Leaving the call out leaves every optimizer with its own scale,
+  which still trains.
+
+  Not refused, since no value, type or tree structure tells them apart
+  from the states ``tx.update`` returned: the states from *before* the
+  update (the ones given to ``tx.update``). Keeping what their sync returns
+  drops the step's record: the scale never moves (an overflowing scale
+  overflows on every step, and a clean one never grows),
+  ``skipped_steps`` stays where it was whatever overflows, and the
+  optimizer's own state (Adam's moments and count) never advances, while
+  the parameters still take the updates. The same eager and under ``jit``
+  (``tests/test_refusals.py``). Sync what ``tx.update`` returned.
 
   ``nnx.Optimizer`` s are synced in place, as ``opt.update(model, grads)``
   acts (their loss-scale Variables are written), and returned too.
@@ -111,15 +134,15 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
       :class:`Scaler`.
 
   Returns:
-    The states, in order, each with the one scale state (traceable; a few
-    scalar selects, no host work); an ``nnx.Optimizer`` is itself, synced.
+    The states, in order, each with the one scale state and ``scale_set``
+    False (traceable; a few scalar selects, no host work); an
+    ``nnx.Optimizer`` is itself, synced.
 
   Raises:
     ValueError: no state, a state without a loss-scale state or under
-      :func:`accumulate_gradients`; where their history is known, states
-      built with other scalers, a state given to ``tx.update`` or not
-      stepped since ``tx.init`` or the last sync, or a state whose scale
-      was set since the last sync beside one whose scale was not.
+      :func:`accumulate_gradients`; states built with other scalers (their
+      initial scales aside, read from the states' treedefs: the same eager
+      and under ``jit``).
 
   Examples:
     >>> import jax.numpy as jnp, optax, fp16_scaling as fs
@@ -140,25 +163,8 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
   if not opt_states:
     raise ValueError("sync_loss_scales needs the optimizer states it syncs")
   found = [_member(s, i) for i, s in enumerate(opt_states)]
-  made = [_provenance.made(ls) for ls in found]
-  scalers = [None if m.by is None else m.by.scaler for m in made]
-  for i, scaler in enumerate(scalers[1:], 1):
-    if None not in (scaler, scalers[0]) and scaler != scalers[0]:
-      raise ValueError(
-        f"sync_loss_scales: optimizer state {i} was built with another "
-        f"Scaler than state 0 ({scaler} against {scalers[0]}): one scale "
-        "follows one scaler's rules. Build every optimizer that shares it "
-        "with the same Scaler"
-      )
-  _check_scales_set(made)
-  overflow, scaler = found[0].overflow, found[0].scaler
-  for ls in found[1:]:
-    lower = ls.scaler.loss_scale < scaler.loss_scale
-    first = (ls.overflow & ~overflow) | ((ls.overflow == overflow) & lower)
-    scaler = jax.tree.map(
-      functools.partial(jnp.where, first), ls.scaler, scaler
-    )
-    overflow = overflow | ls.overflow
+  _check_built(found)
+  scaler, overflow = _chosen(found)
   if getattr(scaler, "grad_max_history", None) is not None:
     # headroom_scaler(history=W): on a clean step each state wrote its own
     # largest |g| into the same slot; the shared window keeps the largest,
@@ -171,10 +177,8 @@ def sync_loss_scales(*opt_states: Any) -> tuple:
       )
     )
   out = []
-  for s, ls, m in zip(opt_states, found, made):
-    new = ls._replace(scaler=scaler)
-    # Synced: not stepped since, no scale set since.
-    _provenance.record(new, m._replace(stepped=False, scale_set=False))
+  for s, ls in zip(opt_states, found):
+    new = ls._replace(scaler=scaler, scale_set=jnp.zeros_like(ls.scale_set))
     if _lookup.is_nnx_optimizer(s):
       _set_in_place(s, new)
       out.append(s)

@@ -3,9 +3,10 @@ axis, and the state's per-leaf records become per *unit*: an unstacked leaf,
 or one layer of a stacked leaf (docs/stacked.md).
 
 A :class:`Layout` is ``stacked_axes`` resolved on the params, once, by
-``tx.init``, and kept in the closure (``ScaleConfig.layout``); the state
-holds only what it names (``LeafPaths``: the units' paths and sizes, and
-each stacked leaf's first unit). The units are in leaf order, a stacked
+``tx.init`` (``ScaleConfig.layout``), and held, hashable, in the state's
+treedef with what it names (``LeafPaths``: the layout, the units' paths
+and sizes, and each stacked leaf's first unit); each update measures by
+it. The units are in leaf order, a stacked
 leaf's L layers in layer order; a state built without ``stacked_axes`` has
 one unit per leaf.
 """

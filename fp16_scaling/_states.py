@@ -2,12 +2,14 @@
 apart from the code that computes them (docs/design.md, "State").
 """
 
+import dataclasses
 import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
 
+from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import ScalerState
 
 # LossScaleState.overflow_kind codes, indexes into KINDS.
@@ -15,36 +17,74 @@ NONE, UNKNOWN, FORWARD, BACKWARD, PERSISTENT = range(5)
 KINDS = ("none", "unknown", "forward", "backward", "persistent")
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+  """What made a :class:`LossScaleState`, held in its treedef (in its
+  :class:`LeafPaths`) and compared by value, as jmp keeps ``period`` and
+  ``factor``: the ``fp16_loss_scale`` configuration a state's counters and
+  units follow.
+
+  Attributes:
+    scaler: the :class:`Scaler`, its ``init_scale`` set to 1.0: the first
+      scale does not matter once a run is under way.
+    partition_specs: the ``partition_specs`` given, made hashable: ``(their
+      leaves, their treedef)``, a spec or None at each leaf; or None.
+    stacked_axes: the ``stacked_axes`` given, made hashable (as
+      ``_stacked.check`` keys them), or None.
+  """
+
+  scaler: Scaler
+  partition_specs: Any = None
+  stacked_axes: Any = None
+
+
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
-  """What a :class:`LossScaleState`'s reports read of its leaves, held
-  statically in its treedef: their names and sizes, and nothing else. The
-  configuration stays in the closure (the stacked layout too, resolved
-  once by ``tx.init``), and what is known of a state's history is kept by
-  the identity of its arrays (``_provenance``), not here.
+  """The static part of a :class:`LossScaleState`, held in its treedef and
+  compared by value: what its reports read of its leaves, the plan the
+  update measures by, and what made it.
 
   Attributes:
     paths: the units' paths (``jax.tree_util.keystr``), in tree order. A
       unit is a gradient leaf, or one layer of a leaf that ``stacked_axes``
       names (its path ends in the layer's index, ``['layers']['W'][5]``).
     sizes: the units' element counts, in the same order.
-    layers: L, the number of layers of each stacked leaf, for a state
-      built with ``stacked_axes`` (0 if it names no leaf); None without.
     stacks: per stacked leaf in tree order, ``(its path, the index of its
       first unit)``: its L units follow in layer order.
+    plan: the measurement's plan of the params, resolved by ``tx.init``
+      (a ``_measure.Plan``, hashable: each leaf's partition spec and the
+      stacked layout): each update measures by it, the clip's groups
+      joined.
+    built: the :class:`Built` record of the configuration that made the
+      state; an update of another configuration refuses the state.
 
-  Every ``LeafPaths`` equals every other and hashes alike: the treedef of
-  a state is that of its arrays, so that ``optax.tree_map_params``'
-  leafless placeholder matches the state built from the real tree, a
-  checkpoint restores into any target of its arrays' structure, and
-  ``jit`` compares nothing here on a call.
+  Equal, and so one treedef, when all of these are: correct use never
+  retraces (they are constant along a chain's states), and ``jit`` tells
+  two models, or a state of another configuration, apart. One built from a
+  tree without leaves (``optax.tree_map_params``' placeholder) equals every
+  one of the same ``built``, so that the placeholder's state maps onto the
+  real one. The hash is ``built``'s, computed once.
   """
 
-  def __init__(self, paths, sizes, layers=None, stacks=()):
+  def __init__(self, paths, sizes, stacks=(), *, plan, built=None):
     self.paths = tuple(paths)
     self.sizes = tuple(int(n) for n in sizes)
-    self.layers = layers
     self.stacks = tuple(stacks)
+    self.plan = plan
+    self.built = built
+    self._hash = hash((LeafPaths, built))
+
+  @property
+  def layout(self) -> Any:
+    """``stacked_axes`` resolved on the params by ``tx.init`` (the plan's
+    ``_stacked.Layout``, hashable), or None without them."""
+    return self.plan.layout
+
+  @property
+  def layers(self) -> Optional[int]:
+    """L, the layers of each stacked leaf (0 if ``stacked_axes`` name no
+    leaf), or None for a state built without ``stacked_axes``."""
+    return None if self.layout is None else self.layout.layers
 
   def layer_units(self) -> np.ndarray:
     """[stacked leaves, L] int32: the units of each stacked leaf."""
@@ -59,11 +99,20 @@ class LeafPaths:
     del children
     return aux
 
+  def _compared(self) -> tuple:
+    return (self.paths, self.sizes, self.stacks, self.plan)
+
   def __eq__(self, other):
-    return isinstance(other, LeafPaths)
+    if self is other:
+      return True  # a chain's states share one node: no compare on a call
+    if not isinstance(other, LeafPaths) or self.built != other.built:
+      return False
+    if not self.paths or not other.paths:
+      return True  # tree_map_params' placeholder
+    return self._compared() == other._compared()
 
   def __hash__(self):
-    return hash(LeafPaths)
+    return self._hash
 
   def __len__(self):
     return len(self.paths)
@@ -73,12 +122,15 @@ class LeafPaths:
 
 
 def register_with_flax() -> None:
-  """Lets a loaded ``flax.serialization`` save :class:`LeafPaths` (as {})."""
+  """Lets a loaded ``flax.serialization`` save :class:`LeafPaths` (as {},
+  restored as the target's): registered once in a process, the first time
+  a state is built after flax.serialization was imported."""
   serialization = sys.modules.get("flax.serialization")
-  if serialization is not None:
-    serialization.register_serialization_state(
-      LeafPaths, lambda _: {}, lambda target, _: target, override=True
-    )
+  if serialization is None or serialization.is_serializable(LeafPaths):
+    return
+  serialization.register_serialization_state(
+    LeafPaths, lambda _: {}, lambda target, _: target
+  )
 
 
 class GradRange(NamedTuple):
@@ -128,9 +180,13 @@ class LossScaleState(NamedTuple):
     leaf_nonfinite_steps: int32 vector, per leaf (per unit, likewise): its
       non-finite steps so far.
     overflow_kind: int32 index into ``KINDS`` of the last step's overflow.
+    scale_set: bool, whether the scale was set (:func:`set_loss_scale`,
+      :func:`load_scaler_state_dict`) since ``tx.init`` or the last
+      :func:`sync_loss_scales`, which keeps a set scale over the others.
     grad_range: a :class:`GradRange` with ``grad_range=True`` (a
       :class:`StackedRange` with ``stacked_axes`` too), else None.
-    leaf_paths: :class:`LeafPaths`, static: the leaves' names and sizes.
+    leaf_paths: :class:`LeafPaths`, static: the leaves' names and sizes,
+      the stacked layout and what made the state.
   """
 
   scaler: ScalerState
@@ -142,6 +198,7 @@ class LossScaleState(NamedTuple):
   leaf_nonfinite: jax.Array
   leaf_nonfinite_steps: jax.Array
   overflow_kind: jax.Array
+  scale_set: jax.Array
   grad_range: Optional[GradRange]
   leaf_paths: LeafPaths
 

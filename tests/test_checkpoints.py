@@ -4,6 +4,7 @@ batched (vmapped) states and nnx.Optimizer's wrapped states."""
 from flax import nnx
 import flax.serialization
 from helpers import assert_same_bits as assert_bitwise
+from helpers import bits
 from helpers import guarded
 from helpers import orbax_round_trip
 import jax
@@ -103,13 +104,16 @@ def test_deepspeed_state_restored_into_a_torch_target_follows_torch(tmp_path):
 def test_deepspeed_state_given_to_a_torch_chain_is_refused():
   """D3: the DeepSpeed chain's own state (not restored into the torch
   target) passed to the torch chain's update: its counters follow other
-  rules, and the message names each scaler field that differs. Known as
-  the DeepSpeed chain's where it was made: by a call outside jit, or in
-  the same program (a jitted call's result is a new, unknown state)."""
+  rules, and the message names each scaler field that differs. The
+  state's treedef records its scaler, so the refusal is the same eager,
+  inside one program, and for a state a jitted call returned."""
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   _, state = TX.update(grads, TX.init(PARAMS), PARAMS)
   with pytest.raises(ValueError, match="built with another scaler") as err:
     TORCH_TX.update(grads, state, PARAMS)
+  _, returned = jax.jit(TX.update)(grads, TX.init(PARAMS), PARAMS)
+  with pytest.raises(ValueError, match="built with another scaler"):
+    jax.jit(TORCH_TX.update)(grads, returned, PARAMS)
 
   def mixed(state):
     _, state = TX.update(grads, state, PARAMS)
@@ -141,6 +145,12 @@ def test_a_scale_loaded_with_another_scaler_than_the_states_is_refused():
   torch = fs.torch_scaler(init_scale=2.0**3, growth_interval=2)
   loaded = fs.load_scaler_state_dict(state, saved, torch)
   assert float(fs.current_scale(loaded)) == 2.0**5
+  # Without one, the state's record (its treedef's) is the scaler.
+  assert bits(fs.load_scaler_state_dict(state, saved)) == bits(loaded)
+  peer = fs.to_peer_state_dict(loaded, "torch", torch)
+  assert bits(fs.load_scaler_state_dict(state, peer)) == bits(
+    fs.load_scaler_state_dict(state, peer, torch)
+  )
 
 
 HELPERS = [

@@ -471,7 +471,7 @@ def test_an_overflow_report_says_the_model_state_select_is_unseen():
   p = {"w": jnp.ones(2)}
   _, clean = tx.update({"w": jnp.ones(2)}, tx.init(p), p)
   _, skipped = tx.update({"w": jnp.array([jnp.inf, 1.0])}, clean, p)
-  note = "is kept only by fs.select_on_overflow(opt_state, new, old)"
+  note = "is kept only by fs.select_on_overflow(opt_state, new=..., old=...)"
   assert note not in str(fs.overflow_report(clean))
   text = str(fs.overflow_report(skipped))
   assert note in text

@@ -217,31 +217,34 @@ def test_nnx_variable_paths_are_named_without_value():
     assert state[0].leaf_paths.paths == ("['bias']", "['kernel']")
 
 
-def test_the_states_treedef_holds_names_and_sizes_not_the_configuration():
-  """The state's static LeafPaths holds the leaves' names and sizes, no
-  configuration, and every one equals every other: states of chains with
-  other scalers or partition specs have their arrays' treedef (jit compares
-  nothing else), optax.tree_map_params' leafless placeholder matches the
-  real state, and the configuration is read from the closure alone."""
+def test_the_states_treedef_holds_what_made_it_compared_by_value():
+  """The state's static LeafPaths holds the leaves' names and sizes and
+  what made the state (the scaler less its initial scale, the partition
+  specs), compared by value: chains of other scalers or specs give other
+  treedefs, equal configurations one (so a chain's states never retrace),
+  and optax.tree_map_params' leafless placeholder still maps onto the real
+  state."""
   params = {"b": jnp.ones(2), "w": jnp.ones(4)}
+  P = jax.sharding.PartitionSpec
   txs = [
     _guarded(fs.torch_scaler(init_scale=8.0)),
-    _guarded(fs.torch_scaler(growth_interval=3)),
+    _guarded(fs.torch_scaler(init_scale=8.0, growth_interval=3)),
     fs.chain(
-      fs.fp16_loss_scale(
-        fs.torch_scaler(), partition_specs=jax.sharding.PartitionSpec()
-      ),
+      fs.fp16_loss_scale(fs.torch_scaler(init_scale=8.0), partition_specs=P()),
       optax.sgd(1.0),
     ),
   ]
   states = [tx.init(params) for tx in txs]
-  assert len({jax.tree.structure(s) for s in states}) == 1
+  assert len({jax.tree.structure(s) for s in states}) == 3
   paths = states[0][0].leaf_paths
   assert (paths.paths, paths.sizes) == (("['b']", "['w']"), (2, 4))
-  assert len({hash(s[0].leaf_paths) for s in states}) == 1
-  # Names and sizes (and a stacked build's units), nothing else: no
-  # configuration, no mark of the state's history.
-  assert set(vars(paths)) == {"paths", "sizes", "layers", "stacks"}
+  assert paths.built.scaler == fs.torch_scaler(init_scale=1.0)
+  assert states[2][0].leaf_paths.built.partition_specs[0] == (P(),)
+  # Another chain of the first's configuration but its initial scale: one
+  # treedef, one hash.
+  again = _guarded(fs.torch_scaler(init_scale=2.0**10)).init(params)
+  assert jax.tree.structure(again) == jax.tree.structure(states[0])
+  assert hash(again[0].leaf_paths) == hash(paths)
   # The placeholder's state (no leaves) maps onto the real one.
   shapes = optax.tree_map_params(
     txs[0], lambda p: p.shape, states[0], transform_non_params=lambda _: None

@@ -37,7 +37,7 @@ NEW = {"mean": jnp.array([0.0, jnp.nan]), "count": jnp.int32(8)}
 def _step(tx, opt_state, grad):
   params = {"w": jnp.zeros(2)}
   _, opt_state = tx.update({"w": grad}, opt_state, params)
-  return opt_state, fs.select_on_overflow(opt_state, NEW, OLD)
+  return opt_state, fs.select_on_overflow(opt_state, new=NEW, old=OLD)
 
 
 def _run(tx, bad_calls):
@@ -97,27 +97,27 @@ def test_under_vmap_each_instance_follows_its_own_skip():
 
   def one(state, g, p, n, o):
     _, state = tx.update(g, state, p)
-    return state, fs.select_on_overflow(state, n, o)
+    return state, fs.select_on_overflow(state, new=n, old=o)
 
   state, out = jax.jit(jax.vmap(one))(state, grads, params, new, old)
   np.testing.assert_array_equal(out["s"][:, 0], [1.0, 0.0, 1.0])
   # A batched state, read outside vmap: its batch axis leads the leaves.
-  out = jax.jit(fs.select_on_overflow)(state, new, old)
+  out = jax.jit(fs.select_on_overflow)(state, new=new, old=old)
   np.testing.assert_array_equal(out["s"][:, 0], [1.0, 0.0, 1.0])
   with pytest.raises(ValueError, match="batch axes"):
-    fs.select_on_overflow(state, jnp.ones(()), jnp.zeros(()))
+    fs.select_on_overflow(state, new=jnp.ones(()), old=jnp.zeros(()))
 
 
 def test_mismatched_trees_are_refused_by_name():
   state = _tx().init({"w": jnp.zeros(2)})
   with pytest.raises(ValueError, match="same tree structure"):
-    fs.select_on_overflow(state, {"a": 1.0}, {"b": 1.0})
+    fs.select_on_overflow(state, new={"a": 1.0}, old={"b": 1.0})
   with pytest.raises(ValueError, match=r"\['a'\]: float32\[2\] and float16"):
     fs.select_on_overflow(
-      state, {"a": jnp.zeros(2)}, {"a": jnp.zeros(2, jnp.float16)}
+      state, new={"a": jnp.zeros(2)}, old={"a": jnp.zeros(2, jnp.float16)}
     )
   with pytest.raises(ValueError, match="fp16_loss_scale|LossScaleState"):
-    fs.select_on_overflow(optax.sgd(1.0).init({}), OLD, OLD)
+    fs.select_on_overflow(optax.sgd(1.0).init({}), new=OLD, old=OLD)
 
 
 # --- BatchNorm steps on sklearn's digits, one forward overflow --------------
@@ -204,8 +204,8 @@ def _linen_run(digits, *, select=True, leave_out_bad=False):
     params = optax.apply_updates(params, updates)
     new_ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, params)
     if select:
-      new_stats = fs.select_on_overflow(opt_state, new_stats, stats)
-      new_ema = fs.select_on_overflow(opt_state, new_ema, ema)
+      new_stats = fs.select_on_overflow(opt_state, new=new_stats, old=stats)
+      new_ema = fs.select_on_overflow(opt_state, new=new_ema, old=ema)
     return params, new_stats, new_ema, opt_state, _flags(opt_state)
 
   history = []
@@ -269,7 +269,7 @@ def _nnx_run(digits, *, select=True, leave_out_bad=False):
     opt.update(model, grads, value=loss)
     new_stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))
     nnx.update(
-      model, fs.select_on_overflow(opt.opt_state, new_stats, old_stats)
+      model, fs.select_on_overflow(opt.opt_state, new=new_stats, old=old_stats)
     )
     return fs.scale_metrics(opt.opt_state)
 
@@ -295,7 +295,11 @@ def test_nnx_batch_stats_follow_the_skip(digits):
   assert not _all_finite(final_raw) and accuracy_raw < 0.2
 
 
-# --- The slips around the select (issue 48): each refused, naming the fix ---
+# --- The slips around the select (issues 48, 53) ----------------------------
+#
+# Live nnx Variables are refused (a type check); new and old go by keyword
+# (a swap by position is a TypeError); the state from before tx.update is
+# documented behaviour (select_on_overflow's docstring), tested here.
 
 
 def _stateful_loss(params, state, x):
@@ -305,8 +309,9 @@ def _stateful_loss(params, state, x):
   return jnp.sum((x @ params["w"]) ** 2), new_state
 
 
-def _stateful_step(tx, *, pre_update=False, swap=False, writes=True):
-  """docs/porting-haiku.md's step, or one of its slips."""
+def _stateful_step(tx, *, pre_update=False, writes=True):
+  """docs/porting-haiku.md's step, or its slip: the state from before
+  ``tx.update`` given to the select."""
 
   def step(params, state, opt_state, x):
     loss_fn = (
@@ -319,8 +324,8 @@ def _stateful_step(tx, *, pre_update=False, swap=False, writes=True):
     updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     params = optax.apply_updates(params, updates)
     which = before if pre_update else opt_state
-    pair = (state, new_state) if swap else (new_state, state)
-    return params, fs.select_on_overflow(which, *pair), opt_state
+    kept = fs.select_on_overflow(which, new=new_state, old=state)
+    return params, kept, opt_state
 
   return step
 
@@ -339,48 +344,45 @@ def _stateful_run(tx, step, steps=4, bad=2):
 @pytest.mark.parametrize("jit", [True, False])
 def test_the_documented_select_is_unchanged_and_keeps_old_on_the_skip(k, jit):
   """The documented step, jitted and eager, with and without
-  accumulation: never refused (the registry of what value_and_grad saw
-  does not outlive its step), and the bad batch's NaN mean never enters
-  the state (static scale 4, so step 2's forward overflow skips)."""
+  accumulation: the bad batch's NaN mean never enters the state (static
+  scale 4, so step 2's forward overflow skips)."""
   tx = _tx(k=k)
   step = _stateful_step(tx)
   state, opt_state = _stateful_run(tx, jax.jit(step) if jit else step)
   assert np.isfinite(np.asarray(state["mean"])).all()
   assert int(fs.scale_metrics(opt_state)["skipped_steps"]) == 1
-  # A forward pass that writes nothing (its aux is its input) is no swap.
   quiet = _stateful_step(tx, writes=False)
   _stateful_run(tx, jax.jit(quiet) if jit else quiet)
 
 
-@pytest.mark.parametrize("k", [None, 2])
-def test_the_state_from_before_the_update_is_refused(k):
-  """``fs.select_on_overflow(opt_state_before_update, new, old)``: its
-  overflow flag is the last step's, so the bad step would keep the NaN
-  mean. The state fs.value_and_grad was given is known by identity."""
-  tx = _tx(k=k)
-  with pytest.raises(ValueError) as e:
-    _stateful_run(tx, jax.jit(_stateful_step(tx, pre_update=True)))
-  msg = str(e.value)
-  assert "opt_state is the state the gradients were computed with" in msg
-  assert "Pass the state tx.update returned" in msg
+@pytest.mark.parametrize("jit", [True, False])
+def test_the_state_from_before_the_update_lags_one_step_as_documented(jit):
+  """``fs.select_on_overflow(opt_state_before_update, ...)``: not refused
+  (nothing in the state tells it from the one tx.update returned); its
+  overflow flag is the last step's, so the bad step keeps the bad batch's
+  inf mean, and the next step keeps it as the old state, eager and jitted
+  alike, as select_on_overflow's docstring says."""
+  tx = _tx()
+  step = _stateful_step(tx, pre_update=True)
+  state, opt_state = _stateful_run(tx, jax.jit(step) if jit else step)
+  assert int(fs.scale_metrics(opt_state)["skipped_steps"]) == 1
+  assert not np.isfinite(np.asarray(state["mean"])).any()
 
 
 @pytest.mark.parametrize("jit", [True, False])
-def test_new_and_old_swapped_are_refused(jit):
-  """``fs.select_on_overflow(opt_state, old, new)``: ``old`` is the aux
-  the forward pass just returned, which value_and_grad saw."""
-  tx = _tx()
-  step = _stateful_step(tx, swap=True)
-  with pytest.raises(ValueError) as e:
-    _stateful_run(tx, jax.jit(step) if jit else step)
-  msg = str(e.value)
-  assert "old holds what the forward pass just wrote" in msg
-  assert "at ['mean']" in msg and "new and old are swapped" in msg
+def test_new_and_old_by_position_are_refused(jit):
+  """``new`` and ``old`` are keyword-only: a call by position (a swap
+  cannot be seen in the values) is a TypeError, eager and jitted."""
+  state = _tx().init({"w": jnp.zeros(2)})
+  select = fs.select_on_overflow
+  call = jax.jit(lambda s, n, o: select(s, n, o)) if jit else select
+  with pytest.raises(TypeError, match="positional argument"):
+    call(state, NEW, OLD)
 
 
 def _nnx_bn_step(slip):
-  """docs/porting.md's NNX step on a BatchNorm model, or a slip: ``live``
-  takes both snapshots without nnx.as_pure, ``swap`` swaps them."""
+  """docs/porting.md's NNX step on a BatchNorm model, or its slip: ``live``
+  takes both snapshots without nnx.as_pure."""
   nnx = pytest.importorskip("flax.nnx")
 
   @nnx.jit
@@ -390,8 +392,7 @@ def _nnx_bn_step(slip):
     loss, grads = fs.value_and_grad(lambda m: jnp.sum(m(x) ** 2), opt)(model)
     opt.update(model, grads, value=loss)
     new = snap(nnx.state(model, nnx.BatchStat))
-    pair = (old, new) if slip == "swap" else (new, old)
-    nnx.update(model, fs.select_on_overflow(opt.opt_state, *pair))
+    nnx.update(model, fs.select_on_overflow(opt.opt_state, new=new, old=old))
 
   model = nnx.Sequential(
     nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(1))
@@ -400,8 +401,8 @@ def _nnx_bn_step(slip):
   return step, model, opt
 
 
-@pytest.mark.parametrize("slip", ["live", "swap", None])
-def test_nnx_snapshots_that_alias_the_variables_or_swap_are_refused(slip):
+@pytest.mark.parametrize("slip", ["live", None])
+def test_nnx_snapshots_that_alias_the_variables_are_refused(slip):
   nnx = pytest.importorskip("flax.nnx")
   step, model, opt = _nnx_bn_step(slip)
   x = jnp.ones((2, 3))
@@ -415,8 +416,5 @@ def test_nnx_snapshots_that_alias_the_variables_or_swap_are_refused(slip):
   with pytest.raises(ValueError) as e:
     step(model, opt, x)
   msg = str(e.value)
-  if slip == "live":
-    assert "holds live nnx.Variable objects" in msg
-    assert "nnx.as_pure(nnx.state(model, nnx.BatchStat))" in msg
-  else:
-    assert "new and old are swapped" in msg
+  assert "holds live nnx.Variable objects" in msg
+  assert "nnx.as_pure(nnx.state(model, nnx.BatchStat))" in msg

@@ -1,13 +1,15 @@
 """A newcomer's slips that used to pass silently (issue 40), each now
 refused with a message that names the fix, or made correct: a stacked name
 that matches nothing, equal stacked specs, a layer axis the partition names
-contradict, a sync of nnx optimizers dropped on the floor, a sync of the
-states from before the step, a cast audit of a checkpoint that already
-holds an inf, ``tx.init`` on an unfiltered Equinox module, and the report's
-rows for fully non-finite leaves."""
+contradict, a sync of nnx optimizers dropped on the floor, a second sync (it
+changes nothing; the sync of the states from before the step is documented
+behaviour, tests/test_refusals.py), a cast audit of a checkpoint that
+already holds an inf, ``tx.init`` on an unfiltered Equinox module, and the
+report's rows for fully non-finite leaves."""
 
 import warnings
 
+from helpers import bits
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,20 +136,22 @@ def test_sync_of_nnx_optimizers_acts_in_place():
   # Outside nnx.jit too, and the optimizers themselves come back.
   out = fs.sync_loss_scales(*opts)
   assert out[0] is opts[0] and out[1] is opts[1]
-  # The Variables now hold what that sync wrote, which has not stepped
-  # since: a second sync is refused, as for plain states; after an update
-  # each, the two sync again.
-  with pytest.raises(ValueError, match="has not stepped since"):
-    fs.sync_loss_scales(*opts)
+  # The Variables now hold what that sync wrote: a second sync changes
+  # nothing, as for plain states; after an update each, the two sync again.
+  before = [bits(o.opt_state) for o in opts]
+  fs.sync_loss_scales(*opts)
+  assert [bits(o.opt_state) for o in opts] == before
   for m, o in zip(models, opts):
     o.update(m, jax.tree.map(jnp.ones_like, nnx.state(m, nnx.Param)))
   fs.sync_loss_scales(*opts)
 
 
-# ------------------------- 4: a sync of states that did not step is refused
+# ----------------------------- 4: a second sync changes nothing
 
 
-def test_a_second_sync_of_states_that_did_not_step_is_refused():
+def test_a_second_sync_changes_nothing_eager_or_jitted():
+  """Not refused, since harmless: a sync of what a sync returned (or of
+  states that did not step) gives them back as they were."""
   tx0, tx1 = chain(), chain()
   p = jnp.ones(2)
   s0, s1 = tx0.init(p), tx1.init(p)
@@ -155,52 +159,13 @@ def test_a_second_sync_of_states_that_did_not_step_is_refused():
   _, s1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
   s0, s1 = fs.sync_loss_scales(s0, s1)
   assert float(fs.current_scale(s0)) == float(fs.current_scale(s1)) == 512.0
-  with pytest.raises(ValueError) as e:
-    fs.sync_loss_scales(s0, s1)
-  msg = str(e.value)
-  assert "has not stepped since tx.init or the last sync_loss_scales" in msg
-  assert "Sync the states tx.update returned" in msg
-  # In one program too, when it is traced, whatever states it is given.
   twice = jax.jit(lambda a, b: fs.sync_loss_scales(*fs.sync_loss_scales(a, b)))
-  with pytest.raises(ValueError, match="has not stepped since tx.init"):
-    twice(s0, s1)
+  for again in (fs.sync_loss_scales(s0, s1), twice(s0, s1)):
+    assert bits(again) == bits((s0, s1))
   # The states tx.update returns from a synced state sync again.
   _, s0 = tx0.update(jnp.array([1.0, 2.0]), s0, p)
   _, s1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
   fs.sync_loss_scales(s0, s1)
-
-
-def test_a_stale_sync_is_refused_whatever_states_it_is_given():
-  tx0, tx1 = chain(), chain()
-  p = jnp.ones(2)
-
-  def updated(s0, s1, bad):
-    _, n0 = tx0.update(jnp.array([1.0, jnp.where(bad, jnp.inf, 2.0)]), s0, p)
-    _, n1 = tx1.update(jnp.array([1.0, 2.0]), s1, p)
-    return n0, n1
-
-  good = jax.jit(lambda s0, s1, bad: fs.sync_loss_scales(*updated(s0, s1, bad)))
-  stale = jax.jit(
-    lambda s0, s1: (updated(s0, s1, True), fs.sync_loss_scales(s0, s1))[1]
-  )
-  s0, s1 = tx0.init(p), tx1.init(p)
-  for bad in (False, True, False):
-    s0, s1 = good(s0, s1, bad)
-  # torch's rule by hand: 2^10, one back-off on the overflow, no growth yet.
-  assert float(fs.current_scale(s0)) == float(fs.current_scale(s1)) == 512.0
-  (c0, _), _ = jax.lax.scan(
-    lambda c, bad: (good(*c, bad), None),
-    (tx0.init(p), tx1.init(p)),
-    jnp.array([False, True]),
-  )
-  assert float(fs.current_scale(c0)) == 512.0
-  with pytest.raises(ValueError, match="was given to tx.update") as e:
-    stale(tx0.init(p), tx1.init(p))  # the newcomer's program, at trace time
-  assert "Sync the states tx.update returned" in str(e.value)
-  # The program is refused, not the states: given states that stepped,
-  # which a mark of the states would let through, it is refused alike.
-  with pytest.raises(ValueError, match="was given to tx.update"):
-    stale(s0, s1)
 
 
 # ---------------------- 5: a cast audit of a checkpoint that holds an inf

@@ -37,12 +37,13 @@ def opt_state(grad_range=False, params=PARAMS, scaler=SCALER):
 
 def implied_keys(grad_range, windowed=False):
   """The own format's keys, from the NamedTuples' fields: the scaler's
-  flattened in, the gradient range's with ``grad_``, leaf_paths (static) and
-  an absent grad_range left out, and a windowed headroom scaler's
-  WindowedScalerState fields in place of ScalerState's."""
+  flattened in, the gradient range's with ``grad_``, leaf_paths (static),
+  scale_set (a mark of a scale set since the last sync, not the scaler's
+  state: a load sets it) and an absent grad_range left out, and a windowed
+  headroom scaler's WindowedScalerState fields in place of ScalerState's."""
   scaler = fs.WindowedScalerState if windowed else fs.ScalerState
   keys = set(scaler._fields) | set(fs.LossScaleState._fields)
-  keys -= {"scaler", "grad_range", "leaf_paths"}
+  keys -= {"scaler", "grad_range", "leaf_paths", "scale_set"}
   if grad_range:
     keys |= {f"grad_{f}" for f in fs.GradRange._fields}
   return keys | {"format", "config"}

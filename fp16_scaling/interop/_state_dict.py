@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp16_scaling import _lookup
-from fp16_scaling import _provenance
 from fp16_scaling import _validate
 from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
@@ -37,6 +36,11 @@ _FIRST_KEYS = frozenset(
   ).split()
 )
 
+# Fields of the LossScaleState that are not the scaler's state, and so not
+# in the format: scale_set marks a scale set since the last sync (a load
+# sets it).
+_NOT_SAVED = frozenset({"scale_set"})
+
 # Checked on load as loss scales: positive, normal, finite float32.
 _SCALES = ("loss_scale", "prev_loss_scale")
 
@@ -46,8 +50,8 @@ def _own_fields(state: tuple, prefix: str = "", path: tuple = ()) -> dict:
   in field order; ``path`` is the field names down to the array."""
   out = {}
   for name, value in zip(state._fields, state):
-    if value is None or not jax.tree.leaves(value):
-      continue  # an optional part that is off, or static metadata
+    if value is None or not jax.tree.leaves(value) or name in _NOT_SAVED:
+      continue  # an optional part that is off, static metadata, a mark
     if hasattr(value, "_fields"):
       nested = prefix + _NESTED_PREFIX.get(name, name + "_")
       out.update(_own_fields(value, nested, path + (name,)))
@@ -213,26 +217,30 @@ def _check_leaf_counts(values: Mapping, fields: Mapping) -> None:
       )
 
 
-def _check_built_with(state: Any, scaler: Scaler) -> None:
-  """Raises unless ``state`` (a LossScaleState) was built with ``scaler``
-  (its initial scale aside), where that is known (``_provenance``): the
-  counters loaded follow the rules of the scaler given."""
-  built_by = _provenance.made(state).by
-  if built_by is None:
-    return
-  built = _peers.config(built_by.scaler)
-  del built["init_scale"]  # it does not matter once a run is under way
+def _built_with(state: Any, scaler: Optional[Scaler]) -> Scaler:
+  """The :class:`Scaler` ``state`` (a LossScaleState) was built with, as its
+  treedef records it (its initial scale aside, which does not matter once
+  a run is under way); ``scaler``, when given, must agree with it, or
+  ValueError names the first field that differs: the counters loaded
+  follow the rules of the scaler that built the state."""
+  built = state.leaf_paths.built.scaler
+  if scaler is None:
+    return built
+  scaler = check_scaler(scaler)
+  recorded = _peers.config(built)
+  del recorded["init_scale"]
   _peers.check(
     scaler,
     "the optimizer's",
-    built,
-    "Pass the Scaler its fs.fp16_loss_scale was built with, or build the "
-    "optimizer with this one.",
+    recorded,
+    "Pass the Scaler its fs.fp16_loss_scale was built with, or none (the "
+    "state records it), or build the optimizer with this one.",
   )
+  return scaler
 
 
 def load_scaler_state_dict(
-  opt_state: Any, state_dict: Any, scaler: Scaler
+  opt_state: Any, state_dict: Any, scaler: Optional[Scaler] = None
 ) -> Any:
   """``opt_state`` with its loss-scale state taken from ``state_dict``.
 
@@ -240,23 +248,25 @@ def load_scaler_state_dict(
     opt_state: an optax state holding one :class:`LossScaleState`.
     state_dict: :func:`scaler_state_dict`'s dict, or a peer's scaler state
       (docs/checkpoints.md), recognised by its keys.
-    scaler: the :class:`Scaler` the optimizer was built with; the
-      configuration the state holds or implies must agree with it.
+    scaler: optional: the :class:`Scaler` the optimizer was built with,
+      which the state's treedef records already (its initial scale
+      aside); given, it must agree with that record. The configuration
+      ``state_dict`` holds or implies must agree with it.
 
   Returns:
-    The new optax state (a peer's sets the scale and its counters only).
+    The new optax state (a peer's sets the scale and its counters only),
+    marked in its treedef as one whose scale was set:
     :func:`sync_loss_scales` refuses to sync it with a state whose scale
     was not set too (the sync would undo it).
 
   Raises:
     ValueError: an unknown state, a scale that is not a normal float32, a
-      configuration that disagrees with ``scaler``, or an optimizer state
-      known to be built with another scaler (made by ``tx.init`` or
-      ``tx.update`` outside ``jit``; docs/history.md).
+      configuration that disagrees with the scaler, or a ``scaler`` other
+      than the one the optimizer state was built with (read from its
+      treedef: the same eager and under ``jit``).
   """
-  scaler = check_scaler(scaler)
   old = _lookup.loss_scale_state(opt_state)
-  _check_built_with(old, scaler)
+  scaler = _built_with(old, scaler)
   peer, d = _recognise(state_dict)
   values = _from_own(d, scaler) if peer is None else _from_peer(peer, d, scaler)
   fields = _own_fields(old)

@@ -550,12 +550,16 @@ def test_jit_update_keeps_state_shardings(layout):
 # Bad partition specs.
 
 
-def _shard_map_update(layout, tx, check_vma=True, grads_hook=None):
+def _shard_map_update(
+  layout, tx, check_vma=True, grads_hook=None, state_tx=None
+):
   """Traces one shard_map'd update of `tx` (built with any specs) with correct
-  in/out specs.
+  in/out specs, on the state `state_tx` (default: built with the layout's
+  specs) makes.
   """
   mesh = make_mesh(layout)
-  specs, st_specs, params, state = placed(tx, layout, mesh, make_tx(layout))
+  state_tx = state_tx or make_tx(layout)
+  specs, st_specs, params, state = placed(tx, layout, mesh, state_tx)
   hook = grads_hook or (lambda g: g)
   fn = jax.shard_map(
     lambda grads, *rest: step_fn(tx)(hook(grads), *rest),
@@ -587,10 +591,10 @@ def test_specs_with_wrong_structure_are_refused():
     ):
       tx.init(init_params(layout))
   # At update, given a state built with the right specs (placed on the
-  # mesh: a new object, whose maker the update does not know), the step's
-  # one measurement checks its own specs before it reads anything with them.
+  # mesh), the state's treedef records those specs: the update refuses it
+  # as another configuration's before it reads anything with its own.
   with pytest.raises(
-    ValueError, match="fp16_loss_scale: partition_specs must have the structure"
+    ValueError, match="this state was built with other partition_specs"
   ):
     _shard_map_update(layout, make_tx(layout, wrong))
   with pytest.raises(
@@ -608,12 +612,16 @@ def test_spec_naming_an_axis_the_mesh_lacks_is_refused():
     "expert": {"w_in": P("experts"), "w_out": P("expert", None, "data")},
   }
   # The step's measurement reads its specs under shard_map and names the
-  # axis the mesh lacks, whatever state it is given (here one built with
-  # the right specs); so does a clip of its own, below.
+  # axis the mesh lacks (the state, built outside the mesh by the same
+  # chain, could not); so does a clip of its own, below. A state built with
+  # the right specs is refused before: another configuration's.
+  tx = make_tx(layout, typo)
   with pytest.raises(
     ValueError, match="names mesh axis 'experts'; the mesh has axes"
   ):
-    _shard_map_update(layout, make_tx(layout, typo))
+    _shard_map_update(layout, tx, state_tx=tx)
+  with pytest.raises(ValueError, match="built with other partition_specs"):
+    _shard_map_update(layout, tx)
   # A clip of its own (not right after the scale, where it has no specs of
   # its own) reads its specs under shard_map, and names the missing axis.
   clip = fs.clip_by_unscaled_norm(1.0, partition_specs=typo)
