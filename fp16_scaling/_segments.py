@@ -23,9 +23,11 @@ import numpy as np
 from fp16_scaling import _sharding
 from fp16_scaling._stacked import summed_axes
 
-# Leaves a concatenation takes: XLA:GPU fuses one of up to about 90
-# operands into its reduction and writes out a larger one (jaxlib 0.10.2,
-# H100 and A100 targets: 90 fused, 92 written).
+# Leaves a concatenation takes. XLA:GPU fuses at most 96 operands and
+# outputs into a kernel (MaxOperandsAndOutputsPerFusion): a batch of up to
+# 92 leaves is fused into its reduction, one of 93 written out whole
+# (jaxlib 0.10.2, H100 target, tests/aot/test_fusion_budget.py); 64 keeps
+# a margin below that edge.
 BATCH = 64
 # The most chunks a unit is cut into: a unit's partials are gathered into
 # one row of this many, at most, before their sum.
