@@ -18,6 +18,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -78,10 +79,13 @@ PARTS = (
        "step_cost 20M/1000, command buffers on", "20M/1000", "4K/32"),
   Part("step_cost_20M_1000_cb_off", 120,
        "step_cost 20M/1000, command buffers off", "20M/1000", "4K/32", False),
+  Part("kernels", 120, "the 500M/500 floor and fp16 compiled without a "
+       "device for the H100 target (gpu_kernels.py), beside the real "
+       "compile's kernels"),
 )
 # fmt: on
 BY_NAME = {p.name: p for p in PARTS}
-TOTAL_S = 480.0  # the whole run: 8 minutes; the limits add up to 850
+TOTAL_S = 480.0  # the whole run: 8 minutes; the limits add up to 970
 
 
 def worker_env(args):
@@ -137,8 +141,38 @@ def worker_train_step(args):
   )  # fmt: skip
 
 
+# The kernels part: what gpu_kernels.py counts for the H100 target, at the
+# first step_cost part's shape (its tiny one with --tiny), for its recipes.
+KERNELS_FROM = "step_cost_500M_500_cb_on"
+
+
+def worker_kernels(args):
+  """``gpu_kernels.py``'s counts of ``PAIR`` compiled without a device for
+  the H100 target at ``args.argv``'s shape (``PARAMS/LEAVES``), in this
+  process (``JAX_PLATFORMS=cpu``); where the CUDA plugin is missing (a
+  CPU machine), a summary that says so."""
+  import step_cost
+
+  _, (n, leaves) = step_cost.parse_shape(args.argv[0])
+  try:
+    import gpu_kernels
+
+    gpu_kernels.devices("h100")
+  except Exception as e:  # no jax-cuda12-plugin, or one that cannot load
+    return dict(rows={}, summary=f"not measured: {type(e).__name__}: {e}")
+  compile_one = functools.partial(
+    gpu_kernels.compile_recipe, target="h100", size=n // leaves, leaves=leaves
+  )
+  rows = {key: compile_one(key) for key in PAIR}
+  return dict(
+    rows=rows, target="h100", shape=args.argv[0],
+    summary="deviceless H100 kernels: " + ", ".join(
+      f"{k} {r['kernels']:,}" for k, r in rows.items()),
+  )  # fmt: skip
+
+
 WORKERS = dict(env=worker_env, bandwidth=worker_bandwidth)
-WORKERS.update(train_step=worker_train_step)
+WORKERS.update(train_step=worker_train_step, kernels=worker_kernels)
 
 
 def run_worker(argv):
@@ -166,6 +200,10 @@ def command(part, args, outdir):
   if part.name == "bandwidth":
     size, calls = (8 * 2**20, 5) if args.tiny else (2**31, 20)
     return me + ["--bytes", str(size), "--calls", str(calls)], result
+  if part.name == "kernels":
+    source = BY_NAME[KERNELS_FROM]
+    shape = source.tiny_shape if args.tiny else source.shape
+    return me + ["--", shape], result
   if part.name == "train_step":
     sizes = "tiny --rounds 2 --inner 1 --warmup 0" if args.tiny else "medium"
     sizes += "" if args.tiny else " --rounds 10 --inner 5"
@@ -221,6 +259,8 @@ def part_env(part):
   env["PYTHONPATH"] = os.pathsep.join(
     [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
   )
+  if part.name == "kernels":  # compiled for the H100 spec, on the CPU
+    env["JAX_PLATFORMS"] = "cpu"
   if part.shape and not part.command_buffers:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CB_OFF).strip()
   return env
@@ -423,10 +463,32 @@ def markdown(report):
       flags = flags or "XLA's default flags (command buffers on)"
       lines += ["", f"## {name}: {r['status']}, {flags}", ""]
       lines.append(r["result"]["table"])
+  lines += kernels_table(report)
   failing = report["parts"]["tests"].get("result", {}).get("failing")
   if failing:
     lines += ["", "## Failing tests", ""] + [f"- `{t}`" for t in failing]
   return "\n".join(lines) + "\n"
+
+
+def kernels_table(report):
+  """Lines of the markdown: per recipe of ``PAIR``, the kernels of the
+  real compile (the ``KERNELS_FROM`` part's) beside the deviceless
+  compile's for the H100 target (the kernels part's); none where either
+  is missing."""
+  import recipes as recipe_set
+
+  real = report["parts"][KERNELS_FROM].get("result", {}).get("rows", {})
+  aot = report["parts"]["kernels"].get("result", {}).get("rows", {})
+  pairs = [(k, real.get(recipe_set.BY_KEY[k].label), aot.get(k)) for k in PAIR]
+  pairs = [(k, r, a) for k, r, a in pairs if r and r.get("kernels") and a]
+  if not pairs:
+    return []
+  lines = ["", "## Kernels: this device's compile and the H100 target's", ""]
+  lines += ["| recipe | kernels here | kernels, H100 target (no device) |"]
+  lines.append("|---|---:|---:|")
+  for key, r, a in pairs:
+    lines.append(f"| {key} | {r['kernels']:,} | {a['kernels']:,} |")
+  return lines
 
 
 def write(report, outdir):

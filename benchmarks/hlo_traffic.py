@@ -178,15 +178,23 @@ def fused_ops(hlo):
   return fusions, ops
 
 
-def kernels(hlo):
+def kernels(hlo, branch=None):
   """``(fusions, kernels)`` of a compiled module: its ``fusion``
   instructions, and every instruction that does work (a fusion, a copy, a
   lone reduction, a custom call: not one of ``_FREE``, nor a ``call``,
   ``while`` or ``conditional``, which are walked into), from the entry
-  computation down. A loop's body counts once, and every branch."""
+  computation down. A loop's body counts once; every branch of a
+  conditional, or with ``branch`` only that one (0: a ``lax.cond``'s false
+  branch, the one a clean step of fp16_scaling takes)."""
+  found = work(hlo, branch)
+  return sum(op == "fusion" for op, _ in found), len(found)
+
+
+def work(hlo, branch=None):
+  """``[(opcode, called computation or None)]``: the instructions
+  :func:`kernels` counts."""
   comps, entry = computations(hlo)
-  fusions = total = 0
-  todo, seen = [entry], set()
+  out, todo, seen = [], [entry], set()
   while todo:
     comp = todo.pop()
     if comp in seen:
@@ -194,7 +202,7 @@ def kernels(hlo):
     seen.add(comp)
     for line in comps.get(comp, []):
       m = _INSTR.match(line)
-      if not m or m.group(3) in _FREE:
+      if not m or m.group(3) in _FREE or m.group(3).endswith("-done"):
         continue
       op, rest = m.group(3), m.group(4)
       if op in ("conditional", "while", "call"):
@@ -202,11 +210,30 @@ def kernels(hlo):
         for groups in _CALLED.findall(rest):
           for part in filter(None, groups):
             found += re.findall(r"[\w.\-]+", part)
+        if op == "conditional" and branch is not None:
+          groups = _CALLED.findall(rest)
+          if groups and not groups[0][0]:  # pred: false first, as branch 0
+            groups = [groups[1], groups[0]]
+          names = [n for g in groups for part in g if part
+                   for n in re.findall(r"[\w.\-]+", part)]  # fmt: skip
+          found = names[branch : branch + 1]
         todo += [c.lstrip("%") for c in found]
         continue
-      fusions += op == "fusion"
-      total += 1
-  return fusions, total
+      fused = re.search(r"calls=%([\w.\-]+)", rest)
+      out.append((op, fused.group(1) if fused else None))
+  return out
+
+
+def reductions(hlo, branch=None):
+  """The kernels of :func:`work` that reduce: a fusion whose computation
+  holds a ``reduce`` (XLA:GPU's reduction fusions, Triton's included),
+  and a lone ``reduce``."""
+  comps, _ = computations(hlo)
+  ops = lambda c: {m.group(3) for m in map(_INSTR.match, comps.get(c, [])) if m}
+  return sum(
+    op == "reduce" or (called is not None and "reduce" in ops(called))
+    for op, called in work(hlo, branch)
+  )
 
 
 def row(*cells):

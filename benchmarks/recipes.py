@@ -4,7 +4,8 @@ Every recipe takes the same float16 gradients (already multiplied by the
 loss scale where it has one) and float32 parameters, clips at a global norm
 of 1.0, runs AdamW and applies the updates (``RECIPES``, a to e, b's
 options ``OPTIONS``, f to j, and the flat forms ``FLAT``, k and l;
-benchmarks/README.md lists them). No timer
+benchmarks/README.md lists them); ``MORE``'s two, m and n, leave out the
+clip, for gpu_kernels.py. No timer
 here: ``build(key, num_leaves)`` returns ``(init, step)``, ``jitted`` the
 same with the step jitted, its parameters and state donated.
 """
@@ -55,7 +56,13 @@ FLAT = (
   Recipe("flat_floor", "k. optax.flatten(clip + adamw), no scaling", ""),
   Recipe("flat_fp16", "l. fs.chain(scale, clip, optax.flatten(adamw))", ""),
 )
-BY_KEY = {r.key: r for r in RECIPES + OPTIONS + FLAT}
+# Two more for gpu_kernels.py's kernel counts: the optimizer alone (one
+# update kernel a leaf), and b without its clip.
+MORE = (
+  Recipe("adamw", "m. optax.adamw alone: no clip, no scaling", ""),
+  Recipe("fp16_noclip", "n. fs.chain(fp16_loss_scale, adamw): b, no clip", ""),
+)
+BY_KEY = {r.key: r for r in RECIPES + OPTIONS + FLAT + MORE}
 OVERFLOW_ROW = "b. fp16_scaling, overflow step"
 
 
@@ -80,10 +87,16 @@ def leaf_sizes(n, leaves, distinct=False):
 
 
 def fp16_tx(
-  num_leaves, expert=False, headroom=False, flat=False, **scale_kwargs
+  num_leaves,
+  expert=False,
+  headroom=False,
+  flat=False,
+  clip=True,
+  **scale_kwargs,
 ):
   """Recipe b: ``fs.chain(fp16_loss_scale, clip_by_unscaled_norm, adamw)``;
-  ``flat``: adamw as ``optax.flatten(adamw)`` (recipe l)."""
+  ``flat``: adamw as ``optax.flatten(adamw)`` (recipe l); not ``clip``:
+  no clip (recipe n)."""
   import optax
 
   import fp16_scaling as fs
@@ -91,9 +104,10 @@ def fp16_tx(
   mask = [i % 2 == 1 for i in range(num_leaves)] if expert else None
   preset = fs.headroom_scaler if headroom else fs.deepspeed_scaler
   adamw = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+  clipping = [fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask)]
   return fs.chain(
     fs.fp16_loss_scale(preset(init_scale=LOSS_SCALE), **scale_kwargs),
-    fs.clip_by_unscaled_norm(MAX_NORM, expert_mask=mask),
+    *(clipping if clip else []),
     optax.flatten(adamw) if flat else adamw,
   )
 
@@ -143,6 +157,12 @@ def build(key, num_leaves):
 
   if key in ("fp16", "fp16_expert"):
     return plain(fp16_tx(num_leaves, expert=key == "fp16_expert"))
+
+  if key == "adamw":
+    return plain(optax.adamw(LR, weight_decay=WEIGHT_DECAY), to_f32)
+
+  if key == "fp16_noclip":
+    return plain(fp16_tx(num_leaves, clip=False))
 
   if key == "flat_floor":
     return plain(optax.flatten(clip_adamw()), to_f32)

@@ -115,7 +115,6 @@ def accumulate_gradients(
       "the window's step is skipped exactly on an overflow."
     )
   step = tx.config
-  partition_specs = step.scale.partition_specs
 
   def init_fn(params):
     _norm.check_float_leaves(
@@ -127,7 +126,9 @@ def accumulate_gradients(
     leaves = _checked_microbatch(updates, state.acc_grads)
     k = jnp.maximum(jnp.asarray(schedule(state.windows), jnp.int32), 1)
     ends = state.mini_step + 1 >= k
-    bad = _dropped(updates, partition_specs) if drop else jnp.bool_(False)
+    bad = (
+      _dropped(updates, step, state.inner_state) if drop else jnp.bool_(False)
+    )
     window = _Window(k, bad, state.clean_in_window + (~bad).astype(jnp.int32))
     losses = _Losses.of(extra_args.get("value"), state, window, drop)
     if losses.window_loss is not None:
@@ -201,11 +202,12 @@ def _checked_microbatch(updates, acc_grads) -> list:
   return leaves
 
 
-def _dropped(updates, partition_specs) -> jax.Array:
-  """Whether this microbatch holds an inf or NaN, on any device."""
-  return _measure.measure(
-    updates, 1.0, partition_specs, what="accumulate_gradients"
-  ).overflow
+def _dropped(updates, step, inner_state) -> jax.Array:
+  """Whether this microbatch holds an inf or NaN, on any device: measured
+  by the plan the chain's loss-scale state holds."""
+  plan = step.scale.state_plan(inner_state[0], updates)
+  what = "accumulate_gradients"
+  return _measure.measure(updates, 1.0, plan, what=what).overflow
 
 
 class _Window(NamedTuple):

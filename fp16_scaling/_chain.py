@@ -13,6 +13,7 @@ import optax
 from fp16_scaling import _clipping
 from fp16_scaling import _donation
 from fp16_scaling import _loss_scale
+from fp16_scaling import _measure
 from fp16_scaling._clipping import ClipConfig
 from fp16_scaling._clipping import UnscaledClip
 from fp16_scaling._loss_scale import LossScale
@@ -76,6 +77,17 @@ class StepConfig:
       head += (self.clip.init(params),)
     return head + tuple(self.rest.init(params))
 
+  def plan(self, updates, ls) -> _measure.Plan:
+    """The measurement's :class:`~fp16_scaling._measure.Plan` of
+    ``updates``: the one the loss-scale state ``ls`` holds in its treedef
+    (each leaf's spec and the stacked layout, resolved by ``tx.init``),
+    with the clip's groups of the expert mask joined here, where the
+    clip's configuration lives."""
+    plan = self.scale.state_plan(ls, updates)
+    if self.clip is None:
+      return plan
+    return plan.with_groups(self.clip.expert_mask, updates)
+
   def update(self, updates, state, params=None, **extra):
     """``optax``'s update: :meth:`run` on gradients outside a window."""
     out = self.run(updates, state, params, extra=extra, in_float16_range=False)
@@ -89,8 +101,12 @@ class StepConfig:
     ``in_float16_range`` says that every gradient holds float16-range
     values (:class:`Measurement`)."""
     ls, own = state[0], self.owned
-    _loss_scale.check_state(self.scale, ls)
-    m = self.scale.measure(updates, ls, in_float16_range=in_float16_range)
+    # First: a state of another configuration is refused before anything
+    # of it is read (ScaleConfig.state_plan).
+    plan = self.plan(updates, ls)
+    m = _measure.measure(
+      updates, ls.scaler.loss_scale, plan, in_float16_range=in_float16_range
+    )
     head = (
       _loss_scale.step_state(
         self.scale, ls, m, updates, params, extra.get("value")
@@ -98,7 +114,7 @@ class StepConfig:
     )
     factor = None
     if self.clip is not None:
-      norms = self.clip.norms(m, updates)
+      norms = m.clip_norms
       factor = self.clip.factor(norms)
       new_clip = _clipping.clip_state(norms)
       # Write-only: each field reads its old value to keep its buffer.

@@ -8,54 +8,18 @@ from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fp16_scaling import _donation
+from fp16_scaling import _measure
 from fp16_scaling import _norm
 from fp16_scaling import _sharding
 from fp16_scaling import _validate
-from fp16_scaling._measure import measure
 from fp16_scaling._states import EXPERT
 from fp16_scaling._states import SHARED
 from fp16_scaling._states import ClipState
 
 _WHAT = "clip_by_unscaled_norm"  # the name its messages give it
-
-
-def _mask_leaves(mask) -> list:
-  """The leaves of an expert mask, each checked to be a Python (or numpy)
-  bool, known before tracing; TypeError naming the type otherwise."""
-  leaves = jax.tree.leaves(mask)
-  for m in leaves:
-    if not isinstance(m, (bool, np.bool_)):
-      raise TypeError(
-        "expert_mask must be a pytree of Python bools known before tracing, "
-        f"or a callable returning one; got a leaf of type {type(m).__name__}"
-      )
-  return leaves
-
-
-def _expert_groups(expert_mask, tree) -> tuple:
-  """Static 0/1 group per leaf of ``tree`` (1 for an expert leaf) from
-  ``expert_mask``: a bool pytree with ``tree``'s structure or a prefix of
-  it (as in ``optax.masked``), or a callable that maps ``tree`` to one;
-  None marks no leaf."""
-  n = len(jax.tree.leaves(tree))
-  if expert_mask is None or n == 0:
-    # No leaves (optax.tree_map_params calls init with such a placeholder).
-    return (SHARED,) * n
-  mask = expert_mask(tree) if callable(expert_mask) else expert_mask
-  groups = [EXPERT if bool(m) else SHARED for m in _mask_leaves(mask)]
-  try:
-    return _sharding.broadcast_prefix(groups, mask, tree)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      "expert_mask must have the structure of the gradients, or a prefix of "
-      "it, with a bool at each leaf (a bool for a subtree marks all its "
-      f"leaves); got {jax.tree.structure(mask)} for gradients "
-      f"{jax.tree.structure(tree)}: {e}"
-    ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +38,6 @@ class ClipConfig:
   eps: float = 1e-6
   partition_specs: Any = None
 
-  def norms(self, measurement, tree) -> _norm.Norms:
-    """The unscaled norms of ``measurement``'s gradients (of ``tree``'s
-    structure), expert and shared leaves apart (no new pass)."""
-    return measurement.grouped(_expert_groups(self.expert_mask, tree), 2)
-
   def factor(self, norms: _norm.Norms) -> jax.Array:
     """float32 ``min(1, max_norm / (norm + eps))``."""
     bound = jnp.float32(self.max_norm) / (norms.norm + jnp.float32(self.eps))
@@ -88,7 +47,7 @@ class ClipConfig:
     """The :class:`ClipState` before the first step, this configuration
     checked on ``params``."""
     _norm.check_float_leaves(jax.tree.leaves(params), f"{_WHAT} params", params)
-    _expert_groups(self.expert_mask, params)
+    _measure.expert_groups(self.expert_mask, params)
     _sharding.leaf_axes_from_specs(self.partition_specs, params, _WHAT)
     # Three buffers: a donating step reuses each for its own field.
     return ClipState(
@@ -101,8 +60,10 @@ class ClipConfig:
     """The clip anywhere but right after :func:`fp16_loss_scale`: of what
     reaches it, measured here; extra arguments are ignored."""
     del params, extra_args
-    own = measure(updates, 1.0, self.partition_specs, what=_WHAT)
-    norms = self.norms(own, updates)
+    plan = _measure.plan_of(updates, self.partition_specs, what=_WHAT)
+    plan = plan.with_groups(self.expert_mask, updates)
+    own = _measure.measure(updates, 1.0, plan, what=_WHAT)
+    norms = own.clip_norms
     factor = self.factor(norms)
     leaves = _norm.discard_if(norms.overflow, own.grads)
     clipped = [x * factor.astype(x.dtype) for x in leaves]
@@ -191,5 +152,5 @@ def clip_by_unscaled_norm(
     partition_specs=partition_specs,
   )
   if expert_mask is not None and not callable(expert_mask):
-    _mask_leaves(expert_mask)
+    _measure.mask_leaves(expert_mask)
   return UnscaledClip(config.init, config.update)

@@ -16,6 +16,7 @@ import optax
 from fp16_scaling import _donation
 from fp16_scaling import _measure
 from fp16_scaling import _norm
+from fp16_scaling import _range
 from fp16_scaling import _sharding
 from fp16_scaling import _stacked
 from fp16_scaling import _validate
@@ -230,21 +231,37 @@ class ScaleConfig:
       self.stacked_axes, tree, self.partition_specs, "fp16_loss_scale"
     )
 
-  def measure(self, grads, state, *, in_float16_range=False) -> Measurement:
-    """The step's one :class:`Measurement` of ``grads``, made at the scale
-    of ``state`` (a :class:`LossScaleState`), per unit of the layout its
-    treedef holds (resolved on ``grads`` where they are not of the tree
-    that layout was resolved on)."""
-    layout = state.leaf_paths.layout
-    if layout is not None and len(layout.axes) != len(jax.tree.leaves(grads)):
-      layout = self.layout(grads)
-    return _measure.measure(
-      grads,
-      state.scaler.loss_scale,
-      self.partition_specs,
-      in_float16_range=in_float16_range,
-      layer_axes=None if layout is None else layout.axes,
-    )
+  def plan(self, tree) -> _measure.Plan:
+    """The measurement's :class:`~fp16_scaling._measure.Plan` of ``tree``
+    (the params, or gradients of their tree): each leaf's partition spec
+    and the stacked layout, resolved on it; the clip adds its groups where
+    the step runs. ``tx.init`` resolves it once into the state's treedef
+    (``leaf_paths.plan``), which each update reads (:meth:`state_plan`).
+
+    Raises:
+      TypeError, ValueError: ``partition_specs`` or ``stacked_axes`` do
+        not fit ``tree``.
+    """
+    # A tree without leaves (tree_map_params' placeholder) has none to lay
+    # out.
+    layout = self.layout(tree) if jax.tree.leaves(tree) else None
+    return _measure.plan_of(tree, self.partition_specs, layout)
+
+  def state_plan(self, state: LossScaleState, grads) -> _measure.Plan:
+    """The plan ``state``'s treedef holds, for its update's ``grads``; one
+    resolved on ``grads`` here only where they have another number of
+    leaves than the params ``tx.init`` resolved it on (a wrapper whose
+    params are not the gradients' tree, as ``_leaf_fitter`` warns).
+
+    Raises:
+      ValueError: ``state`` was made by another configuration
+        (:func:`check_state`), before its plan is read.
+    """
+    check_state(self, state)
+    plan = state.leaf_paths.plan
+    if plan.treedef.num_leaves == len(jax.tree.leaves(grads)):
+      return plan
+    return self.plan(grads)
 
   def refuse(self, *args, **kwargs):
     """``init`` and ``update`` anywhere but in :func:`chain`: raises
@@ -352,15 +369,14 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   leaves = jax.tree.leaves(params)
   _norm.check_float_leaves(leaves, "fp16_loss_scale params", params)
   _warn_float16_params(leaves)
-  specs = config.partition_specs
-  _sharding.leaf_axes_from_specs(specs, params, "fp16_loss_scale")
   # Resolved once, here, and kept in the state's treedef: each update
-  # measures the units it names. A tree without leaves (tree_map_params'
-  # placeholder) has none to lay out.
-  layout = config.layout(params) if leaves else None
+  # measures by it, and its layout names the units.
+  plan = config.plan(params)
+  plan.leaf_axes(params, "fp16_loss_scale")  # the specs against the mesh
   sizes = [jnp.size(x) for x in leaves]
-  names, sizes, stacks = _stacked.unit_names(layout, _names(params), sizes)
-  paths = LeafPaths(names, sizes, stacks, layout=layout, built=config.built)
+  names = _names(params)
+  names, sizes, stacks = _stacked.unit_names(plan.layout, names, sizes)
+  paths = LeafPaths(names, sizes, stacks, plan=plan, built=config.built)
   return _initial_state(config.scaler.init(), paths, config.grad_range)
 
 
@@ -478,7 +494,7 @@ def _grad_range(leaves, measurement: Measurement, stacked: bool) -> GradRange:
   """Per leaf (per unit) the largest finite unscaled ``|g|`` and the zero
   fraction; when ``stacked``, each unit's norm too, from the sums."""
   m = measurement
-  peaks, zero_fraction = _norm.leaf_range(leaves, m.leaf_axes, m.layer_axes)
+  peaks, zero_fraction = _range.leaf_range(leaves, m.leaf_axes, m.layer_axes)
   if not stacked:
     return GradRange(peaks * m.inv_scale, zero_fraction)
   sums = jnp.maximum(m.norms.leaf_sums, 0.0)  # a non-finite unit's is -inf

@@ -11,6 +11,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from fp16_scaling import _segments
 from fp16_scaling._sharding import AxisNames
 from fp16_scaling._sharding import leaf_vector
 from fp16_scaling._stacked import summed_axes
@@ -140,18 +141,32 @@ def _safe_sqrt_jvp(primals, tangents):
 def leaf_sums(leaves: Sequence[jax.Array], layer_axes=None) -> list:
   """The one pass: per-leaf local sums of squares, not finite exactly for a
   leaf with a non-finite element (whose derivative counts as 0). A leaf with
-  a layer axis in ``layer_axes`` keeps it: its sums are a vector, per layer."""
+  a layer axis in ``layer_axes`` keeps it: its sums are a vector, per layer.
+  Compiled for a GPU, a few kernels for all the leaves (``_segments``);
+  elsewhere a reduction per leaf."""
   layer_axes = tuple(layer_axes or (None,) * len(leaves))
   return list(_leaf_sums(tuple(leaves), layer_axes))
+
+
+def _wide_squares(x: jax.Array) -> jax.Array:
+  """:func:`_squares` in float32."""
+  return _squares(x).astype(jnp.float32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _leaf_sums(leaves, layer_axes):
   """:func:`leaf_sums` on a tuple, with its derivative rule."""
-  return tuple(
-    lax.reduce_sum(_squares(x).astype(jnp.float32), summed_axes(x, a))
-    for x, a in zip(leaves, layer_axes)
-  )
+
+  def per_leaf(leaves):
+    return tuple(
+      lax.reduce_sum(_wide_squares(x), summed_axes(x, a))
+      for x, a in zip(leaves, layer_axes)
+    )
+
+  def segmented(leaves):
+    return _segments.unit_reduce(leaves, layer_axes, _wide_squares, jnp.sum)
+
+  return _segments.per_platform(leaves, per_leaf, segmented)
 
 
 @_leaf_sums.defjvp
@@ -309,35 +324,3 @@ def _rescued_roots(leaves, leaf_groups, leaf_axes, num_groups) -> tuple:
   total = jnp.sum(jnp.square(peaks / top) * relative)
   norm = top * jnp.sqrt(total)
   return norm, peaks * jnp.sqrt(relative)
-
-
-def _finite_peak(x: jax.Array, axes: tuple) -> jax.Array:
-  """The largest finite ``|x|`` over ``axes``, in float32 (of :func:`widen`'s
-  ``x``: 0 for a float16 element out of float16's range)."""
-  w = widen(x)
-  zero = jnp.zeros([], w.dtype)
-  finite = jnp.where(lax.is_finite(w), jnp.abs(w), zero)
-  return jnp.max(finite, axes, initial=0).astype(jnp.float32)
-
-
-def leaf_range(
-  leaves: Sequence[jax.Array], leaf_axes, layer_axes=None
-) -> tuple:
-  """``(max_abs, zero_fraction)``: per leaf (per layer, for a leaf with a
-  layer axis) across its mesh axes, the largest finite ``|x|`` and the
-  fraction of zero elements."""
-  layer_axes = layer_axes or (None,) * len(leaves)
-  peaks = []
-  zeros = []
-  sizes = []  # per unit, the elements it holds
-  for x, a in zip(leaves, layer_axes):
-    axes = summed_axes(x, a)
-    peak = _finite_peak(x, axes)
-    peaks.append(peak)
-    zeros.append(jnp.sum(x == 0, axes, dtype=jnp.float32))
-    unit_size = x.size / max(peak.size, 1)
-    sizes.append(jnp.full(peak.shape, unit_size, jnp.float32))
-  peaks = leaf_vector(peaks, leaf_axes, lax.pmax)
-  zeros = leaf_vector(zeros, leaf_axes, lax.psum)
-  sizes = leaf_vector(sizes, leaf_axes, lax.psum)
-  return peaks, zeros / jnp.maximum(sizes, 1.0)

@@ -130,6 +130,13 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
   """Static per-leaf mesh axes to sum each leaf's squares over: the manual
   (``shard_map``'s) axes its spec names, checked against the mesh."""
   specs = leaf_specs(partition_specs, tree, what)
+  return leaf_axes(specs, partition_specs is not None, tree, what)
+
+
+def leaf_axes(specs, given: bool, tree, what: str) -> tuple:
+  """:func:`leaf_axes_from_specs` of the specs :func:`leaf_specs` made,
+  one per leaf of ``tree``; ``given``: the user gave ``partition_specs``
+  (without them, a leaf that varies over a manual axis is refused)."""
   mesh = jax.sharding.get_abstract_mesh()
   mesh_axes = tuple(mesh.axis_names)
   manual = frozenset(mesh.manual_axes)
@@ -138,7 +145,7 @@ def leaf_axes_from_specs(partition_specs, tree, what: str) -> tuple:
   for (path, x), spec in zip(with_paths, specs):
     leaf = jax.tree_util.keystr(path)
     varying = varying_axes(jax.typeof(x), unreduced=True)
-    if partition_specs is None and varying:
+    if not given and varying:
       raise ValueError(
         f"{what}: under shard_map, gradient leaf {leaf} varies over mesh "
         f"axis {varying[0]!r}, and no partition_specs were given, so its sum "

@@ -41,7 +41,7 @@ class Built:
 @jax.tree_util.register_pytree_node_class
 class LeafPaths:
   """The static part of a :class:`LossScaleState`, held in its treedef and
-  compared by value: what its reports read of its leaves, the layout the
+  compared by value: what its reports read of its leaves, the plan the
   update measures by, and what made it.
 
   Attributes:
@@ -51,9 +51,10 @@ class LeafPaths:
     sizes: the units' element counts, in the same order.
     stacks: per stacked leaf in tree order, ``(its path, the index of its
       first unit)``: its L units follow in layer order.
-    layout: ``stacked_axes`` resolved on the params by ``tx.init`` (a
-      ``_stacked.Layout``, hashable), or None without them: each update
-      measures by it.
+    plan: the measurement's plan of the params, resolved by ``tx.init``
+      (a ``_measure.Plan``, hashable: each leaf's partition spec and the
+      stacked layout): each update measures by it, the clip's groups
+      joined.
     built: the :class:`Built` record of the configuration that made the
       state; an update of another configuration refuses the state.
 
@@ -65,13 +66,19 @@ class LeafPaths:
   real one. The hash is ``built``'s, computed once.
   """
 
-  def __init__(self, paths, sizes, stacks=(), *, layout=None, built=None):
+  def __init__(self, paths, sizes, stacks=(), *, plan, built=None):
     self.paths = tuple(paths)
     self.sizes = tuple(int(n) for n in sizes)
     self.stacks = tuple(stacks)
-    self.layout = layout
+    self.plan = plan
     self.built = built
     self._hash = hash((LeafPaths, built))
+
+  @property
+  def layout(self) -> Any:
+    """``stacked_axes`` resolved on the params by ``tx.init`` (the plan's
+    ``_stacked.Layout``, hashable), or None without them."""
+    return self.plan.layout
 
   @property
   def layers(self) -> Optional[int]:
@@ -93,7 +100,7 @@ class LeafPaths:
     return aux
 
   def _compared(self) -> tuple:
-    return (self.paths, self.sizes, self.stacks, self.layout)
+    return (self.paths, self.sizes, self.stacks, self.plan)
 
   def __eq__(self, other):
     if self is other:

@@ -251,6 +251,67 @@ def test_update_compares_the_record_in_the_treedef_and_never_retraces():
   assert _loss_scale.check_state(tx.config.scale, state[0]) is None
 
 
+def test_the_plan_is_resolved_by_init_and_the_clip_groups_join_it(
+  monkeypatch,
+):
+  """The measurement's plan (each leaf's spec and the stacked layout) is
+  resolved once, by ``tx.init``, into the state's treedef: no update
+  resolves it again, eager or traced, accumulated or not (two dtypes: two
+  traces). The clip's groups come from the chain's own expert mask where
+  it runs: a state given to a chain that differs only in its mask is its
+  own (one treedef), and each chain's norms follow its own groups (the
+  true gradients are ones: 12 expert elements, 2 shared)."""
+  from jax.sharding import PartitionSpec as P
+
+  from fp16_scaling import _measure
+
+  params = {"layers": {"w": jnp.zeros((3, 2, 2))}, "head": jnp.zeros(2)}
+
+  def tx(expert):
+    scale = fs.fp16_loss_scale(
+      fs.static_scaler(8.0),
+      partition_specs={"layers": P(), "head": P()},
+      stacked_axes=fs.stacked_under("layers"),
+    )
+    mask = {"layers": expert, "head": not expert}
+    clip = fs.clip_by_unscaled_norm(1e9, expert_mask=mask)
+    return fs.chain(scale, clip, optax.sgd(1.0))
+
+  calls = []
+  plan_of = _measure.plan_of
+
+  def counted(*args, **kwargs):
+    calls.append(args)
+    return plan_of(*args, **kwargs)
+
+  monkeypatch.setattr(_measure, "plan_of", counted)
+  experts, shared = tx(True), tx(False)
+  txs = (
+    experts,
+    fs.accumulate_gradients(
+      experts, 2, on_microbatch_overflow="drop_microbatch"
+    ),
+  )
+  states = [t.init(params) for t in txs]
+  assert len(calls) == 2  # one per tx.init
+  plan = states[0][0].leaf_paths.plan
+  assert plan == experts.config.scale.plan(params) and hash(plan)
+  assert plan.groups is None and plan.layer_axes == (None, 0)
+  del calls[:]
+  for dtype in (jnp.float32, jnp.float16):
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 8, dtype), params)
+    for t, state in zip(txs, states):
+      for update in (t.update, jax.jit(t.update)):
+        update(grads, state, params)
+  assert not calls
+  # Sums of squares of 8s are exact, the scale a power of two: each norm
+  # rounds once, at its root (1 ulp, 2**-23 relative).
+  for t, norms in ((experts, (12, 2)), (shared, (2, 12))):
+    clip = jax.jit(t.update)(grads, states[0], params)[1][1]
+    got = [clip.expert_grad_norm, clip.shared_grad_norm]
+    np.testing.assert_allclose(got, np.sqrt(norms), rtol=2**-23)
+
+
 # --------------------------------------------------------------------------
 # A checkpoint of the state skip_on_overflow(optax.chain(...)) made.
 

@@ -23,7 +23,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # tests, then the rest.
 PARTS = ("env", "step_cost_500M_500_cb_on", "tests", "bandwidth")
 PARTS += ("train_step", "step_cost_500M_500_peers", "step_cost_500M_500_cb_off")
-PARTS += ("step_cost_20M_1000_cb_on", "step_cost_20M_1000_cb_off")
+PARTS += ("step_cost_20M_1000_cb_on", "step_cost_20M_1000_cb_off", "kernels")
 # The tests part runs these 4 quick tests, not --tiny's whole file: what
 # is checked is how the part's pytest output is read.
 TESTS = "tests/test_scaler.py::test_presets_refuse_positional_arguments"
@@ -250,3 +250,18 @@ def test_the_limits_fit_the_h200s_figures_and_eight_minutes(gpu_check):
   assert names.index("step_cost_500M_500_cb_on") < names.index("tests")
   first = gpu_check.BY_NAME["step_cost_500M_500_cb_on"]
   assert first.recipes == ("floor", "fp16") and first.command_buffers
+
+
+def test_the_real_compiles_kernels_stand_beside_the_deviceless_ones(gpu_check):
+  part = lambda rows: dict(status="ok", result=dict(rows=rows))
+  real = {FLOOR: dict(kernels=1508), B: dict(kernels=1523)}
+  aot = dict(floor=dict(kernels=1505), fp16=dict(kernels=545))
+  report = dict(
+    parts={gpu_check.KERNELS_FROM: part(real), "kernels": part(aot)}
+  )
+  table = helpers.table_rows("\n".join(gpu_check.kernels_table(report)))
+  assert table["floor"] == ["1,508", "1,505"]
+  assert table["fp16"] == ["1,523", "545"]
+  # A part that measured nothing (no CUDA plugin) leaves the section out.
+  report["parts"]["kernels"] = part({})
+  assert gpu_check.kernels_table(report) == []
