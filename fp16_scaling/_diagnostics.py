@@ -1,8 +1,11 @@
 """Host-side reports and checks of what ``fp16_loss_scale`` recorded:
-``overflow_report`` and ``raise_if_min_scale_reached`` (docs/diagnostics.md).
+``overflow_report`` and ``raise_if_min_scale_reached``, and the opt-in
+overflow line the step prints through a host callback (``log_overflows``;
+docs/diagnostics.md).
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -413,3 +416,35 @@ def raise_if_min_scale_reached(
   else:  # a batched state: the report reads one member's leaves
     detail = " Call overflow_report on one member to see its leaves."
   raise MinLossScaleError(f"{why}.{detail}")
+
+
+def _print_overflow(paths, skipped, kind, old, new, nonfinite):
+  """Prints the overflow line (a host callback)."""
+  # Plain numpy first: iterating a jax.Array dispatches a computation, which
+  # inside a host callback can deadlock the runtime that called it.
+  nonfinite = np.asarray(nonfinite)
+  leaves = [p for p, bad in zip(paths, nonfinite.tolist()) if bad]
+  shown = ", ".join(leaves[:10]) + (" ..." if len(leaves) > 10 else "")
+  print(
+    f"[fp16_scaling] OVERFLOW! Skipping step ({int(skipped)} skipped so "
+    f"far, {KINDS[int(kind)]}). Attempted loss scale: {float(old):g}, "
+    f"reducing to {float(new):g}; non-finite gradient leaves "
+    f"({len(leaves)}): {shown or '(none)'}"
+  )
+
+
+def log_if_overflow(old: Any, new: Any) -> None:
+  """Prints the DeepSpeed-style overflow line (``fp16_loss_scale(...,
+  log_overflows=True)``) from inside the step, on overflow steps only: a
+  host callback under a ``lax.cond`` on the new state's flag.
+
+  Args:
+    old: the :class:`LossScaleState` the step was given.
+    new: the one it returns.
+  """
+  log = functools.partial(_print_overflow, old.leaf_paths.paths)
+  scales = (old.scaler.loss_scale, new.scaler.loss_scale)
+  args = (new.skipped_steps, new.overflow_kind, *scales, new.leaf_nonfinite)
+  jax.lax.cond(
+    new.overflow, lambda: jax.debug.callback(log, *args), lambda: None
+  )

@@ -5,14 +5,13 @@ measurement, and step the loss scale for the next step (docs/design.md,
 """
 
 import dataclasses
-import functools
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from fp16_scaling import _diagnostics
 from fp16_scaling import _donation
 from fp16_scaling import _measure
 from fp16_scaling import _norm
@@ -26,7 +25,6 @@ from fp16_scaling._scaler import Scaler
 from fp16_scaling._scaler import check_scaler
 from fp16_scaling._states import BACKWARD
 from fp16_scaling._states import FORWARD
-from fp16_scaling._states import KINDS
 from fp16_scaling._states import NONE
 from fp16_scaling._states import PERSISTENT
 from fp16_scaling._states import UNKNOWN
@@ -167,21 +165,6 @@ def with_value(state: LossScaleState, value) -> LossScaleState:
   value = _validate.scalar_loss(value)
   kind = _overflow_kind(state.overflow, value, at_floor)
   return state._replace(overflow_kind=kind)
-
-
-def _log_overflow(paths, skipped, kind, old, new, nonfinite):
-  """Prints the overflow line (a host callback)."""
-  # Plain numpy first: iterating a jax.Array dispatches a computation, which
-  # inside a host callback can deadlock the runtime that called it.
-  nonfinite = np.asarray(nonfinite)
-  leaves = [p for p, bad in zip(paths, nonfinite.tolist()) if bad]
-  shown = ", ".join(leaves[:10]) + (" ..." if len(leaves) > 10 else "")
-  print(
-    f"[fp16_scaling] OVERFLOW! Skipping step ({int(skipped)} skipped so "
-    f"far, {KINDS[int(kind)]}). Attempted loss scale: {float(old):g}, "
-    f"reducing to {float(new):g}; non-finite gradient leaves "
-    f"({len(leaves)}): {shown or '(none)'}"
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,7 +397,7 @@ def step_state(
     keep_range=config.grad_range,
   )
   if config.log_overflows:
-    _log_if_overflow(state, new_state)
+    _diagnostics.log_if_overflow(state, new_state)
   # Write-only fields read their old values: each keeps its donated buffer.
   return _donation.written_over(state, new_state)
 
@@ -528,14 +511,4 @@ def _next_state(scaler, state, measurement, value, grad_range, *, keep_range):
     scale_set=state.scale_set,
     grad_range=jax.tree.map(fit, grad_range) if keep_range else None,
     leaf_paths=state.leaf_paths,
-  )
-
-
-def _log_if_overflow(old: LossScaleState, new: LossScaleState) -> None:
-  """Prints the overflow line from inside the step, on overflow steps only."""
-  log = functools.partial(_log_overflow, old.leaf_paths.paths)
-  scales = (old.scaler.loss_scale, new.scaler.loss_scale)
-  args = (new.skipped_steps, new.overflow_kind, *scales, new.leaf_nonfinite)
-  jax.lax.cond(
-    new.overflow, lambda: jax.debug.callback(log, *args), lambda: None
   )
