@@ -40,9 +40,11 @@ _DTYPES = {
 }
 _HALF = ("float16", "bfloat16")
 _FRAMES = 4  # the source lines first_float32 names, innermost first
-_NAME = r'@("[^"]+"|[\w.$-]+)\('  # a function's, quoted if need be
+_NAME = r'@("[^"]+"|[\w.$-]+)'  # a function's, quoted if need be
 _FUNC = re.compile(r"^\s*func\.func \w+ " + _NAME)
-_CALL = re.compile(r"= (?:func\.)?call " + _NAME)
+# A call, or a composite op (lax.composite), whose decomposition XLA
+# inlines unless the backend implements the composite itself.
+_CALL = re.compile(r"(?:= (?:func\.)?call |decomposition = )" + _NAME)
 _OP = re.compile(r"= stablehlo\.(\w+)[ (]")
 _SIGNATURE = re.compile(r" : \(?tensor<")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
@@ -239,8 +241,9 @@ def compute_dtypes(fun: Callable[..., Any], *args, **kwargs) -> ComputeDtypes:
   arguments may be modules; else ``jax.jit(fun)``'s), nothing is compiled
   or run, and the StableHLO text is read: the program JAX hands XLA, the
   backward pass included. A function called twice counts twice; an op
-  inside a loop body (``lax.scan``) counts once. XLA may fuse or reorder
-  below this, but not change what a matmul multiplies in.
+  inside a loop body (``lax.scan``) counts once; a ``lax.composite``
+  counts its decomposition. XLA may fuse or reorder below this, but not
+  change what a matmul multiplies in.
 
   Args:
     fun: the step or the loss, as it is called.

@@ -103,6 +103,18 @@ def test_a_function_called_twice_counts_twice_a_loop_body_once():
   assert fs.compute_dtypes(loop, square).counts["matmul"] == {"float32": 1}
 
 
+def test_a_composite_counts_its_decomposition():
+  # lax.composite (JAX's xla.scaled_dot is one): XLA inlines the
+  # decomposition, a function of its own in the program, unless the backend
+  # implements the composite.
+  matmul = lax.composite(lambda a, b: a @ b, name="fs_test.matmul")
+  report = fs.compute_dtypes(lambda a, b: matmul(a, b) @ b, X, W1 @ W1.T)
+  assert report.counts["matmul"] == {"float32": 2}
+  assert report.flops == {"float32": 2 * (2 * 4 * 3 * 3)}  # (4, 3) @ (3, 3)
+  line = _line_of(test_a_composite_counts_its_decomposition, "= lax.composite")
+  assert f"{__file__}:{line} " in report.first_float32
+
+
 def test_a_jitted_function_is_lowered_as_it_is_called():
   step = jax.jit(mixed, static_argnums=())
   assert fs.compute_dtypes(step, W1, W2, X) == fs.compute_dtypes(
