@@ -241,8 +241,11 @@ def compute_dtypes(fun: Callable[..., Any], *args, **kwargs) -> ComputeDtypes:
   arguments may be modules; else ``jax.jit(fun)``'s), nothing is compiled
   or run, and the StableHLO text is read: the program JAX hands XLA, the
   backward pass included. A function called twice counts twice; an op
-  inside a loop body (``lax.scan``) counts once; a ``lax.composite``
-  counts its decomposition. XLA may fuse or reorder below this, but not
+  inside a loop body (``lax.scan``) counts once, and so does each branch
+  of a ``lax.cond``; a ``lax.composite`` counts its decomposition. A
+  custom call is opaque, its products not counted: a Pallas kernel, or
+  cuDNN's attention, which ``jax.nn.dot_product_attention`` may pick on
+  a GPU for float16 inputs. XLA may fuse or reorder below this, but not
   change what a matmul multiplies in.
 
   Args:

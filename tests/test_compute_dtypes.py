@@ -103,6 +103,16 @@ def test_a_function_called_twice_counts_twice_a_loop_body_once():
   assert fs.compute_dtypes(loop, square).counts["matmul"] == {"float32": 1}
 
 
+def test_each_branch_of_a_cond_counts_once():
+  a16, a32 = jnp.ones((3, 3), F16), jnp.ones((3, 3))
+
+  def either(p, a16, a32):
+    return lax.cond(p, lambda: a16 @ a16, lambda: (a32 @ a32).astype(F16))
+
+  report = fs.compute_dtypes(either, True, a16, a32)
+  assert report.counts["matmul"] == {"float16": 1, "float32": 1}
+
+
 def test_a_composite_counts_its_decomposition():
   # lax.composite (JAX's xla.scaled_dot is one): XLA inlines the
   # decomposition, a function of its own in the program, unless the backend
@@ -113,6 +123,19 @@ def test_a_composite_counts_its_decomposition():
   assert report.flops == {"float32": 2 * (2 * 4 * 3 * 3)}  # (4, 3) @ (3, 3)
   line = _line_of(test_a_composite_counts_its_decomposition, "= lax.composite")
   assert f"{__file__}:{line} " in report.first_float32
+
+
+def test_a_custom_call_is_opaque():
+  # A kernel XLA is handed whole (a Pallas kernel; cuDNN's attention): it
+  # lowers without the kernel registered, and the ops around it count.
+  def kernel(a):
+    return jax.ffi.ffi_call(
+      "fs_test_kernel", jax.ShapeDtypeStruct(a.shape, F16)
+    )(a)
+
+  report = fs.compute_dtypes(lambda a: kernel(a) @ a.astype(F16), W1.T @ W1)
+  assert report.counts["matmul"] == {"float16": 1}
+  assert report.flops == {"float16": 2 * 5 * 5 * 5}
 
 
 def test_a_jitted_function_is_lowered_as_it_is_called():
