@@ -244,6 +244,45 @@ def test_nnx_a_param_no_layer_owns_is_cast_by_the_policy():
   _check(report, matmul=5, convolution=0, rsqrt=0)
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.float16])
+def test_nnx_embed_keeps_its_tables_dtype_unless_built_with_one(dtype):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class TiedLM(nnx.Module):  # the output projection is the embedding's
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(10, 8, dtype=dtype, rngs=rngs)
+      self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, tokens):
+      h = nnx.relu(self.mlp(self.embed(tokens)))
+      return self.embed.attend(h).mean(1)
+
+  def loss_fn(model, x, y):
+    return _xent(model(x), y)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss, grads = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)(
+      model, x, y
+    )
+    optimizer.update(model, grads)
+    return loss
+
+  model = TiedLM(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  tokens = jnp.ones((4, 5), jnp.int32)
+  report = fs.compute_dtypes(step, model, optimizer, tokens, LABELS)
+  if dtype is not None:  # built with the compute dtype: all float16
+    _check(report, matmul=3 + 3, convolution=0, rsqrt=0)
+    return
+  # Given no dtype, nnx.Embed takes its table's, float32: the policy keeps
+  # a layer's own dtype, so attend's product and both its gradients run in
+  # float32, and the report names it. The Linear's three: float16.
+  assert model.embed.dtype == jnp.float32
+  assert report.counts["matmul"] == {"float16": 3, "float32": 3}
+  assert "(Embed.attend)" in report.first_float32
+
+
 def test_nnx_default_attention_does_not_lower_in_float16_on_cpu():
   nnx = pytest.importorskip("flax.nnx")
   if jax.default_backend() != "cpu":
