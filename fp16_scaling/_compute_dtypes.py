@@ -12,7 +12,6 @@ import jax
 # The kinds counted, by StableHLO op; a reduce counts when it adds (a sum).
 KINDS = {
   "dot_general": "matmul",
-  "dot": "matmul",
   "convolution": "convolution",
   "reduce": "sum",
   "exponential": "exp",
@@ -136,10 +135,8 @@ def _flops(op: str, line: str, shapes: list) -> int:
     layout = _CONV_KERNEL.search(line)[1].replace(" ", "").split(",")
     terms = math.prod(rhs) // rhs[layout.index("o")]
   else:
-    dims = _CONTRACTING.search(line)
-    axes = [len(lhs) - 1]  # a plain dot contracts the last axis
-    if dims is not None:
-      axes = [int(a) for a in dims[1].split(",") if a.strip()]
+    dims = _CONTRACTING.search(line)[1]  # "" when none: an outer product
+    axes = [int(a) for a in dims.split(",") if a.strip()]
     terms = math.prod(lhs[a] for a in axes)
   return 2 * math.prod(out) * terms
 

@@ -65,6 +65,16 @@ def test_the_backward_pass_is_counted_and_its_sums_named_apart():
   assert report.counts["backward sum"] == {"float16": 1}
 
 
+def test_a_product_without_contraction_has_one_multiply_per_output():
+  # A batched outer product: dot_general with batch dims and no contracting
+  # ones, (3, 5) and (3, 4) to (3, 5, 4).
+  def outer(a, b):
+    return lax.dot_general(a, b, (((), ()), ((0,), (0,))))
+
+  report = fs.compute_dtypes(outer, jnp.ones((3, 5)), jnp.ones((3, 4)))
+  assert report.flops == {"float32": 2 * 3 * 5 * 4}
+
+
 def test_convolution_flops_and_dtype():
   def conv(x, k):
     return lax.conv_general_dilated(
