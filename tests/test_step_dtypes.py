@@ -106,6 +106,23 @@ def nnx_step(nnx, **grad_kwargs):
   return train_step
 
 
+def nnx_loss_step(nnx):
+  """A train step on the loss alone, under the policy: the gradients,
+  ``optimizer.update``."""
+
+  def loss_fn(model, x, y):
+    return _xent(model(x), y)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    grad = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)
+    loss, grads = grad(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
 @pytest.mark.parametrize(
   "dtype, kwargs",
   [
@@ -204,17 +221,7 @@ def test_nnx_layernorm_rmsnorm_and_attention_block():
       x = x + self.mlp(jax.nn.gelu(self.ln2(x)))
       return self.head(x.mean(1))
 
-  def loss_fn(model, x, y):
-    return _xent(model(x), y)
-
-  @nnx.jit
-  def step(model, optimizer, x, y):
-    loss, grads = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)(
-      model, x, y
-    )
-    optimizer.update(model, grads)
-    return loss
-
+  step = nnx_loss_step(nnx)
   model, optimizer = nnx_shapes(nnx, lambda: Block(nnx.Rngs(0)))
   tokens = jnp.ones((2, 5, 8))
   report = fs.compute_dtypes(step, model, optimizer, tokens, LABELS[:2])
@@ -234,16 +241,7 @@ def test_nnx_a_param_no_layer_owns_is_cast_by_the_policy():
     def __call__(self, x):
       return nnx.relu(self.body(x)) @ self.w[...]
 
-  def loss_fn(model, x, y):
-    return _xent(model(x), y)
-
-  @nnx.jit
-  def step(model, optimizer, x, y):
-    grad = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)
-    loss, grads = grad(model, x, y)
-    optimizer.update(model, grads)
-    return loss
-
+  step = nnx_loss_step(nnx)
   model, optimizer = nnx_shapes(nnx, lambda: Head(nnx.Rngs(0)))
   report = fs.compute_dtypes(step, model, optimizer, jnp.ones((4, 8)), LABELS)
   # The Linear's product and kernel gradient; w's product and both
@@ -264,17 +262,7 @@ def test_nnx_embed_keeps_its_tables_dtype_unless_built_with_one(dtype):
       h = nnx.relu(self.mlp(self.embed(tokens)))
       return self.embed.attend(h).mean(1)
 
-  def loss_fn(model, x, y):
-    return _xent(model(x), y)
-
-  @nnx.jit
-  def step(model, optimizer, x, y):
-    loss, grads = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)(
-      model, x, y
-    )
-    optimizer.update(model, grads)
-    return loss
-
+  step = nnx_loss_step(nnx)
   model, optimizer = nnx_shapes(nnx, lambda: TiedLM(nnx.Rngs(0)))
   tokens = jnp.ones((4, 5), jnp.int32)
   report = fs.compute_dtypes(step, model, optimizer, tokens, LABELS)
@@ -287,6 +275,38 @@ def test_nnx_embed_keeps_its_tables_dtype_unless_built_with_one(dtype):
   assert model.embed.dtype == jnp.float32
   assert report.counts["matmul"] == {"float16": 3, "float32": 3}
   assert "(Embed.attend)" in report.first_float32
+
+
+def test_nnx_a_scanned_stack_and_a_shared_layer():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(8, 8, rngs=rngs)
+      self.ln = nnx.LayerNorm(8, rngs=rngs)
+      self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.drop(jax.nn.relu(self.lin(self.ln(x))))
+
+  class Net(nnx.Module):  # three blocks by nnx.vmap, run by nnx.scan
+    def __init__(self, rngs):
+      make = nnx.split_rngs(splits=3)(nnx.vmap(Block, in_axes=0, out_axes=0))
+      self.blocks = make(rngs)
+      shared = nnx.Linear(8, 10, rngs=rngs)  # one layer, two parents
+      self.head, self.tied = nnx.Sequential(shared), nnx.Sequential(shared)
+
+    def __call__(self, x):
+      scan = nnx.scan(lambda b, x: (b(x), None), in_axes=(0, nnx.Carry))
+      h = scan(self.blocks, x)[0]
+      return self.head(h) + self.tied(jnp.tanh(h))
+
+  step = nnx_loss_step(nnx)
+  model, optimizer = nnx_shapes(nnx, lambda: Net(nnx.Rngs(0)))
+  report = fs.compute_dtypes(step, model, optimizer, jnp.ones((4, 8)), LABELS)
+  # The scan's body counts once: its Linear's product, kernel and input
+  # gradients; the shared Linear's three at each of its two calls.
+  _check(report, matmul=3 + 2 * 3, convolution=0, rsqrt=1)
 
 
 def test_nnx_default_attention_does_not_lower_in_float16_on_cpu():
