@@ -46,7 +46,8 @@ _FUNC = re.compile(r"^\s*func\.func \w+ " + _NAME)
 _CALL = re.compile(r"(?:= (?:func\.)?call |decomposition = )" + _NAME)
 _OP = re.compile(r"= stablehlo\.(\w+)[ (]")
 _SIGNATURE = re.compile(r" : \(?tensor<")
-_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+# A tensor type's shape and element type (``complex<f32>``'s: "complex").
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)")
 _CONV_KERNEL = re.compile(r"x\[([^\]]*)\]->")  # a convolution's rhs layout
 _CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")

@@ -75,6 +75,16 @@ def test_a_product_without_contraction_has_one_multiply_per_output():
   assert report.flops == {"float32": 2 * 3 * 5 * 4}
 
 
+def test_integer_and_complex_ops_are_not_counted():
+  def products(i, c):
+    return jnp.sum(i @ i), jnp.sum(c @ c)
+
+  ints, complexes = jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2), jnp.complex64)
+  report = fs.compute_dtypes(products, ints, complexes)
+  assert report.counts["matmul"] == report.counts["sum"] == {}
+  assert report.flops == {} and report.first_float32 is None
+
+
 def test_convolution_flops_and_dtype():
   def conv(x, k):
     return lax.conv_general_dilated(
