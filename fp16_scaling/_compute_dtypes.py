@@ -12,7 +12,6 @@ import jax
 # The kinds counted, by StableHLO op; a reduce counts when it adds (a sum).
 KINDS = {
   "dot_general": "matmul",
-  "dot": "matmul",
   "convolution": "convolution",
   "reduce": "sum",
   "exponential": "exp",
@@ -40,12 +39,15 @@ _DTYPES = {
 }
 _HALF = ("float16", "bfloat16")
 _FRAMES = 4  # the source lines first_float32 names, innermost first
-_NAME = r'@("[^"]+"|[\w.$-]+)\('  # a function's, quoted if need be
+_NAME = r'@("[^"]+"|[\w.$-]+)'  # a function's, quoted if need be
 _FUNC = re.compile(r"^\s*func\.func \w+ " + _NAME)
-_CALL = re.compile(r"= (?:func\.)?call " + _NAME)
+# A call, or a composite op (lax.composite), whose decomposition XLA
+# inlines unless the backend implements the composite itself.
+_CALL = re.compile(r"(?:= (?:func\.)?call |decomposition = )" + _NAME)
 _OP = re.compile(r"= stablehlo\.(\w+)[ (]")
 _SIGNATURE = re.compile(r" : \(?tensor<")
-_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+# A tensor type's shape and element type (``complex<f32>``'s: "complex").
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)")
 _CONV_KERNEL = re.compile(r"x\[([^\]]*)\]->")  # a convolution's rhs layout
 _CONTRACTING = re.compile(r"contracting_dims = \[([\d, ]*)\]")
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
@@ -134,10 +136,8 @@ def _flops(op: str, line: str, shapes: list) -> int:
     layout = _CONV_KERNEL.search(line)[1].replace(" ", "").split(",")
     terms = math.prod(rhs) // rhs[layout.index("o")]
   else:
-    dims = _CONTRACTING.search(line)
-    axes = [len(lhs) - 1]  # a plain dot contracts the last axis
-    if dims is not None:
-      axes = [int(a) for a in dims[1].split(",") if a.strip()]
+    dims = _CONTRACTING.search(line)[1]  # "" when none: an outer product
+    axes = [int(a) for a in dims.split(",") if a.strip()]
     terms = math.prod(lhs[a] for a in axes)
   return 2 * math.prod(out) * terms
 
@@ -239,8 +239,12 @@ def compute_dtypes(fun: Callable[..., Any], *args, **kwargs) -> ComputeDtypes:
   arguments may be modules; else ``jax.jit(fun)``'s), nothing is compiled
   or run, and the StableHLO text is read: the program JAX hands XLA, the
   backward pass included. A function called twice counts twice; an op
-  inside a loop body (``lax.scan``) counts once. XLA may fuse or reorder
-  below this, but not change what a matmul multiplies in.
+  inside a loop body (``lax.scan``) counts once, and so does each branch
+  of a ``lax.cond``; a ``lax.composite`` counts its decomposition. A
+  custom call is opaque, its products not counted: a Pallas kernel, or
+  cuDNN's attention, which ``jax.nn.dot_product_attention`` may pick on
+  a GPU for float16 inputs. XLA may fuse or reorder below this, but not
+  change what a matmul multiplies in.
 
   Args:
     fun: the step or the loss, as it is called.

@@ -65,6 +65,26 @@ def test_the_backward_pass_is_counted_and_its_sums_named_apart():
   assert report.counts["backward sum"] == {"float16": 1}
 
 
+def test_a_product_without_contraction_has_one_multiply_per_output():
+  # A batched outer product: dot_general with batch dims and no contracting
+  # ones, (3, 5) and (3, 4) to (3, 5, 4).
+  def outer(a, b):
+    return lax.dot_general(a, b, (((), ()), ((0,), (0,))))
+
+  report = fs.compute_dtypes(outer, jnp.ones((3, 5)), jnp.ones((3, 4)))
+  assert report.flops == {"float32": 2 * 3 * 5 * 4}
+
+
+def test_integer_and_complex_ops_are_not_counted():
+  def products(i, c):
+    return jnp.sum(i @ i), jnp.sum(c @ c)
+
+  ints, complexes = jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2), jnp.complex64)
+  report = fs.compute_dtypes(products, ints, complexes)
+  assert report.counts["matmul"] == report.counts["sum"] == {}
+  assert report.flops == {} and report.first_float32 is None
+
+
 def test_convolution_flops_and_dtype():
   def conv(x, k):
     return lax.conv_general_dilated(
@@ -101,6 +121,41 @@ def test_a_function_called_twice_counts_twice_a_loop_body_once():
     return lax.scan(lambda c, _: (c @ a, None), a, None, length=3)[0]
 
   assert fs.compute_dtypes(loop, square).counts["matmul"] == {"float32": 1}
+
+
+def test_each_branch_of_a_cond_counts_once():
+  a16, a32 = jnp.ones((3, 3), F16), jnp.ones((3, 3))
+
+  def either(p, a16, a32):
+    return lax.cond(p, lambda: a16 @ a16, lambda: (a32 @ a32).astype(F16))
+
+  report = fs.compute_dtypes(either, True, a16, a32)
+  assert report.counts["matmul"] == {"float16": 1, "float32": 1}
+
+
+def test_a_composite_counts_its_decomposition():
+  # lax.composite (JAX's xla.scaled_dot is one): XLA inlines the
+  # decomposition, a function of its own in the program, unless the backend
+  # implements the composite.
+  matmul = lax.composite(lambda a, b: a @ b, name="fs_test.matmul")
+  report = fs.compute_dtypes(lambda a, b: matmul(a, b) @ b, X, W1 @ W1.T)
+  assert report.counts["matmul"] == {"float32": 2}
+  assert report.flops == {"float32": 2 * (2 * 4 * 3 * 3)}  # (4, 3) @ (3, 3)
+  line = _line_of(test_a_composite_counts_its_decomposition, "= lax.composite")
+  assert f"{__file__}:{line} " in report.first_float32
+
+
+def test_a_custom_call_is_opaque():
+  # A kernel XLA is handed whole (a Pallas kernel; cuDNN's attention): it
+  # lowers without the kernel registered, and the ops around it count.
+  def kernel(a):
+    return jax.ffi.ffi_call(
+      "fs_test_kernel", jax.ShapeDtypeStruct(a.shape, F16)
+    )(a)
+
+  report = fs.compute_dtypes(lambda a: kernel(a) @ a.astype(F16), W1.T @ W1)
+  assert report.counts["matmul"] == {"float16": 1}
+  assert report.flops == {"float16": 2 * 5 * 5 * 5}
 
 
 def test_a_jitted_function_is_lowered_as_it_is_called():

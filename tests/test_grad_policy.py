@@ -246,11 +246,19 @@ def _dot_dtypes(jaxpr):
   return {v.aval.dtype for e in dots for v in e.invars}
 
 
-def _nnx_model(nnx, dtype=None):
+def _scale_init(key, shape, dtype):
+  """1 + k * 2**-12: a scale float16 cannot hold (its spacing at 1 is
+  2**-10), so a norm's parameters cast to float16 change the bits."""
+  return 1 + jnp.arange(shape[0], dtype=dtype) * 2.0**-12
+
+
+def _nnx_model(nnx, dtype=None, bn_dtype=None):
   class Net(nnx.Module):
     def __init__(self, rngs):
       self.l1 = nnx.Linear(8, 16, dtype=dtype, rngs=rngs)
-      self.bn = nnx.BatchNorm(16, dtype=dtype, rngs=rngs)
+      self.bn = nnx.BatchNorm(
+        16, dtype=bn_dtype or dtype, scale_init=_scale_init, rngs=rngs
+      )
       self.l2 = nnx.Linear(16, 4, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
@@ -297,12 +305,14 @@ def test_nnx_functional_gradients_are_the_hand_written_forms():
   assert report.counts["matmul"] == {"float16": 2, "float32": 3}
 
 
-def _nnx_by_layer_dtype(nnx, x, y):
+def _nnx_by_layer_dtype(nnx, x, y, bn_dtype=None):
   """The independent form of the policy on an NNX module: the model built
-  with dtype=float16 on every layer (Flax casts each layer's inputs and
-  parameters itself), jax.grad on its split state times the scale; the
-  gradients and the batch statistics the forward pass wrote."""
-  graphdef, params, rest = nnx.split(_nnx_model(nnx, F16), nnx.Param, ...)
+  with dtype=float16 on every layer (BatchNorm's ``bn_dtype`` if given;
+  Flax casts each layer's inputs and parameters itself), jax.grad on its
+  split state times the scale; the gradients and the batch statistics the
+  forward pass wrote."""
+  built = _nnx_model(nnx, F16, bn_dtype)
+  graphdef, params, rest = nnx.split(built, nnx.Param, ...)
 
   def by_hand(p):
     m = nnx.merge(graphdef, p, rest, copy=True)
@@ -362,6 +372,33 @@ def test_an_nnx_module_that_casts_itself_agrees_with_the_policy():
     assert _bits(nnx.to_pure_dict(grads)) == _bits(
       nnx.to_pure_dict(expected)
     ), policy
+
+
+def test_nnx_a_layers_own_dtype_and_parameters_are_kept_under_the_policy():
+  nnx = pytest.importorskip("flax.nnx")
+  x, y = _batch()
+  # BatchNorm(dtype=float32) in a model otherwise built without dtype=:
+  # the policy gives the Linears float16 and keeps the norm's float32 and
+  # its scale (which float16 cannot hold) uncast: the bits of the model
+  # built with those dtypes by hand.
+  expected, _ = _nnx_by_layer_dtype(nnx, x, y, bn_dtype=F32)
+  model = _nnx_model(nnx, bn_dtype=F32)
+  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  seen = {}
+
+  def loss(model, x, y):
+    seen.update(l1=model.l1.dtype, bn=model.bn.dtype, l2=model.l2.dtype)
+    seen.update(scale=model.bn.scale.dtype)
+    return _nnx_loss(model, x, y)
+
+  @nnx.jit
+  def step(model, optimizer):
+    return fs.value_and_grad(loss, optimizer, policy=POLICY)(model, x, y)[1]
+
+  grads = step(model, optimizer)
+  assert seen == dict(l1=F16, bn=F32, l2=F16, scale=F32)
+  assert _bits(nnx.to_pure_dict(grads)) == _bits(nnx.to_pure_dict(expected))
+  assert (model.l1.dtype, model.bn.dtype, model.l2.dtype) == (None, F32, None)
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@ fs.compute_dtypes: every matmul and convolution in float16 (their number
 derived by hand from the model: a layer's forward product, its weight's
 gradient, and its input's gradient unless the input is the batch), the
 forward pass's sums, exps, logs and rsqrts in float32 (statistics, softmax,
-the loss's reduction). Tiny models: only the lowering runs."""
+the loss's reduction). Tiny models, as shapes: only the lowering runs."""
 
 from functools import partial
 import os
@@ -75,6 +75,18 @@ def nnx_cnn(nnx, dtype=None, bn_dtype=None):
   return CNN(nnx.Rngs(0))
 
 
+def nnx_shapes(nnx, make):
+  """``(model, optimizer)`` for the model ``make()`` builds, as shapes
+  (``nnx.eval_shape``): the lowering reads no more, and an eager init
+  compiles op by op (seconds a model on 2 cores)."""
+
+  def build():
+    model = make()
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+  return nnx.eval_shape(build)
+
+
 def nnx_step(nnx, **grad_kwargs):
   """The tutorial's train step: the loss with the logits as aux, the
   metrics, ``optimizer.update``."""
@@ -94,6 +106,23 @@ def nnx_step(nnx, **grad_kwargs):
   return train_step
 
 
+def nnx_loss_step(nnx):
+  """A train step on the loss alone, under the policy: the gradients,
+  ``optimizer.update``."""
+
+  def loss_fn(model, x, y):
+    return _xent(model(x), y)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    grad = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)
+    loss, grads = grad(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
 @pytest.mark.parametrize(
   "dtype, kwargs",
   [
@@ -106,8 +135,7 @@ def nnx_step(nnx, **grad_kwargs):
 )
 def test_nnx_tutorial_cnn(dtype, kwargs):
   nnx = pytest.importorskip("flax.nnx")
-  model = nnx_cnn(nnx, dtype)
-  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  model, optimizer = nnx_shapes(nnx, lambda: nnx_cnn(nnx, dtype))
   metrics = nnx.MultiMetric(
     accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
   )
@@ -126,8 +154,7 @@ def test_nnx_a_layer_kept_in_float32_by_its_own_dtype():
   # BatchNorm(dtype=float32) under the policy: the norms compute and
   # return float32, and the next layer, given the compute dtype by the
   # policy, casts back: every product stays float16.
-  model = nnx_cnn(nnx, bn_dtype=jnp.float32)
-  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  model, optimizer = nnx_shapes(nnx, lambda: nnx_cnn(nnx, bn_dtype=jnp.float32))
   metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
   step = nnx_step(nnx, policy=POLICY)
   report = fs.compute_dtypes(step, model, optimizer, metrics, IMAGES, LABELS)
@@ -137,8 +164,7 @@ def test_nnx_a_layer_kept_in_float32_by_its_own_dtype():
 def test_nnx_without_a_policy_computes_in_float32():
   nnx = pytest.importorskip("flax.nnx")
   # The failure this file guards against, as compute_dtypes names it.
-  model = nnx_cnn(nnx)
-  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  model, optimizer = nnx_shapes(nnx, lambda: nnx_cnn(nnx))
   metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
   step = nnx_step(nnx)
   report = fs.compute_dtypes(step, model, optimizer, metrics, IMAGES, LABELS)
@@ -166,12 +192,12 @@ def test_the_pages_attention_masks():
   attention = _page_attention()
   q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 4, 2, 8))
   causal = jnp.tril(jnp.ones((4, 4), bool))[None, None]
-  out = attention(q, k, v, mask=causal)
+  out = jax.jit(attention)(q, k, v, mask=causal)
   # The first position attends to itself alone: its value, exactly.
   np.testing.assert_array_equal(out[:, 0], v[:, 0])
   # JAX's own, in float32: sums of at most 8 products and 4 weights, each
   # order off by a few float32 roundings (2**-24 each), far under 1e-5.
-  expected = jax.nn.dot_product_attention(q, k, v, mask=causal)
+  expected = jax.jit(jax.nn.dot_product_attention)(q, k, v, mask=causal)
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -195,19 +221,8 @@ def test_nnx_layernorm_rmsnorm_and_attention_block():
       x = x + self.mlp(jax.nn.gelu(self.ln2(x)))
       return self.head(x.mean(1))
 
-  def loss_fn(model, x, y):
-    return _xent(model(x), y)
-
-  @nnx.jit
-  def step(model, optimizer, x, y):
-    loss, grads = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)(
-      model, x, y
-    )
-    optimizer.update(model, grads)
-    return loss
-
-  model = Block(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  step = nnx_loss_step(nnx)
+  model, optimizer = nnx_shapes(nnx, lambda: Block(nnx.Rngs(0)))
   tokens = jnp.ones((2, 5, 8))
   report = fs.compute_dtypes(step, model, optimizer, tokens, LABELS[:2])
   # Matmuls: the four projections, the MLP and the head, three each; the
@@ -226,22 +241,72 @@ def test_nnx_a_param_no_layer_owns_is_cast_by_the_policy():
     def __call__(self, x):
       return nnx.relu(self.body(x)) @ self.w[...]
 
-  def loss_fn(model, x, y):
-    return _xent(model(x), y)
-
-  @nnx.jit
-  def step(model, optimizer, x, y):
-    grad = fs.value_and_grad(loss_fn, optimizer, policy=POLICY)
-    loss, grads = grad(model, x, y)
-    optimizer.update(model, grads)
-    return loss
-
-  model = Head(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+  step = nnx_loss_step(nnx)
+  model, optimizer = nnx_shapes(nnx, lambda: Head(nnx.Rngs(0)))
   report = fs.compute_dtypes(step, model, optimizer, jnp.ones((4, 8)), LABELS)
   # The Linear's product and kernel gradient; w's product and both
   # gradients: all float16.
   _check(report, matmul=5, convolution=0, rsqrt=0)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.float16])
+def test_nnx_embed_keeps_its_tables_dtype_unless_built_with_one(dtype):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class TiedLM(nnx.Module):  # the output projection is the embedding's
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(10, 8, dtype=dtype, rngs=rngs)
+      self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, tokens):
+      h = nnx.relu(self.mlp(self.embed(tokens)))
+      return self.embed.attend(h).mean(1)
+
+  step = nnx_loss_step(nnx)
+  model, optimizer = nnx_shapes(nnx, lambda: TiedLM(nnx.Rngs(0)))
+  tokens = jnp.ones((4, 5), jnp.int32)
+  report = fs.compute_dtypes(step, model, optimizer, tokens, LABELS)
+  if dtype is not None:  # built with the compute dtype: all float16
+    _check(report, matmul=3 + 3, convolution=0, rsqrt=0)
+    return
+  # Given no dtype, nnx.Embed takes its table's, float32: the policy keeps
+  # a layer's own dtype, so attend's product and both its gradients run in
+  # float32, and the report names it. The Linear's three: float16.
+  assert model.embed.dtype == jnp.float32
+  assert report.counts["matmul"] == {"float16": 3, "float32": 3}
+  assert "(Embed.attend)" in report.first_float32
+
+
+def test_nnx_a_scanned_stack_and_a_shared_layer():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(8, 8, rngs=rngs)
+      self.ln = nnx.LayerNorm(8, rngs=rngs)
+      self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.drop(jax.nn.relu(self.lin(self.ln(x))))
+
+  class Net(nnx.Module):  # three blocks by nnx.vmap, run by nnx.scan
+    def __init__(self, rngs):
+      make = nnx.split_rngs(splits=3)(nnx.vmap(Block, in_axes=0, out_axes=0))
+      self.blocks = make(rngs)
+      shared = nnx.Linear(8, 10, rngs=rngs)  # one layer, two parents
+      self.head, self.tied = nnx.Sequential(shared), nnx.Sequential(shared)
+
+    def __call__(self, x):
+      scan = nnx.scan(lambda b, x: (b(x), None), in_axes=(0, nnx.Carry))
+      h = scan(self.blocks, x)[0]
+      return self.head(h) + self.tied(jnp.tanh(h))
+
+  step = nnx_loss_step(nnx)
+  model, optimizer = nnx_shapes(nnx, lambda: Net(nnx.Rngs(0)))
+  report = fs.compute_dtypes(step, model, optimizer, jnp.ones((4, 8)), LABELS)
+  # The scan's body counts once: its Linear's product, kernel and input
+  # gradients; the shared Linear's three at each of its two calls.
+  _check(report, matmul=3 + 2 * 3, convolution=0, rsqrt=1)
 
 
 def test_nnx_default_attention_does_not_lower_in_float16_on_cpu():
@@ -274,7 +339,8 @@ def test_linen_cnn():
       x = nn.relu(nn.Dense(16)(x.reshape(x.shape[0], -1)))
       return nn.Dense(10)(x)
 
-  variables = CNN().init(jax.random.key(0), IMAGES, train=False)
+  init = lambda key: CNN().init(key, IMAGES, train=False)  # noqa: E731
+  variables = jax.eval_shape(init, jax.random.key(0))  # shapes only
   params, stats = variables["params"], variables["batch_stats"]
 
   def loss_fn(params, stats, x, y, key):
@@ -296,7 +362,8 @@ def test_linen_cnn():
     stats = fs.select_on_overflow(opt_state, new=new, old=stats)
     return optax.apply_updates(params, updates), stats, opt_state, loss
 
-  args = params, stats, TX.init(params), IMAGES, LABELS, jax.random.key(1)
+  opt_state = jax.eval_shape(TX.init, params)
+  args = params, stats, opt_state, IMAGES, LABELS, jax.random.key(1)
   _check(fs.compute_dtypes(step, *args), matmul=6, convolution=5, rsqrt=2)
 
 
@@ -400,7 +467,9 @@ def test_haiku_resnet_block_with_batchnorm():
   hk.mixed_precision.set_policy(hk.BatchNorm, bn_policy)
   hk.mixed_precision.set_policy(ResNet, policy)
   try:
-    params, state = forward.init(jax.random.key(0), IMAGES, True)
+    # Shapes only: nothing runs (an eager init compiles op by op).
+    init = lambda key: forward.init(key, IMAGES, True)  # noqa: E731
+    params, state = jax.eval_shape(init, jax.random.key(0))
 
     def loss_fn(params, state, x, y):
       logits, state = forward.apply(params, state, None, x, True)
@@ -415,7 +484,7 @@ def test_haiku_resnet_block_with_batchnorm():
       state = fs.select_on_overflow(opt_state, new=new, old=state)
       return optax.apply_updates(params, updates), state, opt_state, loss
 
-    args = params, state, TX.init(params), IMAGES, LABELS
+    args = params, state, jax.eval_shape(TX.init, params), IMAGES, LABELS
     report = fs.compute_dtypes(step, *args)
   finally:  # set_policy is global to the process
     hk.mixed_precision.clear_policy(hk.BatchNorm)
