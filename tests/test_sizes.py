@@ -1,7 +1,7 @@
 """The project's size limits, counted in statements, and a density cap.
 
 A statement is an ``ast.stmt`` node, imports and docstrings aside: what the
-code does, however it is laid out. The limits: the package at most 2,250
+code does, however it is laid out. The limits: the package at most 3,000
 statements, no module over 160, no function over 35 (a function's
 statements are those of its body, nested functions included);
 benchmarks/ at most 1,950 (1,551 when the rule was set, and room for the
@@ -32,6 +32,18 @@ dead branches and duplicated reads found by coverage and ``duplicates``
 (the peers' configuration tables read by one reader, checks whose callers
 already guarantee them, an empty tree's special case the general path
 covers): 2,209.
+
+Five issues on 2026-12-06, the limit restated from 2,250 to 3,000 for the
+capabilities they asked for, each counted when it landed: the state's
+history out of module tables and into the treedef, compared by value
+(``_provenance`` and ``_select``'s tables gone, a ``Built`` record and a
+per-call guard in: -33, 2,176); the measurement's GPU form and its one plan
+(``_segments``, ``_range``, ``_measure.Plan``: +185); ``fs.keras``, Keras's
+``compile`` and ``fit`` (+160, 10 of them the step's own loss for the
+overflow kind); ``fs.locate_overflow``, the host-side locator (+300, after
+a review took 20 away: the package's own ``set_loss_scale`` and argument
+split reused); ``fs.compute_dtypes`` and the NNX layers' compute dtype
+under ``policy=`` (+133): 2,954.
 
 History: the limits were in lines of code (at last 3,700 for the package,
 300 a module, 60 a function body). Lines measure layout, not logic: they
@@ -191,9 +203,9 @@ def f(x):  # trailing
   assert density(long + table, tables={"TABLE"}) == density(long)
 
 
-def test_the_package_holds_at_most_2250_statements():
+def test_the_package_holds_at_most_3000_statements():
   total = sum(statements(ast.parse(p.read_text())) for p in _modules())
-  assert total <= 2250, total
+  assert total <= 3000, total
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
