@@ -297,7 +297,7 @@ def test_stacked_axes_is_checked_with_the_parameter_and_its_range():
     specs = {"layers": P("stage"), "out": P()}
     build({"layers": 0, "out": None}, partition_specs=specs)
   # Negative axes are normalised; fs.stacked_under gives the same layout.
-  # The layout stays in the closure, the transformation's configuration.
+  # Resolved, the two give one layout (tx.init keeps it in the state's treedef).
   a = {"layers": {"W": -3, "b": -2}, "out": None}
   b = fs.stacked_under("layers")
   for stacked_axes in (a, b):
