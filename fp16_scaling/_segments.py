@@ -1,5 +1,5 @@
 """Per-unit reductions of many gradient leaves in a few kernels: the form
-of the one pass that XLA:GPU fuses (docs/design.md, "The one pass on a
+of the one pass that XLA:GPU fuses (docs/backends.md, "The one pass on a
 GPU").
 
 A reduction per leaf is two kernels per leaf on XLA:GPU, about half of a
