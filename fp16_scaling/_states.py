@@ -103,8 +103,8 @@ class LeafPaths:
     return (self.paths, self.sizes, self.stacks, self.plan)
 
   def __eq__(self, other):
-    if self is other:
-      return True  # a chain's states share one node: no compare on a call
+    # A chain's states share one node, which jax's treedef compare (and
+    # so jit's cache) takes as equal without calling this.
     if not isinstance(other, LeafPaths) or self.built != other.built:
       return False
     if not self.paths or not other.paths:
