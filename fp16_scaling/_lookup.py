@@ -231,14 +231,12 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
   )
 
 
-def replace_set_scale(
-  opt_state: Any, old: LossScaleState, new: LossScaleState
-) -> Any:
-  """:func:`replace_loss_scale_state` with ``new``, the loss-scale state
-  ``old`` of ``opt_state`` with its scale set: marked as set
-  (``scale_set``, an array), so that :func:`sync_loss_scales` keeps its
-  scale over those of states whose scale was not set."""
-  new = new._replace(scale_set=jnp.ones_like(old.scale_set))
+def replace_set_scale(opt_state: Any, new: LossScaleState) -> Any:
+  """:func:`replace_loss_scale_state` with ``new``, the loss-scale state of
+  ``opt_state`` with its scale set: marked as set (``scale_set``, an
+  array), so that :func:`sync_loss_scales` keeps its scale over those of
+  states whose scale was not set."""
+  new = new._replace(scale_set=jnp.ones_like(new.scale_set))
   return replace_loss_scale_state(opt_state, new)
 
 
@@ -271,4 +269,4 @@ def set_loss_scale(opt_state: Any, scale: Any) -> Any:
   old = loss_scale_state(opt_state)
   loss_scale = jnp.full_like(old.scaler.loss_scale, scale)
   new = old._replace(scaler=old.scaler._replace(loss_scale=loss_scale))
-  return replace_set_scale(opt_state, old, new)
+  return replace_set_scale(opt_state, new)

@@ -272,7 +272,7 @@ def load_scaler_state_dict(
   fields = _own_fields(old)
   _check_leaf_counts(values, fields)
   new = _put_own(old, fields, values)
-  return _lookup.replace_set_scale(opt_state, old, new)
+  return _lookup.replace_set_scale(opt_state, new)
 
 
 def scaler_from_state_dict(state_dict: Any, **overrides: Any) -> Scaler:
