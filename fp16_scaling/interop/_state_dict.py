@@ -255,9 +255,9 @@ def load_scaler_state_dict(
 
   Returns:
     The new optax state (a peer's sets the scale and its counters only),
-    marked in its treedef as one whose scale was set:
-    :func:`sync_loss_scales` refuses to sync it with a state whose scale
-    was not set too (the sync would undo it).
+    marked as one whose scale was set (``scale_set``, an array):
+    :func:`sync_loss_scales` keeps its scale over those of the states
+    whose scale was not set.
 
   Raises:
     ValueError: an unknown state, a scale that is not a normal float32, a
