@@ -248,10 +248,10 @@ def _cast_plan(policy, cast_args):
 
 def _cast_inputs(policy, nums, cast_args, args, kw):
   """``(args, kw, done)``: the differentiated arguments and those
-  ``cast_args`` names cast to the compute dtype; an NNX module's
-  ``nnx.Param``s only, in a copy whose other state (batch statistics, RNG
-  counts) ``done()``, called after ``fun``, writes back to the module
-  ``fun`` was given."""
+  ``cast_args`` names cast to the compute dtype; an NNX module as a copy
+  computing in it (:func:`_nnx_copy`), whose state other than its
+  ``nnx.Param``s (batch statistics, RNG counts) ``done()``, called after
+  ``fun``, writes back to the module ``fun`` was given."""
   n = len(args)
   for c in cast_args:
     if isinstance(c, int) and not -n <= c < n:

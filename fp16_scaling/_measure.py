@@ -214,7 +214,7 @@ class Measurement(NamedTuple):
 def measure(
   grads: Any,
   scale: jax.Array,
-  plan: Optional[Plan] = None,
+  plan: Plan,
   *,
   in_float16_range: bool = False,
   what: str = "fp16_loss_scale",
@@ -224,8 +224,8 @@ def measure(
   Args:
     grads: the scaled gradients, any pytree of floating arrays.
     scale: the loss scale they were made with.
-    plan: their :class:`Plan` (:func:`plan_of`), or None: no leaf split, none
-      stacked, no clip. Under ``shard_map`` each leaf's sum is
+    plan: their :class:`Plan` (:func:`plan_of`; the step's is the one
+      ``tx.init`` resolved). Under ``shard_map`` each leaf's sum is
       ``psum``-med over the mesh axes its spec splits it over; a leaf with
       a layer axis is measured per layer (docs/stacked.md); with clip
       groups, their norms are reduced too (``Measurement.clip_norms``).
@@ -239,8 +239,6 @@ def measure(
     TypeError: a leaf is not floating (integer or bool gradients).
     ValueError: the plan's specs do not fit ``grads`` under this mesh.
   """
-  if plan is None:
-    plan = plan_of(grads, what=what)
   leaves = tuple(jax.tree.leaves(grads))
   _norm.check_float_leaves(leaves, f"{what} gradients", grads)
   leaf_axes = plan.leaf_axes(grads, what)

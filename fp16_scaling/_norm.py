@@ -220,7 +220,7 @@ def reduce_norms(
     leaf_groups: static group index of each leaf (default: all in group 0).
     num_groups: number of groups.
     leaf_axes: static mesh axes to ``psum`` each leaf's sum over, from
-      ``_sharding.leaf_axes_from_specs`` (default: none).
+      the measurement's plan (``_measure.Plan.leaf_axes``; default: none).
     per_leaf: ``Norms.leaf_sums`` of an earlier reduction of the same
       ``sums`` over the same ``leaf_axes``: the vector is not built again.
     in_float16_range: static; every leaf holds values within float16's

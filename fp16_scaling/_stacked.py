@@ -6,9 +6,8 @@ A :class:`Layout` is ``stacked_axes`` resolved on the params, once, by
 ``tx.init`` (``ScaleConfig.layout``), and held, hashable, in the state's
 treedef with what it names (``LeafPaths``: the layout, the units' paths
 and sizes, and each stacked leaf's first unit); each update measures by
-it. The units are in leaf order, a stacked
-leaf's L layers in layer order; a state built without ``stacked_axes`` has
-one unit per leaf.
+it. The units are in leaf order, a stacked leaf's L layers in layer order;
+a state built without ``stacked_axes`` has one unit per leaf.
 """
 
 import dataclasses

@@ -346,10 +346,11 @@ def _train_step(model, train_step, state, data):
   added = [old + step for old, step in zip(metrics[:n], new_metrics[:n])]
   new_metrics = [*added, *new_metrics[n:]]
   opt_state = optimizer.stateless_opt_state(optimizer_variables)
-  non_trainable = select_on_overflow(
-    opt_state, new=new_non_trainable, old=non_trainable
+  non_trainable, metrics = select_on_overflow(
+    opt_state,
+    new=(new_non_trainable, new_metrics),
+    old=(non_trainable, metrics),
   )
-  metrics = select_on_overflow(opt_state, new=new_metrics, old=metrics)
   mapping = list(zip(model.metrics_variables, metrics))
   with keras.StatelessScope(state_mapping=mapping):
     logs = {**logs, **model.get_metrics_result()}
