@@ -360,7 +360,11 @@ def init_state(config: ScaleConfig, params) -> LossScaleState:
   names = _names(params)
   names, sizes, stacks = _stacked.unit_names(plan.layout, names, sizes)
   paths = LeafPaths(names, sizes, stacks, plan=plan, built=config.built)
-  return _initial_state(config.scaler.init(), paths, config.grad_range)
+  # The range's kind follows the configuration, not the leaves: the
+  # placeholder optax.tree_map_params inits (no leaves, so no layout) must
+  # build the state's structure.
+  stacked = config.stacked_axes is not None
+  return _initial_state(config.scaler.init(), paths, config.grad_range, stacked)
 
 
 def step_state(
@@ -441,10 +445,12 @@ def _differences(theirs: Scaler, mine: Scaler) -> str:
   )
 
 
-def _initial_state(scaler_state, paths, grad_range: bool) -> LossScaleState:
+def _initial_state(
+  scaler_state, paths, grad_range: bool, stacked: bool
+) -> LossScaleState:
   n = len(paths)
   rng = None
-  if grad_range and paths.layers is None:
+  if grad_range and not stacked:
     rng = GradRange(
       max_abs=jnp.zeros([n], jnp.float32),
       zero_fraction=jnp.zeros([n], jnp.float32),

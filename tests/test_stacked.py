@@ -389,3 +389,19 @@ def test_a_state_of_other_stacked_axes_or_specs_is_refused_where_it_enters():
   same = tx(stacked_axes=fs.stacked_under("layers"))
   _, state = same.update(grads, state, params)
   assert len(state[0].leaf_paths.paths) == 2 * L + 1
+
+
+def test_tree_map_params_maps_a_stacked_grad_range_state():
+  """optax.tree_map_params inits the chain on a leafless placeholder and
+  maps the real state onto it: with stacked_axes and grad_range the
+  placeholder's range is a StackedRange too (its kind follows the
+  configuration, not the leaves), so the map keeps the state's structure
+  and marks its per-unit vectors as non-params."""
+  tx = make_tx(0, grad_range=True)
+  state = tx.init(stacked_params(0))
+  assert type(state[0].grad_range) is fs.StackedRange
+  shapes = optax.tree_map_params(
+    tx, lambda p: p.shape, state, transform_non_params=lambda _: None
+  )
+  assert type(shapes[0].grad_range) is fs.StackedRange
+  assert shapes[0].grad_range.unit_norm is None
